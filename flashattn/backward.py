@@ -1,0 +1,266 @@
+"""The FlashAttention backward kernels and their launcher.
+
+Chapter 05 derives, for one (batch, head), with ``S = scale * Q K^T``, ``P = softmax(S)``,
+``O = P V`` and the upstream gradient ``dO``:
+
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - Delta)        Delta_i = sum_d dO_id O_id
+    dQ = scale * dS K                     dK = scale * dS^T Q
+
+Nothing of size N_q x N_kv is stored: each kernel rebuilds the tiles of P it needs from Q, K and the
+log-sum-exp saved by the forward pass, ``P = 2**(S * log2(e) - LSE2)``. Three kernels run in turn:
+
+1. ``_attn_bwd_preprocess``: Delta, one number per query row.
+2. ``_attn_bwd_dkdv``: one program per key block keeps K and V on chip and loops over the query
+   blocks that see them, accumulating dK and dV (both need the same column of P).
+3. ``_attn_bwd_dq``: one program per query block keeps Q on chip and loops over the key blocks,
+   accumulating dQ, like the forward pass.
+
+Each output tile is written by exactly one program, in a fixed order, so the result is bit-identical
+from run to run (no atomics).
+
+Where did the ln 2 of base 2 go? The kernels rebuild ``P = 2**(s * scale * log2(e) - LSE2)`` from the
+raw score ``s = q.k``, so the chain rule gives ``dL/ds = ln(2) * scale * log2(e) * P * (dP - Delta)``:
+the ln 2 from the derivative of ``2**x`` cancels the log2(e) folded into the exponent. The loops
+compute ``dS = P * (dP - Delta)`` with no constant at all, and dQ and dK are multiplied by
+``scale`` once, at the end.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import tuning
+from .forward import LOG2E
+from .tiles import load_tile, store_tile
+
+
+@triton.jit
+def _attn_bwd_preprocess(O, dO, Delta,
+                         stride_ob, stride_oh, stride_on, stride_od,
+                         stride_dob, stride_doh, stride_don, stride_dod,
+                         n_heads, n_q,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Delta_i = sum_d dO_id * O_id for BLOCK_Q query rows, in fp32."""
+    q_block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    O += batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    dO += batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    Delta += (batch.to(tl.int64) * n_heads + head) * n_q
+    offs_q = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = load_tile(O, offs_q, offs_d, stride_on, stride_od, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + offs_q, delta, mask=offs_q < n_q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v,
+                Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
+                offs_kv, offs_d, q_lo, q_hi, n_q, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate into dK and dV the query blocks ``[q_lo, q_hi)``.
+
+    Everything here is transposed (keys along rows, queries along columns) because the key block
+    is the one that stays: ``sT = K Q^T`` is S^T, and so on."""
+    for q_start in range(q_lo, q_hi, BLOCK_Q):
+        q_start = tl.multiple_of(q_start, BLOCK_Q)
+        offs_q = q_start + tl.arange(0, BLOCK_Q)
+        q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        if MASKED:
+            lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
+            delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
+        else:
+            lse = tl.load(LSE + offs_q)
+            delta = tl.load(Delta + offs_q)
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)   # S^T / scale
+        pT = tl.exp2(sT * qk_scale - lse[None, :])                   # P^T, rebuilt from the LSE
+        if MASKED:
+            visible = offs_q[None, :] < n_q
+            if IS_CAUSAL:
+                visible = visible & (offs_q[None, :] >= offs_kv[:, None])
+            pT = tl.where(visible, pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)      # dV += P^T dO
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
+        dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)      # dK += dS^T Q
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
+                   stride_qb, stride_qh, stride_qn, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_dob, stride_doh, stride_don, stride_dod,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                   stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                   n_heads, n_q, n_kv, scale, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    kv_block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    K += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+    dO += batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    dK += batch.to(tl.int64) * stride_dkb + head.to(tl.int64) * stride_dkh
+    dV += batch.to(tl.int64) * stride_dvb + head.to(tl.int64) * stride_dvh
+    LSE += (batch.to(tl.int64) * n_heads + head) * n_q
+    Delta += (batch.to(tl.int64) * n_heads + head) * n_q
+
+    kv_start = kv_block * BLOCK_KV
+    offs_kv = kv_start + tl.arange(0, BLOCK_KV)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    dk = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
+
+    # Which queries see this key block (flashattn.traversal.q_ranges is the same in Python):
+    # [q_lo, q_full_lo) cross the diagonal, [q_full_lo, q_full_hi) are whole unmasked blocks and
+    # [q_full_hi, n_q) is the ragged end. Queries before q_lo see none of these keys.
+    if IS_CAUSAL:
+        q_lo = kv_start
+        q_full_lo = kv_start + BLOCK_KV  # BLOCK_Q divides BLOCK_KV (checked by the launcher)
+    else:
+        q_lo = 0
+        q_full_lo = 0
+    q_full_hi = q_full_lo + tl.maximum(n_q - q_full_lo, 0) // BLOCK_Q * BLOCK_Q
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
+                         offs_kv, offs_d, q_lo, tl.minimum(q_full_lo, n_q), n_q, qk_scale,
+                         HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
+                         offs_kv, offs_d, q_full_lo, q_full_hi, n_q, qk_scale,
+                         HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
+                         offs_kv, offs_d, q_full_hi, n_q, n_q, qk_scale,
+                         HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION)
+
+    dk *= scale  # S = scale * Q K^T, so dK carries the scale once
+    store_tile(dK, dk, offs_kv, offs_d, stride_dkn, stride_dkd, n_kv, HEAD_DIM, HEAD_DIM < BLOCK_D)
+    store_tile(dV, dv, offs_kv, offs_d, stride_dvn, stride_dvd, n_kv, HEAD_DIM, HEAD_DIM < BLOCK_D)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta,
+              K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+              offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
+              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate into dQ the key blocks ``[kv_lo, kv_hi)``."""
+    for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
+        kv_start = tl.multiple_of(kv_start, BLOCK_KV)
+        offs_kv = kv_start + tl.arange(0, BLOCK_KV)
+        k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # S / scale
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            visible = offs_kv[None, :] < n_kv
+            if IS_CAUSAL:
+                visible = visible & (offs_q[:, None] >= offs_kv[None, :])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
+        ds = p * (dp - delta[:, None])                                 # dS (unscaled)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
+                 stride_qb, stride_qh, stride_qn, stride_qd,
+                 stride_kb, stride_kh, stride_kn, stride_kd,
+                 stride_vb, stride_vh, stride_vn, stride_vd,
+                 stride_dob, stride_doh, stride_don, stride_dod,
+                 stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+                 n_heads, n_q, n_kv, scale, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                 IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    q_block = tl.program_id(0)
+    if IS_CAUSAL:  # the last query blocks visit the most keys: start them first
+        q_block = tl.num_programs(0) - 1 - q_block
+    head, batch = tl.program_id(1), tl.program_id(2)
+    Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    K += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+    dO += batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    dQ += batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+    LSE += (batch.to(tl.int64) * n_heads + head) * n_q
+    Delta += (batch.to(tl.int64) * n_heads + head) * n_q
+
+    q_start = q_block * BLOCK_Q
+    offs_q = q_start + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
+    delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+
+    # The same two stages as the forward kernel (flashattn.traversal.kv_ranges).
+    if IS_CAUSAL:
+        kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)
+        kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
+    else:
+        kv_end = n_kv
+        kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                   offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
+                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                   offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
+
+    dq *= scale
+    store_tile(dQ, dq, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
+
+
+def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None):
+    """Launch the three backward kernels on (B, H, N, D) tensors of any strides.
+
+    ``lse2`` is the forward's base-2 log-sum-exp. ``dlse``, if given, is the gradient reaching the
+    natural-log LSE output: since d lse_i / d S_ij = P_ij, it only shifts Delta (Delta - dlse).
+    ``configs`` may fix the tiles per kernel: ``{"bwd_dkdv": {...}, "bwd_dq": {...}, ...}``.
+    Returns ``(dq, dk, dv)`` in the dtypes of q, k and v.
+    """
+    configs = configs or {}
+    batch, heads, n_q, head_dim = q.shape
+    n_kv = k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if n_q == 0 or n_kv == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
+    masking = dict(common, IS_CAUSAL=bool(is_causal), DOT_PRECISION=tuning.dot_precision(q.dtype))
+    seq_len = max(n_q, n_kv)
+
+    delta = torch.empty_like(lse2)
+    tuning.launch(
+        "bwd_preprocess", _attn_bwd_preprocess,
+        lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
+        (o, do, delta, *o.stride(), *do.stride(), heads, n_q),
+        common, seq_len, configs.get("bwd_preprocess"))
+    if dlse is not None:
+        delta -= dlse
+
+    tuning.launch(
+        "bwd_dkdv", _attn_bwd_dkdv,
+        lambda meta: (triton.cdiv(n_kv, meta["BLOCK_KV"]), heads, batch),
+        (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+         *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
+        masking, seq_len, _checked_dkdv(configs.get("bwd_dkdv")))
+    tuning.launch(
+        "bwd_dq", _attn_bwd_dq,
+        lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
+        (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+         *dq.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
+        masking, seq_len, configs.get("bwd_dq"))
+    return dq, dk, dv
+
+
+def _checked_dkdv(config):
+    if config is not None and config["BLOCK_KV"] % config["BLOCK_Q"]:
+        raise ValueError(f"bwd_dkdv config {config}: BLOCK_Q must divide BLOCK_KV, because the "
+                         "query loop starts at the diagonal of each key block")
+    return config

@@ -1,0 +1,145 @@
+"""The FlashAttention forward kernel and its launcher.
+
+One program computes ``BLOCK_Q`` rows of the output for one (batch, head). It keeps its tile of Q
+on chip, streams the tiles of K and V past it, and folds each one into a running softmax (the
+online softmax of chapter 01, in base 2 as in chapter 02). Nothing of size N_q x N_kv ever
+reaches memory: per query row it writes the output row and one number, the log-sum-exp, which the
+backward pass uses to rebuild the probabilities.
+
+The keys a query block visits split in two stages (chapter 03):
+
+1. ``[0, kv_full_end)``: whole tiles that every query of the block sees; no mask at all.
+2. ``[kv_full_end, kv_end)``: tiles on the causal diagonal or past the end of the sequence; an
+   element-wise mask hides the pairs that do not exist. Keys from ``kv_end`` on are never loaded.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import tuning
+from .tiles import load_tile, store_tile
+
+LOG2E = 1.4426950408889634  # log2(e) = 1 / ln(2): e**x == 2**(x * LOG2E)
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q,
+               K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+               offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold the key/value tiles ``[kv_lo, kv_hi)`` into the running state ``(acc, m_i, l_i)``.
+
+    ``m_i`` is the running row maximum and ``l_i`` the running row sum, both in base 2 and already
+    multiplied by the softmax scale; ``acc`` is the unnormalised output.
+    """
+    for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
+        kv_start = tl.multiple_of(kv_start, BLOCK_KV)  # lets the compiler prove aligned addresses
+        offs_kv = kv_start + tl.arange(0, BLOCK_KV)
+        k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM,
+                      MASKED, HEAD_DIM < BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw scores q.k, fp32
+        if MASKED:
+            visible = offs_kv[None, :] < n_kv                       # keys past the end do not exist
+            if IS_CAUSAL:
+                visible = visible & (offs_q[:, None] >= offs_kv[None, :])
+            # -inf is safe: key 0 comes first and every row sees it, so m_i is finite by the time
+            # a row meets a tile where all its keys are hidden (then 2**(-inf - m_i) = 0).
+            s = tl.where(visible, s, float("-inf"))
+        # The scale (times log2 e) is applied to the row max and folded into one fused
+        # multiply-add inside exp2, so the loop spends no extra instruction on scaling S.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)                                # rescales what came before
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
+                      MASKED, HEAD_DIM < BLOCK_D)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE,
+              stride_qb, stride_qh, stride_qn, stride_qd,
+              stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd,
+              stride_ob, stride_oh, stride_on, stride_od,
+              n_heads, n_q, n_kv, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Grid: axis 0 = query blocks, axis 1 = heads, axis 2 = batch. Programs are started in axis-0
+    # order, so the blocks running side by side belong to one head and share its K and V in L2.
+    q_block = tl.program_id(0)
+    if IS_CAUSAL:  # the last query blocks visit the most keys: start them first
+        q_block = tl.num_programs(0) - 1 - q_block
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    # 64-bit offsets: batch * stride can pass 2**31 elements for large inputs.
+    Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    K += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+    O += batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    LSE += (batch.to(tl.int64) * n_heads + head) * n_q
+
+    q_start = q_block * BLOCK_Q
+    offs_q = q_start + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+
+    if IS_CAUSAL:
+        kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)  # query i sees keys 0..i
+        kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
+    else:
+        kv_end = n_kv
+        kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
+    # Stage 1: whole tiles every query of the block sees.
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
+    # Stage 2: the diagonal and the ragged end, with the element-wise mask.
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
+
+    # Divide by the softmax denominator once, at the end (chapter 01), and keep
+    # LSE = M + log2(L): one number per row from which the backward rebuilds P = 2**(S' - LSE).
+    acc = acc / l_i[:, None]
+    lse = m_i + tl.log2(l_i)
+    tl.store(LSE + offs_q, lse, mask=offs_q < n_q)
+    store_tile(O, acc, offs_q, offs_d, stride_on, stride_od, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
+
+
+def attention_forward(q, k, v, is_causal, scale, config=None):
+    """Launch the forward kernel on (B, H, N, D) tensors of any strides.
+
+    Returns ``(o, lse2)``: the output, shaped and typed like ``q``, and the base-2 log-sum-exp of
+    the scaled scores, float32 of shape (B, H, N_q). ``config`` fixes the tile sizes (a dict such as
+    ``{"BLOCK_Q": 64, "BLOCK_KV": 32}``); by default they are tuned on a GPU and fixed on the CPU.
+    """
+    batch, heads, n_q, head_dim = q.shape
+    n_kv = k.shape[2]
+    o = torch.empty_like(q)
+    lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
+    if n_q == 0:
+        return o, lse2
+    if n_kv == 0:  # softmax over no keys: an empty sum, like scaled_dot_product_attention
+        return o.zero_(), lse2.fill_(float("-inf"))
+
+    def grid(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch)
+
+    tuning.launch(
+        "fwd", _attn_fwd, grid,
+        (q, k, v, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+         heads, n_q, n_kv, scale * LOG2E),
+        dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim), IS_CAUSAL=bool(is_causal),
+             DOT_PRECISION=tuning.dot_precision(q.dtype)),
+        seq_len=max(n_q, n_kv), config=config)
+    return o, lse2

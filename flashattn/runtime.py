@@ -1,0 +1,38 @@
+"""Where the kernels run: compiled on a CUDA GPU, or through Triton's interpreter on the CPU.
+
+Triton decides between compiling and interpreting when a ``@triton.jit`` function is *defined*, by
+reading the environment variable ``TRITON_INTERPRET``. So this module must run before any kernel
+module is imported; ``flashattn/__init__.py`` imports it first.
+
+The rule is simple: if PyTorch sees a CUDA GPU, the kernels are compiled for it and take CUDA
+tensors. Otherwise (or if the user already set ``TRITON_INTERPRET=1``) the very same kernels run in
+the interpreter, which executes each program with NumPy on CPU tensors.
+"""
+import os
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    INTERPRET = True
+    REASON = "TRITON_INTERPRET=1 was set"
+elif torch.cuda.is_available():
+    INTERPRET = False
+    REASON = f"CUDA GPU found: {torch.cuda.get_device_name()}"
+else:
+    INTERPRET = True
+    REASON = "no CUDA GPU found"
+    os.environ["TRITON_INTERPRET"] = "1"
+
+#: "gpu" when the kernels are compiled, "interpreter" when they run on the CPU.
+RUNTIME = "interpreter" if INTERPRET else "gpu"
+#: The device the inputs of :func:`flashattn.attention` must live on.
+DEVICE = torch.device("cpu") if INTERPRET else torch.device("cuda")
+
+
+def describe() -> str:
+    """One line saying where the kernels run and why, for the first cell of every notebook."""
+    import triton
+
+    where = "Triton interpreter on the CPU" if INTERPRET else "compiled Triton kernels on the GPU"
+    return (f"flashattn runs {where} ({REASON}); "
+            f"torch {torch.__version__}, triton {triton.__version__}")

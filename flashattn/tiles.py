@@ -1,0 +1,42 @@
+"""Loading and storing one tile of a (sequence, head_dim) matrix, shared by all kernels.
+
+A kernel sees one head of one batch element as a matrix whose rows are sequence positions and whose
+columns are the head dimension. ``rows`` and ``cols`` are the row and column indices of the tile;
+``stride_row``/``stride_col`` say how far apart consecutive rows and columns are in memory, so
+any layout works (a (B, N, H, D) tensor viewed as (B, H, N, D) simply has ``stride_row = H*D``).
+
+Masks cost instructions and a mask that varies along the head dimension stops the compiler from
+loading 16 bytes at a time, so each tile checks only what can actually be out of range: rows near a
+ragged sequence end (``CHECK_ROWS``) and padded columns when the head dim is not a power of two
+(``CHECK_COLS``). Both flags are compile-time constants: the checks vanish where they are off.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_tile(base, rows, cols, stride_row, stride_col, n_rows, n_cols,
+              CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Tile ``base[rows, cols]``; elements with ``rows >= n_rows`` or ``cols >= n_cols`` read as 0."""
+    ptrs = base + rows[:, None] * stride_row + cols[None, :] * stride_col
+    if CHECK_ROWS and CHECK_COLS:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    elif CHECK_ROWS:
+        tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    elif CHECK_COLS:
+        tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def store_tile(base, tile, rows, cols, stride_row, stride_col, n_rows, n_cols,
+               CHECK_COLS: tl.constexpr):
+    """Write ``tile`` to ``base[rows, cols]`` in the pointee's dtype, skipping rows past ``n_rows``
+    (always checked: a store is done once per program, so the mask costs nothing that matters)."""
+    ptrs = base + rows[:, None] * stride_row + cols[None, :] * stride_col
+    mask = rows[:, None] < n_rows
+    if CHECK_COLS:
+        mask = mask & (cols[None, :] < n_cols)
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)

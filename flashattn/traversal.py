@@ -1,0 +1,69 @@
+"""Which (query block, key block) tiles a kernel visits, and which of them need a mask.
+
+The kernels compute these ranges themselves, on the device; these plain-Python twins use the very
+same formulas so that the reference code, the pictures and the tests can talk about the traversal
+without running a kernel. The tests check that the twins and the kernels agree.
+
+Causal masking is top-left aligned, like ``scaled_dot_product_attention``: query ``i`` sees keys
+``0..i``. A tile is
+
+* **full**    when every query in it sees every key in it: no mask, the fast path;
+* **masked**  when some pairs are hidden (the causal diagonal) or fall past the end of the
+  sequence (a ragged last block): the kernel applies an element-wise mask;
+* **skipped** when no query in it sees any key in it: the kernel never loads it.
+"""
+import numpy as np
+
+SKIPPED, MASKED, FULL = 0, 1, 2
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of size ``b`` cover ``a`` elements."""
+    return -(-a // b)
+
+
+def kv_ranges(q_start: int, block_q: int, block_kv: int, n_kv: int, is_causal: bool):
+    """Keys visited by the query block starting at ``q_start`` (forward and dQ kernels).
+
+    Returns ``(full_end, end)``: keys ``[0, full_end)`` come in whole blocks that need no mask;
+    keys ``[full_end, end)`` need the mask; keys from ``end`` on are skipped.
+    """
+    if is_causal:
+        end = min(q_start + block_q, n_kv)              # the last query of the block sees key q_start+block_q-1
+        full_end = min(q_start, n_kv) // block_kv * block_kv  # every query of the block sees keys < q_start
+    else:
+        end = n_kv
+        full_end = n_kv // block_kv * block_kv         # only a ragged last block needs a mask
+    return full_end, end
+
+
+def q_ranges(kv_start: int, block_kv: int, block_q: int, n_q: int, is_causal: bool):
+    """Queries visited by the key block starting at ``kv_start`` (dK/dV kernel).
+
+    Returns ``(start, full_start, full_end, end)``: queries ``[start, full_start)`` cross the causal
+    diagonal (masked), ``[full_start, full_end)`` are whole blocks with no mask, ``[full_end, end)``
+    is a ragged last block (masked). Queries before ``start`` see none of these keys.
+    """
+    if is_causal:
+        start = kv_start
+        full_start = kv_start + cdiv(block_kv, block_q) * block_q
+    else:
+        start = full_start = 0
+    full_end = full_start + max(n_q - full_start, 0) // block_q * block_q
+    return start, min(full_start, n_q), full_end, n_q
+
+
+def classify_blocks(n_q: int, n_kv: int, block_q: int, block_kv: int, is_causal: bool) -> np.ndarray:
+    """The forward kernel's map of tiles: an int array of shape (query blocks, key blocks) holding
+    ``FULL``, ``MASKED`` or ``SKIPPED`` (see the module docstring)."""
+    kinds = np.full((cdiv(n_q, block_q), cdiv(n_kv, block_kv)), SKIPPED, dtype=np.int8)
+    for qb in range(kinds.shape[0]):
+        full_end, end = kv_ranges(qb * block_q, block_q, block_kv, n_kv, is_causal)
+        kinds[qb, : full_end // block_kv] = FULL
+        kinds[qb, full_end // block_kv: cdiv(end, block_kv)] = MASKED
+    return kinds
+
+
+def work_fraction(kinds: np.ndarray) -> float:
+    """Fraction of all tiles that the kernel computes (full or masked)."""
+    return float((kinds != SKIPPED).mean()) if kinds.size else 0.0

@@ -1,0 +1,111 @@
+"""Tile sizes, warps and pipeline stages: fixed on the CPU, measured on the GPU.
+
+On a GPU each kernel is wrapped in ``triton.autotune``: the first call with a new key times every
+candidate configuration that survives pruning and keeps the fastest. The key is the head dim, the
+masking mode, the dot precision and the dtype, plus a *bucket* of the sequence length (the next
+power of two, between 128 and 16384). So a new length re-uses the choice made for its bucket
+instead of re-tuning (and the kernels take lengths as run-time arguments, so a new length does not
+compile anything either).
+
+On the interpreter nothing is timed (``num_warps`` and ``num_stages`` mean nothing there and every
+tile costs Python time), so each kernel gets one fixed configuration.
+"""
+import torch
+import triton
+
+from .runtime import INTERPRET
+
+#: The configuration each kernel uses on the interpreter: small tiles, so that short test
+#: sequences already have several blocks, a diagonal and a ragged end.
+INTERPRETER_CONFIGS = {
+    "fwd": dict(BLOCK_Q=32, BLOCK_KV=16),
+    "bwd_preprocess": dict(BLOCK_Q=64),
+    "bwd_dkdv": dict(BLOCK_KV=32, BLOCK_Q=16),
+    "bwd_dq": dict(BLOCK_Q=32, BLOCK_KV=16),
+}
+
+
+def _configs(blocks, warps=(4, 8), stages=(2, 3, 4)):
+    return [triton.Config(dict(zip(("BLOCK_Q", "BLOCK_KV"), b)), num_warps=w, num_stages=s)
+            for b in blocks for w in warps for s in stages]
+
+
+#: Candidates on a GPU, as (BLOCK_Q, BLOCK_KV) pairs. In the forward and dQ kernels a query tile
+#: stays resident and key tiles stream past; in dK/dV it is the other way round.
+GPU_CONFIGS = {
+    "fwd": _configs([(128, 128), (128, 64), (128, 32), (64, 64), (64, 32)]),
+    "bwd_preprocess": [triton.Config({"BLOCK_Q": b}, num_warps=4, num_stages=1) for b in (64, 128)],
+    "bwd_dkdv": _configs([(32, 128), (64, 128), (16, 128), (32, 64), (64, 64)]),
+    "bwd_dq": _configs([(128, 32), (128, 64), (128, 16), (64, 32), (64, 64)]),
+}
+
+
+def _prune(name):
+    """Drop candidates that cannot be good for this head dim and dtype, before compiling them."""
+    def prune(configs, named_args, **kwargs):
+        block_d = named_args["BLOCK_D"]
+        elem = named_args["Q"].element_size()
+        kept = []
+        for c in configs:
+            bq, bkv = c.kwargs.get("BLOCK_Q", 0), c.kwargs.get("BLOCK_KV", 0)
+            resident, streamed = (bkv, bq) if name == "bwd_dkdv" else (bq, bkv)
+            # The fp32 accumulators live in registers: about 128 x 128 of them per 4 warps.
+            if resident * block_d > 128 * 128 * c.num_warps // 4:
+                continue
+            # Each pipeline stage buffers two streamed tiles in shared memory (228 KB per SM).
+            if c.num_stages * 2 * streamed * block_d * elem + 2 * resident * block_d * elem > 220 * 1024:
+                continue
+            # dK/dV steps through the queries from the diagonal: BLOCK_Q must divide BLOCK_KV.
+            if name == "bwd_dkdv" and bkv % bq:
+                continue
+            kept.append(c)
+        return kept or configs[:1]
+    return prune
+
+
+_tuners = {}
+
+
+def seq_bucket(seq_len: int) -> int:
+    """The autotuning bucket of a sequence length: the next power of two, in [128, 16384]."""
+    return min(max(triton.next_power_of_2(seq_len), 128), 16384)
+
+
+def _tuner(name, kernel, bucket):
+    key = (name, bucket)
+    if key not in _tuners:
+        _tuners[key] = triton.autotune(
+            configs=GPU_CONFIGS[name],
+            key=["HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"],  # dtypes are added by Triton itself
+            prune_configs_by=None if name == "bwd_preprocess" else {"early_config_prune": _prune(name)},
+        )(kernel)
+    return _tuners[key]
+
+
+def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
+    """Run ``kernel`` with a fixed ``config`` if given (or on the interpreter), else autotuned.
+    Returns the configuration that ran, as a dict."""
+    if config is None and INTERPRET:
+        config = INTERPRETER_CONFIGS[name]
+    if config is not None:
+        kernel[grid](*args, **constexprs, **config)
+        return dict(config)
+    tuner = _tuner(name, kernel, seq_bucket(seq_len))
+    tuner[grid](*args, **constexprs)
+    best = tuner.best_config
+    return dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
+
+
+def block_d(head_dim: int) -> int:
+    """Head dims are padded to a power of two of at least 16, the smallest tile tl.dot accepts."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """How tl.dot multiplies float32 tiles: as PyTorch's matmul would, per
+    ``torch.get_float32_matmul_precision()``: 'highest' gives IEEE fp32, 'high' and 'medium'
+    allow TF32 tensor cores (10-bit mantissa products, fp32 accumulation). 16-bit inputs always
+    use their tensor-core path and ignore this."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee"

@@ -74,12 +74,12 @@ def _dkdv_inner(dk, dv, k, v,
             lse = tl.load(LSE + offs_q)
             delta = tl.load(Delta + offs_q)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)   # S^T / scale
-        pT = tl.exp2(sT * qk_scale - lse[None, :])                   # P^T, rebuilt from the LSE
-        if MASKED:
+        if MASKED:  # hidden pairs get a score of -inf, hence a probability of exactly 0
             visible = offs_q[None, :] < n_q
             if IS_CAUSAL:
                 visible = visible & (offs_q[None, :] >= offs_kv[:, None])
-            pT = tl.where(visible, pT, 0.0)
+            sT = tl.where(visible, sT, float("-inf"))
+        pT = tl.exp2(sT * qk_scale - lse[None, :])                   # P^T, rebuilt from the LSE
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)      # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
@@ -155,12 +155,12 @@ def _dq_inner(dq, q, do, lse, delta,
         k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
         v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # S / scale
-        p = tl.exp2(s * qk_scale - lse[:, None])
         if MASKED:
             visible = offs_kv[None, :] < n_kv
             if IS_CAUSAL:
                 visible = visible & (offs_q[:, None] >= offs_kv[None, :])
-            p = tl.where(visible, p, 0.0)
+            s = tl.where(visible, s, float("-inf"))
+        p = tl.exp2(s * qk_scale - lse[:, None])                      # P, rebuilt from the LSE
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
         ds = p * (dp - delta[:, None])                                 # dS (unscaled)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K

@@ -2,7 +2,8 @@
 
 The kernels compute these ranges themselves, on the device; these plain-Python twins use the very
 same formulas so that the reference code, the pictures and the tests can talk about the traversal
-without running a kernel. The tests check that the twins and the kernels agree.
+without running a kernel. The tests check the twins against brute force, and the
+references built on them against the kernels.
 
 Causal masking is top-left aligned, like ``scaled_dot_product_attention``: query ``i`` sees keys
 ``0..i``. A tile is
@@ -50,7 +51,7 @@ def q_ranges(kv_start: int, block_kv: int, block_q: int, n_q: int, is_causal: bo
     else:
         start = full_start = 0
     full_end = full_start + max(n_q - full_start, 0) // block_q * block_q
-    return start, min(full_start, n_q), full_end, n_q
+    return min(start, n_q), min(full_start, n_q), min(full_end, n_q), n_q
 
 
 def classify_blocks(n_q: int, n_kv: int, block_q: int, block_kv: int, is_causal: bool) -> np.ndarray:

@@ -1,0 +1,97 @@
+"""How the course decides that a kernel is right: the tolerance rule shared by tests and notebooks.
+
+A kernel in float16 cannot match a float64 reference exactly, and a fixed ``atol`` is either too
+loose for small values or too tight for large ones. The rule used by the most trusted attention
+libraries is relative to what PyTorch itself achieves:
+
+    error(ours vs float64)  <=  factor * error(plain PyTorch in the same dtype vs float64) + floor
+
+with ``factor = 2`` for the output and the LSE and ``3`` for the gradients, and a small ``floor``
+(a few units of the dtype's rounding at the size of the values) so that a case where PyTorch is
+exact by luck does not demand the impossible. Errors are the largest absolute difference.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from .api import attention
+from .reference import naive_attention
+
+FACTORS = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
+#: Unit roundoff of each dtype, and of the precision float32 dots really get with TF32.
+EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
+FLOOR_UNITS = 8  # the floor, in units of EPS times the largest reference magnitude
+
+
+def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference, computed in float64; NaN anywhere gives NaN."""
+    if x.numel() == 0:
+        return 0.0
+    return (x.double() - ref.double()).abs().max().item()
+
+
+def floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """The rule's floor: FLOOR_UNITS roundings of the dtype at the magnitude of ``ref``."""
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    return FLOOR_UNITS * EPS[dtype] * max(scale, 1.0)
+
+
+@dataclass
+class Check:
+    """One quantity compared under the rule."""
+    name: str
+    error: float        # ours against float64
+    baseline: float     # plain PyTorch in the same dtype against float64
+    bound: float        # factor * baseline + floor
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound  # False for NaN
+
+    def __str__(self):
+        verdict = "ok " if self.ok else "FAIL"
+        return (f"{verdict} {self.name:>3}: error {self.error:.2e} <= {FACTORS[self.name]:.0f} x "
+                f"PyTorch's {self.baseline:.2e} + floor = {self.bound:.2e}")
+
+
+def _grads(out, lse, inputs, do, dlse):
+    loss = (out.double() * do).sum() + (lse.double() * dlse).sum()
+    return torch.autograd.grad(loss, inputs)
+
+
+def compare_with_reference(q, k, v, is_causal=False, scale=None, backward=True, seed=0,
+                           impl=attention):
+    """Run ``impl`` (flashattn.attention by default) and plain PyTorch on ``q, k, v`` (in their
+    dtype), and a float64 reference.
+
+    ``impl`` is called as ``impl(q, k, v, is_causal=..., scale=..., return_lse=True)``. Returns a
+    list of :class:`Check` for out, lse and (with ``backward``) dq, dk, dv. The upstream gradients
+    (for the output and for the LSE) are random, drawn from ``seed``.
+    """
+    dtype = q.dtype
+    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+    ref64 = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
+    base = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
+
+    out, lse = impl(*leaves, is_causal=is_causal, scale=scale, return_lse=True)
+    out_ref, lse_ref = naive_attention(*ref64, is_causal=is_causal, scale=scale)
+    out_pt, lse_pt = naive_attention(*base, is_causal=is_causal, scale=scale)
+
+    results = {"out": (out, out_ref, out_pt), "lse": (lse, lse_ref, lse_pt)}
+    if backward:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        # Rounded to the dtype first, so that all three see exactly the same upstream gradients.
+        do = torch.randn(out.shape, generator=g).to(dtype).double().to(q.device)
+        dlse = torch.randn(lse.shape, generator=g).double().to(q.device)
+        ours = _grads(out, lse, leaves, do, dlse)
+        ref = _grads(out_ref, lse_ref, ref64, do, dlse)
+        pt = _grads(out_pt, lse_pt, base, do, dlse)
+        for i, name in enumerate(("dq", "dk", "dv")):
+            results[name] = (ours[i], ref[i], pt[i])
+
+    checks = []
+    for name, (x, ref, pt) in results.items():
+        baseline = max_error(pt, ref)
+        bound = FACTORS[name] * baseline + floor(ref, dtype)
+        checks.append(Check(name, max_error(x, ref), baseline, bound))
+    return checks

@@ -1,0 +1,185 @@
+"""flashattn.attention against a float64 reference: forward, LSE and all three gradients.
+
+The rule (flashattn.testing): the error against float64 may be at most 2x (output, LSE) or 3x
+(gradients) the error that plain PyTorch attention makes in the same dtype against the same
+float64 reference, plus a floor of a few roundings of the dtype. Upstream gradients reach both
+the output and the LSE, so the LSE's backward is tested too.
+
+On a CPU the kernels run in Triton's interpreter; there bfloat16 is computed in float32 (the
+interpreter cannot multiply bf16 tiles) and the rule still holds. scripts/gpu_check.py runs the
+same grid compiled on a GPU, plus bf16 on the tensor cores, long sequences and 64-bit offsets.
+"""
+import pytest
+import torch
+
+import flashattn
+from flashattn.testing import compare_with_reference
+
+DEVICE = flashattn.DEVICE
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Lengths that are not multiples of any tile (1, 17, 69, 113), one that is (128), one longer than
+# several tiles (200), and query/key lengths that differ both ways.
+LENGTHS = [(1, 1), (17, 17), (69, 69), (113, 113), (128, 128), (200, 200), (17, 113), (113, 17)]
+
+
+def make_qkv(n_q, n_kv, head_dim, dtype, batch=1, heads=2, magnitude=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = lambda n: (batch, heads, n, head_dim)  # noqa: E731
+    q = torch.randn(shape(n_q), generator=g) * magnitude
+    k = torch.randn(shape(n_kv), generator=g) * magnitude
+    v = torch.randn(shape(n_kv), generator=g)
+    return [t.to(dtype=dtype, device=DEVICE) for t in (q, k, v)]
+
+
+def assert_rule(checks):
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("n_q,n_kv", LENGTHS)
+def test_lengths(n_q, n_kv, dtype, is_causal):
+    assert_rule(compare_with_reference(*make_qkv(n_q, n_kv, 64, dtype), is_causal=is_causal))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [16, 40, 128])
+def test_head_dims(head_dim, dtype, is_causal):
+    assert_rule(compare_with_reference(*make_qkv(69, 69, head_dim, dtype), is_causal=is_causal))
+
+
+@pytest.mark.parametrize("head_dim", [1, 3, 24, 96, 200, 256])
+def test_unusual_head_dims(head_dim):
+    assert_rule(compare_with_reference(*make_qkv(33, 40, head_dim, torch.float32), is_causal=True))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bfloat16_and_friends_on_ragged_unequal_lengths(dtype, is_causal):
+    assert_rule(compare_with_reference(*make_qkv(113, 69, 64, dtype), is_causal=is_causal))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_magnitude_stays_finite(dtype, is_causal):
+    """q and k scaled by 6: scores of +-100s, where a naive exp would overflow."""
+    q, k, v = make_qkv(113, 113, 64, dtype, magnitude=6.0)
+    out, lse = flashattn.attention(q, k, v, is_causal=is_causal, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_rule(compare_with_reference(q, k, v, is_causal=is_causal))
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 3.0])
+def test_explicit_scale(scale):
+    assert_rule(compare_with_reference(*make_qkv(69, 50, 32, torch.float32), is_causal=True,
+                                       scale=scale))
+
+
+def test_transposed_layout_needs_no_copy():
+    """A (B, N, H, D) tensor viewed as (B, H, N, D), the usual layout after a projection."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 69, 3, 40, generator=g).to(DEVICE).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    assert_rule(compare_with_reference(q, k, v, is_causal=True))
+
+
+def test_sliced_inputs_and_non_contiguous_upstream_gradient():
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(1, 2, 150, 96, generator=g).to(DEVICE)
+    q, k, v = base[..., 3:120, :64], base[..., 10:80, 16:80], base[..., 50:120, 32:96]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    assert_rule(compare_with_reference(q, k, v, is_causal=False))
+    # An upstream gradient that is itself a transposed view.
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = flashattn.attention(q, k, v)
+    do = torch.randn(out.shape[::-1], generator=g).to(DEVICE).permute(3, 2, 1, 0)
+    assert not do.is_contiguous()
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_grads = torch.autograd.grad(flashattn.reference.naive_attention(*ref)[0], ref, do.double())
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape_q,shape_kv", [
+    ((37, 32), (45, 32)),                   # 2-D: a single head
+    ((3, 37, 32), (3, 45, 32)),             # 3-D: heads only
+    ((2, 2, 2, 37, 32), (2, 2, 2, 45, 32)),  # 5-D: extra leading dims merge into the batch
+])
+def test_leading_dims(shape_q, shape_kv):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(shape_q, generator=g).to(DEVICE)
+    k, v = (torch.randn(shape_kv, generator=g).to(DEVICE) for _ in range(2))
+    out, lse = flashattn.attention(q, k, v, is_causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    assert_rule(compare_with_reference(q, k, v, is_causal=True))
+
+
+def test_five_dim_non_mergeable_layout():
+    """Leading dims whose strides cannot merge: reshape copies, the answer must not change."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, 2, 4, 40, 16, generator=g).to(DEVICE).permute(1, 0, 2, 3, 4)
+               for _ in range(3))
+    assert_rule(compare_with_reference(q, k, v, is_causal=True))
+
+
+def test_matches_sdpa():
+    q, k, v = make_qkv(113, 113, 64, torch.float32)
+    for causal in (False, True):
+        torch.testing.assert_close(
+            flashattn.attention(q, k, v, is_causal=causal),
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
+            atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_backward_is_deterministic(dtype):
+    q, k, v = (t.requires_grad_() for t in make_qkv(113, 113, 64, dtype))
+    do = torch.randn_like(q)
+
+    def grads():
+        return torch.autograd.grad(flashattn.attention(q, k, v, is_causal=True), (q, k, v), do)
+
+    first, second = grads(), grads()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+        assert a.dtype == dtype
+
+
+def test_zero_length_sequences():
+    q, k, v = make_qkv(0, 17, 32, torch.float32)
+    out, lse = flashattn.attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+
+    q, k, v = (t.requires_grad_() for t in make_qkv(5, 0, 32, torch.float32))
+    out, lse = flashattn.attention(q, k, v, is_causal=True, return_lse=True)
+    ref, ref_lse = flashattn.reference.naive_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref)  # an empty sum of values: zeros, like SDPA
+    assert torch.equal(lse, ref_lse)      # log of an empty sum: -inf, like torch.logsumexp
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert (dq == 0).all() and dk.numel() == 0 and dv.numel() == 0
+
+
+def test_gradient_through_lse_only():
+    q, k, v = (t.requires_grad_() for t in make_qkv(40, 30, 16, torch.float32))
+    _, lse = flashattn.attention(q, k, v, is_causal=True, return_lse=True)
+    got = torch.autograd.grad(lse.sum(), (q, k, v), allow_unused=True)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(flashattn.reference.naive_attention(*ref, is_causal=True)[1].sum(),
+                               ref, allow_unused=True)
+    for g, w, t in zip(got, want, ref):
+        w = torch.zeros_like(t) if w is None else w  # the LSE does not depend on V
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_the_rule_rejects_a_slightly_wrong_kernel(dtype):
+    """The tolerance must be able to fail: the kernel run with a scale off by 1% fails it."""
+    q, k, v = make_qkv(69, 69, 64, dtype)
+
+    def off_by_one_percent(q, k, v, is_causal, scale, return_lse):
+        return flashattn.attention(q, k, v, is_causal, 1.01 / 8.0, return_lse)
+
+    checks = compare_with_reference(q, k, v, is_causal=True, impl=off_by_one_percent)
+    assert not any(c.ok for c in checks), "\n".join(map(str, checks))

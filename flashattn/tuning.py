@@ -40,26 +40,32 @@ GPU_CONFIGS = {
 }
 
 
+def fits(name, config, block_d, element_size) -> bool:
+    """Whether a candidate can run well on an H100/H200, judged before compiling it.
+
+    ``scripts/compile_check.py`` compiles every candidate for sm_90 and prints its registers and
+    spills; these two rules are what those numbers showed.
+    """
+    bq, bkv = config.kwargs.get("BLOCK_Q", 0), config.kwargs.get("BLOCK_KV", 0)
+    resident, streamed = (bkv, bq) if name == "bwd_dkdv" else (bq, bkv)
+    # fp32 tiles held in registers: accumulators (resident x head dim: O; dK and dV; dQ) and
+    # score-shaped tiles (resident x streamed: S; S and dP; S and dP). Past ~150 values per
+    # thread the compiler spills them to local memory.
+    accumulators, scores = {"fwd": (1, 1), "bwd_dkdv": (2, 2), "bwd_dq": (1, 2)}[name]
+    values = accumulators * resident * block_d + scores * resident * streamed
+    if values / (config.num_warps * 32) > 150:
+        return False
+    # Shared memory (228 KB per SM) holds the resident tile and, per pipeline stage, two streamed ones.
+    if (resident + config.num_stages * 2 * streamed) * block_d * element_size > 228 * 1024:
+        return False
+    # dK/dV steps through the queries from the diagonal: BLOCK_Q must divide BLOCK_KV.
+    return name != "bwd_dkdv" or bkv % bq == 0
+
+
 def _prune(name):
-    """Drop candidates that cannot be good for this head dim and dtype, before compiling them."""
     def prune(configs, named_args, **kwargs):
-        block_d = named_args["BLOCK_D"]
-        elem = named_args["Q"].element_size()
-        kept = []
-        for c in configs:
-            bq, bkv = c.kwargs.get("BLOCK_Q", 0), c.kwargs.get("BLOCK_KV", 0)
-            resident, streamed = (bkv, bq) if name == "bwd_dkdv" else (bq, bkv)
-            # The fp32 accumulators live in registers: about 128 x 128 of them per 4 warps.
-            if resident * block_d > 128 * 128 * c.num_warps // 4:
-                continue
-            # Each pipeline stage buffers two streamed tiles in shared memory (228 KB per SM).
-            if c.num_stages * 2 * streamed * block_d * elem + 2 * resident * block_d * elem > 220 * 1024:
-                continue
-            # dK/dV steps through the queries from the diagonal: BLOCK_Q must divide BLOCK_KV.
-            if name == "bwd_dkdv" and bkv % bq:
-                continue
-            kept.append(c)
-        return kept or configs[:1]
+        size = named_args["Q"].element_size()
+        return [c for c in configs if fits(name, c, named_args["BLOCK_D"], size)] or configs[:1]
     return prune
 
 

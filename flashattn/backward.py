@@ -33,7 +33,7 @@ from .forward import LOG2E
 from .tiles import load_tile, store_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_heads", "n_q"])  # one binary for every length
 def _attn_bwd_preprocess(O, dO, Delta,
                          stride_ob, stride_oh, stride_on, stride_od,
                          stride_dob, stride_doh, stride_don, stride_dod,
@@ -87,7 +87,7 @@ def _dkdv_inner(dk, dv, k, v,
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv"])  # one binary for every length
 def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -167,7 +167,7 @@ def _dq_inner(dq, q, do, lse, delta,
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv"])  # one binary for every length
 def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                  stride_qb, stride_qh, stride_qn, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,

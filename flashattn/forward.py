@@ -60,7 +60,7 @@ def _fwd_inner(acc, m_i, l_i, q,
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv"])  # one binary for every length
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,

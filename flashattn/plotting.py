@@ -135,3 +135,279 @@ def tflops_curves(rows, ax=None, title=None):
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return ax
+
+
+# --- Chapters 05-07: the backward pass and testing ------------------------------------------------
+
+def classify_blocks_dkdv(n_q, n_kv, block_q, block_kv, is_causal):
+    """The dK/dV kernel's map of tiles, from :func:`flashattn.traversal.q_ranges`: an int array of
+    shape (query blocks, key blocks) holding ``FULL``, ``MASKED`` or ``SKIPPED``.
+
+    Each key block (a column) walks down the query blocks: the ones that cross the causal diagonal
+    and a ragged last block are masked, the ones in between are full, those above are skipped.
+    ``block_q`` must divide ``block_kv`` when ``is_causal`` (as the kernel requires)."""
+    kinds = np.full((traversal.cdiv(n_q, block_q), traversal.cdiv(n_kv, block_kv)), traversal.SKIPPED,
+                    dtype=np.int8)
+    for kb in range(kinds.shape[1]):
+        start, full_start, full_end, end = traversal.q_ranges(kb * block_kv, block_kv, block_q, n_q, is_causal)
+        for lo, hi, kind in ((start, full_start, traversal.MASKED), (full_start, full_end, traversal.FULL),
+                             (full_end, end, traversal.MASKED)):
+            kinds[lo // block_q: traversal.cdiv(hi, block_q), kb] = kind
+    return kinds
+
+
+def _draw_kinds(ax, kinds, n_q, n_kv, block_q, block_kv, is_causal):
+    cmap = ListedColormap([TILE_COLORS[k] for k in (traversal.SKIPPED, traversal.MASKED, traversal.FULL)])
+    x_edges = np.minimum(np.arange(kinds.shape[1] + 1) * block_kv, n_kv)
+    y_edges = np.minimum(np.arange(kinds.shape[0] + 1) * block_q, n_q)
+    ax.pcolormesh(x_edges, y_edges, kinds, cmap=cmap, vmin=-0.5, vmax=2.5, edgecolors="white", linewidth=1.0)
+    if is_causal:
+        ax.plot([0, min(n_q, n_kv)], [0, min(n_q, n_kv)], color="black", lw=1.2, ls="--")
+    ax.set_xlim(0, n_kv)
+    ax.set_ylim(n_q, 0)
+    ax.set_aspect("equal")
+    ax.set_xlabel(f"key position j (BLOCK_KV = {block_kv})")
+    ax.set_ylabel(f"query position i (BLOCK_Q = {block_q})")
+
+
+def backward_tile_maps(n_q, n_kv, is_causal, dkdv_blocks=(16, 32), dq_blocks=(32, 16), axes=None):
+    """The tiles of the two backward stages side by side, for one (batch, head).
+
+    Left, the dK/dV stage (blocks ``(BLOCK_Q, BLOCK_KV) = dkdv_blocks``): one program per key block
+    (a column) walks DOWN it, over the query blocks of :func:`flashattn.traversal.q_ranges`.
+    Right, the dQ stage (``dq_blocks``): one program per query block (a row) walks ALONG it, over
+    the key blocks of :func:`flashattn.traversal.kv_ranges`. Colours: full, masked or skipped."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    arrow = dict(arrowstyle="->", color="#1f4e79", lw=1.2, alpha=0.8)
+    what = f"N_q={n_q}, N_kv={n_kv}, {'causal' if is_causal else 'not causal'}"
+    bq, bkv = dkdv_blocks
+    kinds = classify_blocks_dkdv(n_q, n_kv, bq, bkv, is_causal)
+    _draw_kinds(axes[0], kinds, n_q, n_kv, bq, bkv, is_causal)
+    for kb in range(kinds.shape[1]):  # each program walks down its column, over the tiles it visits
+        rows = np.flatnonzero(kinds[:, kb] != traversal.SKIPPED)
+        if rows.size:
+            x = (kb * bkv + min((kb + 1) * bkv, n_kv)) / 2
+            axes[0].annotate("", xy=(x, min((rows[-1] + 1) * bq, n_q) - 1), xytext=(x, rows[0] * bq + 1),
+                             arrowprops=arrow)
+    axes[0].set_title(f"dK/dV stage: K, V resident, loop over\nquery blocks (down). {what}", fontsize=10)
+    bq, bkv = dq_blocks
+    kinds = traversal.classify_blocks(n_q, n_kv, bq, bkv, is_causal)
+    _draw_kinds(axes[1], kinds, n_q, n_kv, bq, bkv, is_causal)
+    for qb in range(kinds.shape[0]):  # each program walks along its row
+        cols = np.flatnonzero(kinds[qb] != traversal.SKIPPED)
+        if cols.size:
+            y = (qb * bq + min((qb + 1) * bq, n_q)) / 2
+            axes[1].annotate("", xy=(min((cols[-1] + 1) * bkv, n_kv) - 1, y), xytext=(cols[0] * bkv + 1, y),
+                             arrowprops=arrow)
+    axes[1].set_title(f"dQ stage: Q resident, loop over\nkey blocks (along). {what}", fontsize=10)
+    axes[1].legend(handles=[Patch(color=TILE_COLORS[k], label=TILE_NAMES[k]) for k in TILE_COLORS],
+                   loc="upper right", fontsize=8, framealpha=0.9)
+    return axes
+
+
+def backward_ownership(n_q, n_kv, block_q, block_kv, q_block, kv_block, is_causal=True, axes=None):
+    """Who sums what in the backward pass, on the N_q x N_kv grid of P.
+
+    Left: the program that owns key block ``kv_block`` needs the whole COLUMN of P (and dS) under
+    it, for both dV_j = sum_i P_ij dO_i and dK_j = scale * sum_i dS_ij Q_i; it visits the query
+    tiles in the numbered order. Right: the program that owns query block ``q_block`` needs the
+    whole ROW, for dQ_i = scale * sum_j dS_ij K_j. Hidden pairs (causal) are hatched."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    nqb, nkb = traversal.cdiv(n_q, block_q), traversal.cdiv(n_kv, block_kv)
+    visible = (np.arange(n_kv)[None, :] <= np.arange(n_q)[:, None]) if is_causal else np.ones((n_q, n_kv), bool)
+
+    def tile_visible(qb, kb):
+        return visible[qb * block_q:(qb + 1) * block_q, kb * block_kv:(kb + 1) * block_kv].any()
+
+    panels = (
+        (axes[0], [(qb, kv_block) for qb in range(nqb) if tile_visible(qb, kv_block)], "#2b6cb0",
+         f"dK, dV of keys {kv_block * block_kv}..{min((kv_block + 1) * block_kv, n_kv) - 1}:\n"
+         "sum DOWN a column of P and dS (over queries i)"),
+        (axes[1], [(q_block, kb) for kb in range(nkb) if tile_visible(q_block, kb)], "#c05621",
+         f"dQ of queries {q_block * block_q}..{min((q_block + 1) * block_q, n_q) - 1}:\n"
+         "sum ALONG a row of P and dS (over keys j)"),
+    )
+    for ax, tiles, color, title in panels:
+        ax.imshow(np.where(visible, 1.0, 0.0), cmap=ListedColormap(["#bdbdbd", "#f7f7f7"]), vmin=0, vmax=1,
+                  extent=(0, n_kv, n_q, 0), interpolation="nearest")
+        for x in range(0, n_kv + 1, block_kv):
+            ax.axvline(min(x, n_kv), color="white", lw=1.5)
+        for y in range(0, n_q + 1, block_q):
+            ax.axhline(min(y, n_q), color="white", lw=1.5)
+        for order, (qb, kb) in enumerate(tiles, start=1):
+            x0, y0 = kb * block_kv, qb * block_q
+            w, h = min(block_kv, n_kv - x0), min(block_q, n_q - y0)
+            ax.add_patch(plt.Rectangle((x0, y0), w, h, color=color, alpha=0.55, lw=0))
+            ax.text(x0 + w / 2, y0 + h / 2, str(order), ha="center", va="center", fontsize=9, color="white",
+                    fontweight="bold")
+        ax.set_xlim(0, n_kv)
+        ax.set_ylim(n_q, 0)
+        ax.set_aspect("equal")
+        ax.set_xlabel("key position j")
+        ax.set_ylabel("query position i")
+        ax.set_title(title, fontsize=10)
+    axes[1].legend(handles=[Patch(color="#f7f7f7", label="visible pair"), Patch(color="#bdbdbd", label="hidden (causal)"),
+                            Patch(color="#555555", alpha=0.55, label="tile visited (in order)")],
+                   loc="lower left", fontsize=8, framealpha=0.9)
+    return axes
+
+
+def rule_ratios(labels, checks, ax=None, title="error / bound for each case (below 1 passes)"):
+    """The tolerance rule over a sweep: for each case (one label and its list of
+    :class:`flashattn.testing.Check`), the ratio error / bound of every quantity, on a log scale,
+    with the pass line at 1."""
+    ax = _axes(ax, (max(6, 0.55 * len(labels) + 2), 4))
+    names = [c.name for c in checks[0]]
+    x = np.arange(len(labels))
+    markers = dict(out="o", lse="s", dq="^", dk="v", dv="D")
+    for n, name in enumerate(names):
+        ratios = [max(case[n].error / case[n].bound, 1e-4) if case[n].bound > 0 else np.nan for case in checks]
+        ax.scatter(x + (n - (len(names) - 1) / 2) * 0.1, ratios, marker=markers.get(name, "o"), label=name, s=28)
+    ax.axhline(1.0, color="crimson", lw=1.5, ls="--", label="bound")
+    ax.set_yscale("log")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("error / (factor x PyTorch's error + floor)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=3, loc="lower right")
+    return ax
+
+
+# --- Chapters 03-04: tiles, causal blocks, the launch grid, and the forward kernel's pieces ------
+
+def tile_kinds_map(kinds, n_q, n_kv, block_q, block_kv, is_causal=False, ax=None, title=None,
+                   wrong=None):
+    """Draw any map of tile kinds (``FULL``, ``MASKED``, ``SKIPPED``, shape (query blocks, key
+    blocks)), for instance one a learner computed, the way :func:`tile_map` draws the kernel's.
+    ``wrong`` (a boolean array of the same shape) outlines those tiles in red."""
+    ax = _axes(ax)
+    kinds = np.asarray(kinds)
+    cmap = ListedColormap([TILE_COLORS[k] for k in (traversal.SKIPPED, traversal.MASKED, traversal.FULL)])
+    x_edges = np.minimum(np.arange(kinds.shape[1] + 1) * block_kv, n_kv)
+    y_edges = np.minimum(np.arange(kinds.shape[0] + 1) * block_q, n_q)
+    shown = np.where(np.isin(kinds, list(TILE_COLORS)), kinds, traversal.SKIPPED)
+    ax.pcolormesh(x_edges, y_edges, shown, cmap=cmap, vmin=-0.5, vmax=2.5, edgecolors="white",
+                  linewidth=1.0)
+    if wrong is not None:
+        for qb, kb in zip(*np.nonzero(np.asarray(wrong))):
+            ax.add_patch(plt.Rectangle((x_edges[kb], y_edges[qb]), x_edges[kb + 1] - x_edges[kb],
+                                       y_edges[qb + 1] - y_edges[qb], fill=False, ec="red", lw=2.5))
+    if is_causal:
+        ax.plot([0, min(n_q, n_kv)], [0, min(n_q, n_kv)], color="black", lw=1.2, ls="--")
+    ax.set_xlim(0, n_kv)
+    ax.set_ylim(n_q, 0)
+    ax.set_aspect("equal")
+    ax.set_xlabel(f"key position j (BLOCK_KV = {block_kv})")
+    ax.set_ylabel(f"query position i (BLOCK_Q = {block_q})")
+    ax.set_title(title or f"N_q={n_q}, N_kv={n_kv}, {'causal' if is_causal else 'not causal'}",
+                 fontsize=10)
+    ax.legend(handles=[Patch(color=TILE_COLORS[k], label=TILE_NAMES[k]) for k in TILE_COLORS],
+              loc="upper right", fontsize=8, framealpha=0.9)
+    return ax
+
+
+def visibility_map(n_q, n_kv, block_q, block_kv, is_causal=True, ax=None, title=None):
+    """Which (query i, key j) pairs exist, element by element (dark: query i sees key j), with the
+    tile boundaries drawn over them: the picture a tile map summarises."""
+    ax = _axes(ax)
+    i = np.arange(n_q)[:, None]
+    j = np.arange(n_kv)[None, :]
+    visible = (j <= i) if is_causal else np.ones((n_q, n_kv), bool)
+    ax.imshow(visible, cmap=ListedColormap(["#f7f7f7", "#1f4e79"]), vmin=0, vmax=1,
+              extent=(0, n_kv, n_q, 0), interpolation="nearest")
+    for x in range(0, n_kv + 1, block_kv):
+        ax.axvline(x, color="#e07b00", lw=0.9)
+    for y in range(0, n_q + 1, block_q):
+        ax.axhline(y, color="#e07b00", lw=0.9)
+    ax.set_xlim(0, n_kv)
+    ax.set_ylim(n_q, 0)
+    ax.set_aspect("equal")
+    ax.set_xlabel(f"key position j (BLOCK_KV = {block_kv})")
+    ax.set_ylabel(f"query position i (BLOCK_Q = {block_q})")
+    ax.set_title(title or f"pairs (i, j) that exist: {'j <= i' if is_causal else 'all'}", fontsize=10)
+    ax.legend(handles=[Patch(color="#1f4e79", label="query sees key"),
+                       Patch(color="#f7f7f7", label="hidden", ec="gray"),
+                       Patch(color="#e07b00", label="tile edges")],
+              loc="upper right", fontsize=8, framealpha=0.9)
+    return ax
+
+
+def work_fraction_curve(seq_lens, series, ax=None, title="Tiles computed, causal", limit=0.5):
+    """Fraction of the tiles computed against sequence length, one line per label in ``series``
+    (label -> fractions), with the limit the fractions approach drawn as a dashed line."""
+    ax = _axes(ax, (6, 4))
+    for label, values in series.items():
+        ax.plot(seq_lens, values, marker="o", ms=3, label=label)
+    if limit is not None:
+        ax.axhline(limit, color="black", ls="--", lw=1, label=f"limit {limit:g}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length N (N_q = N_kv)")
+    ax.set_ylabel("fraction of the N_q x N_kv tiles computed")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def launch_strips(orders, wave=None, ax=None, title="Which head each program works on, in launch order",
+                  value_name="head"):
+    """One strip per launch order: ``orders`` maps a label to the value (e.g. the head) of each
+    program in the order the programs start. ``wave`` marks how many run at once."""
+    ax = _axes(ax, (10, 0.5 + 0.7 * len(orders)))
+    labels = list(orders)
+    data = np.array([np.asarray(orders[k]) for k in labels], dtype=float)
+    im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="tab20",
+                   vmin=-0.5, vmax=max(19.5, data.max() + 0.5))
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("launch order (linear program index)")
+    if wave is not None:
+        ax.axvline(wave - 0.5, color="black", lw=2)
+        ax.text(wave - 0.5, -0.6, f" first {wave} programs run together", fontsize=8, va="bottom")
+    ax.figure.colorbar(im, ax=ax, label=value_name, fraction=0.03, pad=0.01)
+    ax.set_title(title, fontsize=10, pad=14)
+    return ax
+
+
+def gantt(jobs, n_workers, ax=None, title=None):
+    """Programs on the processors that run them: ``jobs`` is a list of (worker, start, length,
+    label) and each becomes a labelled bar. The time the last one ends is in the title."""
+    ax = _axes(ax, (8, 0.6 + 0.45 * n_workers))
+    colors = plt.get_cmap("viridis")
+    longest = max(length for _, _, length, _ in jobs)
+    for worker, start, length, label in jobs:
+        ax.barh(worker, length, left=start, color=colors(0.15 + 0.7 * length / longest),
+                edgecolor="white")
+        ax.text(start + length / 2, worker, str(label), ha="center", va="center", fontsize=7,
+                color="white")
+    end = max(start + length for _, start, length, _ in jobs)
+    ax.set_yticks(range(n_workers), [f"SM {w}" for w in range(n_workers)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (in tiles processed)")
+    ax.set_title(f"{title + ': ' if title else ''}all done at t = {end:g}", fontsize=10)
+    ax.axvline(end, color="red", lw=1, ls="--")
+    return ax
+
+
+def int_table(values, ax=None, title=None, valid=None, fmt="{:d}", xlabel="column", ylabel="row"):
+    """A small integer matrix drawn as a table of numbers (offsets, program ids, indices).
+    Cells where ``valid`` is False are greyed out (masked elements)."""
+    values = np.asarray(values)
+    ax = _axes(ax, (0.45 * values.shape[1] + 1.2, 0.4 * values.shape[0] + 0.9))
+    ok = np.ones(values.shape, bool) if valid is None else np.asarray(valid, bool)
+    ax.imshow(np.where(ok, 1.0, 0.0), cmap=ListedColormap(["#bdbdbd", "#e8f1fa"]), vmin=0, vmax=1,
+              aspect="auto", interpolation="nearest")
+    for (r, c), v in np.ndenumerate(values):
+        ax.text(c, r, fmt.format(v.item()), ha="center", va="center", fontsize=8,
+                color="black" if ok[r, c] else "#6f6f6f")
+    ax.set_xticks(range(values.shape[1]))
+    ax.set_yticks(range(values.shape[0]))
+    ax.tick_params(labelsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax

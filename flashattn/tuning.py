@@ -8,8 +8,12 @@ instead of re-tuning (and the kernels take lengths as run-time arguments, so a n
 compile anything either).
 
 On the interpreter nothing is timed (``num_warps`` and ``num_stages`` mean nothing there and every
-tile costs Python time), so each kernel gets one fixed configuration.
+tile costs Python time), so each kernel gets one fixed configuration. Setting the environment
+variable ``FLASHATTN_AUTOTUNE=0`` does the same on a GPU: each kernel then runs the first
+candidate that fits (no timing runs, fewer compilations), which is handy for quick checks.
 """
+import os
+
 import torch
 import triton
 
@@ -25,17 +29,18 @@ INTERPRETER_CONFIGS = {
 }
 
 
-def _configs(blocks, warps=(4, 8), stages=(2, 3, 4)):
+def _configs(blocks, warps=(8, 4), stages=(3, 2, 4)):
     return [triton.Config(dict(zip(("BLOCK_Q", "BLOCK_KV"), b)), num_warps=w, num_stages=s)
             for b in blocks for w in warps for s in stages]
 
 
-#: Candidates on a GPU, as (BLOCK_Q, BLOCK_KV) pairs. In the forward and dQ kernels a query tile
-#: stays resident and key tiles stream past; in dK/dV it is the other way round.
+#: Candidates on a GPU, as (BLOCK_Q, BLOCK_KV) pairs, best guess first (FLASHATTN_AUTOTUNE=0 takes
+#: the first that fits). In the forward and dQ kernels a query tile stays resident and key tiles
+#: stream past; in dK/dV it is the other way round.
 GPU_CONFIGS = {
-    "fwd": _configs([(128, 128), (128, 64), (128, 32), (64, 64), (64, 32)]),
-    "bwd_preprocess": [triton.Config({"BLOCK_Q": b}, num_warps=4, num_stages=1) for b in (64, 128)],
-    "bwd_dkdv": _configs([(32, 128), (64, 128), (16, 128), (32, 64), (64, 64)]),
+    "fwd": _configs([(128, 64), (128, 128), (128, 32), (64, 64), (64, 32)]),
+    "bwd_preprocess": [triton.Config({"BLOCK_Q": b}, num_warps=4, num_stages=1) for b in (128, 64)],
+    "bwd_dkdv": _configs([(32, 128), (64, 128), (16, 128), (32, 64), (64, 64), (16, 64)]),
     "bwd_dq": _configs([(128, 32), (128, 64), (128, 16), (64, 32), (64, 64)]),
 }
 
@@ -49,11 +54,11 @@ def fits(name, config, block_d, element_size) -> bool:
     bq, bkv = config.kwargs.get("BLOCK_Q", 0), config.kwargs.get("BLOCK_KV", 0)
     resident, streamed = (bkv, bq) if name == "bwd_dkdv" else (bq, bkv)
     # fp32 tiles held in registers: accumulators (resident x head dim: O; dK and dV; dQ) and
-    # score-shaped tiles (resident x streamed: S; S and dP; S and dP). Past ~150 values per
+    # score-shaped tiles (resident x streamed: S; S and dP; S and dP). Past ~160 values per
     # thread the compiler spills them to local memory.
     accumulators, scores = {"fwd": (1, 1), "bwd_dkdv": (2, 2), "bwd_dq": (1, 2)}[name]
     values = accumulators * resident * block_d + scores * resident * streamed
-    if values / (config.num_warps * 32) > 150:
+    if values / (config.num_warps * 32) > 160:
         return False
     # Shared memory (228 KB per SM) holds the resident tile and, per pipeline stage, two streamed ones.
     if (resident + config.num_stages * 2 * streamed) * block_d * element_size > 228 * 1024:
@@ -93,6 +98,8 @@ def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
     Returns the configuration that ran, as a dict."""
     if config is None and INTERPRET:
         config = INTERPRETER_CONFIGS[name]
+    if config is None and os.environ.get("FLASHATTN_AUTOTUNE") == "0":
+        config = default_config(name, constexprs["BLOCK_D"], args[0].element_size())
     if config is not None:
         kernel[grid](*args, **constexprs, **config)
         return dict(config)
@@ -100,6 +107,14 @@ def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
     tuner[grid](*args, **constexprs)
     best = tuner.best_config
     return dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
+
+
+def default_config(name, block_d, element_size):
+    """The first GPU candidate that fits, as a dict (candidates are listed best guess first)."""
+    fitting = [c for c in GPU_CONFIGS[name]
+               if name == "bwd_preprocess" or fits(name, c, block_d, element_size)]
+    c = (fitting or GPU_CONFIGS[name])[0]
+    return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
 
 
 def block_d(head_dim: int) -> int:

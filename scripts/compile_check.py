@@ -81,6 +81,7 @@ def main():
     p.add_argument("--dtype", choices=list(TYPES), action="append")
     p.add_argument("--head-dim", type=int, action="append")
     p.add_argument("--causal", type=int, choices=(0, 1), action="append")
+    p.add_argument("--all", action="store_true", help="also compile the candidates tuning.fits prunes")
     args = p.parse_args()
     target = GPUTarget("cuda", 90, 32)
     failures = 0
@@ -93,7 +94,7 @@ def main():
             const = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
             if name != "bwd_preprocess":
                 const.update(IS_CAUSAL=bool(causal), DOT_PRECISION="tf32" if dtype == "fp32" else "ieee")
-                if not tuning.fits(name, config, const["BLOCK_D"], 4 if dtype == "fp32" else 2):
+                if not (args.all or tuning.fits(name, config, const["BLOCK_D"], 4 if dtype == "fp32" else 2)):
                     continue
             label = f"{config.kwargs} w{config.num_warps} s{config.num_stages}"
             try:

@@ -252,6 +252,12 @@ def check_merge_softmax_states(fn):
                     f"{name} returns NaN when one piece is empty{where}: the empty piece has m = -inf "
                     "and l = 0, so l * e^(m_empty - m) = 0 * e^(-inf) = 0 should drop it. Compute "
                     "e^(m_a - m) with m = max(m_a, m_b), not e^(m_a - m_b) or similar.")
+            l_t = torch.as_tensor(l).double()
+            if l_t.shape == l_want.shape and (torch.isinf(l_t) & torch.isfinite(l_want)).any():
+                raise ExerciseError(
+                    f"{name} returns l = inf{where}: a factor like e^(m_a - m_b) overflows when the "
+                    "maxima are far apart. Rescale each sum to the common max m = max(m_a, m_b): "
+                    "the factors e^(m_a - m) and e^(m_b - m) are at most 1.")
             _diagnose(f"{name}: m", m, m_want, [
                 ("m must be the LARGER of the two maxima (torch.maximum), not the smaller",
                  torch.minimum(m_a, m_b))], atol=0.0, rtol=1e-12, where=where)
@@ -383,8 +389,8 @@ def check_lse_from_state(fn):
     name = getattr(fn, "__name__", "lse_from_state")
     g = torch.Generator().manual_seed(4)
     count = 0
-    for rows, n, scale, shift in [(1, 1, 1.0, 0.0), (5, 13, 1.0, 0.0), (4, 64, 10.0, 0.0),
-                                  (3, 7, 1.0, 300.0), (3, 50, 30.0, -200.0)]:
+    for rows, n, scale, shift in [(5, 13, 1.0, 0.0), (4, 64, 10.0, 0.0), (3, 7, 1.0, 300.0),
+                                  (3, 50, 30.0, -200.0), (1, 1, 1.0, 0.0)]:
         x = torch.randn(rows, n, generator=g, dtype=torch.float64) * scale + shift
         if n > 1:
             x[0, 1:] = float("-inf")  # a row with a single visible score
@@ -453,3 +459,819 @@ def check_softmax_exp2(fn):
         ], atol=1e-10, rtol=1e-8, where=where)
         count += 1
     passed(f"{name} equals torch.softmax(s * scale) on {count} cases, including huge and masked scores")
+
+
+# --- Chapters 03-04: tiling and causal blocks; the forward kernel ----------------------------------
+
+def _tile_kinds_by_definition(n_q, n_kv, block_q, block_kv, is_causal):
+    """Tile kinds from the definition, pair by pair. A tile holds the BLOCK_Q query rows of its
+    block (the kernel computes all of them, even past n_q, and stores only the real ones) and the
+    BLOCK_KV key columns of its block; a pair (i, j) exists when key j is inside the sequence
+    (j < n_kv) and, if causal, j <= i. Full: every pair exists; skipped: none; masked: some."""
+    from .traversal import FULL, MASKED, SKIPPED, cdiv
+
+    nqb, nkb = cdiv(n_q, block_q), cdiv(n_kv, block_kv)
+    i = np.arange(nqb * block_q)[:, None]
+    j = np.arange(nkb * block_kv)[None, :]
+    exists = (j < n_kv) & ((j <= i) | (not is_causal))
+    tiles = exists.reshape(nqb, block_q, nkb, block_kv)
+    every, some = tiles.all(axis=(1, 3)), tiles.any(axis=(1, 3))
+    return np.where(every, FULL, np.where(some, MASKED, SKIPPED)).astype(np.int8), exists
+
+
+def _classify_cases():
+    """(n_q, n_kv, block_q, block_kv, is_causal): aligned, ragged, N_q != N_kv, BLOCK_Q != BLOCK_KV,
+    one-element sequences, and random ones (fixed seed)."""
+    cases = [(64, 64, 16, 16), (69, 69, 32, 16), (69, 69, 16, 32), (17, 113, 32, 32), (113, 17, 32, 16),
+             (40, 100, 16, 16), (100, 40, 8, 16), (1, 1, 16, 16), (5, 70, 4, 8), (200, 130, 64, 16),
+             (128, 128, 64, 64), (96, 33, 32, 64), (33, 96, 64, 32)]
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        cases.append((int(rng.integers(1, 160)), int(rng.integers(1, 160)),
+                      int(2 ** rng.integers(2, 7)), int(2 ** rng.integers(2, 7))))
+    return [(*c, causal) for c in cases for causal in (True, False)]
+
+
+def _why_tile(kind, want, qb, kb, exists, n_q, n_kv, block_q, block_kv):
+    """One pair of the tile that shows why its kind is ``want``, in words."""
+    from .traversal import FULL
+
+    rows = range(qb * block_q, (qb + 1) * block_q)
+    cols = range(kb * block_kv, (kb + 1) * block_kv)
+    tile = exists[qb * block_q:(qb + 1) * block_q, kb * block_kv:(kb + 1) * block_kv]
+    def row(i):
+        return f"query {i}" + (" (a padding row of the last block)" if i >= n_q else "")
+    if want == FULL or (kind == FULL and tile.any()):
+        if want == FULL:
+            return f"every query {rows.start}..{rows.stop - 1} sees every key {cols.start}..{cols.stop - 1}"
+        r, c = np.argwhere(~tile)[0]
+        i, j = rows.start + r, cols.start + c
+        why = f"key {j} is past the end (n_kv = {n_kv})" if j >= n_kv else f"{row(i)} does not see key {j} (j > i)"
+        return f"not every pair exists: {why}"
+    if tile.any():
+        r, c = np.argwhere(tile)[0]
+        return f"some pairs exist: {row(rows.start + r)} sees key {cols.start + c}"
+    return (f"no pair exists: the last row of the block, {rows.stop - 1}, sees keys up to {rows.stop - 1}, "
+            f"and this tile starts at key {cols.start}" if cols.start < n_kv else
+            f"no pair exists: key {cols.start} is past the end (n_kv = {n_kv})")
+
+
+def check_classify_tiles(classify):
+    """Chapter 03: ``classify(n_q, n_kv, block_q, block_kv, is_causal)`` must return the forward
+    kernel's tile map, an integer array of shape (query blocks, key blocks) holding 2 (full),
+    1 (masked) or 0 (skipped). Compared with the definition on about a hundred cases."""
+    from .plotting import TILE_NAMES
+
+    cases = _classify_cases()
+    for n_q, n_kv, block_q, block_kv, causal in cases:
+        call = f"classify({n_q}, {n_kv}, {block_q}, {block_kv}, is_causal={causal})"
+        want, exists = _tile_kinds_by_definition(n_q, n_kv, block_q, block_kv, causal)
+        got = attempt(classify, n_q, n_kv, block_q, block_kv, causal, name="classify")
+        try:
+            got = np.asarray(got)
+        except Exception:
+            raise ExerciseError(f"{call} should return an array, got {type(got).__name__}") from None
+        if got.shape != want.shape:
+            raise ExerciseError(f"{call} returned shape {got.shape}; expected {want.shape} = "
+                                f"(cdiv({n_q}, {block_q}), cdiv({n_kv}, {block_kv})): one entry per tile, "
+                                "a ragged last block counts as a whole block")
+        if not np.isin(got, (0, 1, 2)).all():
+            raise ExerciseError(f"{call} returned values {sorted(set(got.ravel().tolist()))}; "
+                                "use only 0 (skipped), 1 (masked) and 2 (full)")
+        wrong = got != want
+        if not wrong.any():
+            continue
+        qb, kb = (int(x) for x in np.argwhere(wrong)[0])
+        message = (f"{call} is wrong at {int(wrong.sum())} of {want.size} tiles. First: tile "
+                   f"(query block {qb}, key block {kb}), queries {qb * block_q}..{(qb + 1) * block_q - 1}, "
+                   f"keys {kb * block_kv}..{(kb + 1) * block_kv - 1}: you said {TILE_NAMES.get(int(got[qb, kb]))!r}, "
+                   f"it is {TILE_NAMES[int(want[qb, kb])]!r} because "
+                   + _why_tile(int(got[qb, kb]), int(want[qb, kb]), qb, kb, exists, n_q, n_kv, block_q, block_kv)
+                   + ". The wrong tiles are outlined in red on the left.")
+        import matplotlib.pyplot as plt
+
+        from .plotting import tile_kinds_map
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+        tile_kinds_map(got, n_q, n_kv, block_q, block_kv, causal, ax=axes[0], wrong=wrong, title="yours")
+        tile_kinds_map(want, n_q, n_kv, block_q, block_kv, causal, ax=axes[1], title="expected")
+        fig.suptitle(call, fontsize=10)
+        fig.tight_layout()
+        plt.show()
+        raise ExerciseError(message)
+    passed(f"classify gives the right tile map in all {len(cases)} cases (ragged, N_q != N_kv, "
+           "BLOCK_Q != BLOCK_KV, causal and not)")
+
+
+def _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake=None):
+    """The forward kernel's tile loop in float64, exactly as flashattn runs it (keys padded to
+    whole tiles), optionally with one classic mistake. Returns (out, natural lse, tiles computed).
+
+    mistake: None, "alpha_acc" (acc not rescaled), "alpha_l" (L not rescaled), "causal" (no causal
+    mask), "ragged" (keys past the end not hidden: they score 0), "exp" (exp where exp2 belongs),
+    "per_tile" (each tile's P normalised on its own)."""
+    from .traversal import cdiv, kv_ranges
+
+    q, k, v = q.double(), k.double(), v.double()
+    n_q, n_kv = q.shape[-2], k.shape[-2]
+    pad = cdiv(n_kv, block_kv) * block_kv - n_kv
+    kp = torch.cat([k, k.new_zeros(*k.shape[:-2], pad, k.shape[-1])], -2)
+    vp = torch.cat([v, v.new_zeros(*v.shape[:-2], pad, v.shape[-1])], -2)
+    log2e = 1.0 / np.log(2.0)
+    qk_scale = scale * log2e
+    exp = torch.exp if mistake == "exp" else torch.exp2
+    out = torch.zeros_like(q)
+    lse = q.new_zeros(q.shape[:-1])
+    tiles = 0
+    for q_start in range(0, n_q, block_q):
+        rows = torch.arange(q_start, min(q_start + block_q, n_q))
+        m = q.new_full((*q.shape[:-2], len(rows)), float("-inf"))
+        l = q.new_zeros(m.shape)
+        acc = q.new_zeros((*m.shape, q.shape[-1]))
+        full_end, end = kv_ranges(q_start, block_q, block_kv, n_kv, is_causal)
+        for kv_start in range(0, end, block_kv):
+            tiles += 1
+            cols = torch.arange(kv_start, kv_start + block_kv)
+            s = q[..., rows, :] @ kp[..., cols, :].transpose(-2, -1)
+            visible = torch.ones(len(rows), block_kv, dtype=torch.bool)
+            if mistake != "ragged":
+                visible &= cols[None, :] < n_kv
+            if is_causal and mistake != "causal":
+                visible &= cols[None, :] <= rows[:, None]
+            s = s.masked_fill(~visible, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1) * qk_scale)
+            p = exp(s * qk_scale - m_new[..., None]).nan_to_num(0.0)
+            alpha = exp(m - m_new).nan_to_num(0.0)
+            if mistake == "per_tile":
+                p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
+            l = (l if mistake == "alpha_l" else l * alpha) + p.sum(-1)
+            acc = (acc if mistake == "alpha_acc" else acc * alpha[..., None]) + p @ vp[..., cols, :]
+            m = m_new
+        out[..., rows, :] = acc / l[..., None]
+        lse[..., rows] = (m + torch.log2(l)) / log2e
+    return out, lse, tiles
+
+
+_FWD_MISTAKES = {
+    "alpha_acc": "the accumulated output is not rescaled by alpha = exp(M_old - M_new) (2**(M_old - "
+                 "M_new) in base 2) when the running max grows: acc = acc * alpha + P V",
+    "alpha_l": "the running sum L is not rescaled by alpha when the running max grows "
+               "(L = L * alpha + rowsum(P))",
+    "causal": "the causal mask is missing on the diagonal tiles: query i must not see keys j > i",
+    "ragged": "keys past the end of the sequence are not hidden: they score 0 instead of -inf, "
+              "so they still get probability",
+    "exp": "exp is used where exp2 belongs (the scores were multiplied by log2(e): use exp2, or "
+           "leave out the log2(e))",
+    "per_tile": "each tile's probabilities are normalised on their own; divide by L once, at the end",
+}
+
+
+def _name_fwd_mistake(got, q, k, v, is_causal, block_q, block_kv, scale, want, atol, rtol):
+    for mistake, hint in _FWD_MISTAKES.items():
+        wrong = _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake)[0]
+        if not _close(wrong, want, atol, rtol) and _close(got, wrong, atol, rtol):
+            return hint
+    return None
+
+
+def check_tiled_attention(tiled_attention):
+    """Chapter 03: ``tiled_attention(q, k, v, is_causal, block_q, block_kv) -> (out, lse, n_tiles)``
+    for one head, q (N_q, D), k and v (N_kv, D) in float64, scale 1/sqrt(D): the kernel's loop in
+    PyTorch with the online softmax in natural base; ``lse`` in natural log; ``n_tiles`` the number
+    of tiles whose scores were computed (the skipped ones must not be)."""
+    from .reference import naive_attention
+    from .traversal import SKIPPED, classify_blocks
+
+    cases = [(64, 64, 16, 32, 16, False), (69, 69, 24, 32, 16, False), (69, 69, 24, 32, 16, True),
+             (69, 69, 16, 16, 32, True), (17, 113, 8, 32, 32, True), (113, 17, 8, 32, 16, True),
+             (40, 100, 16, 16, 16, False), (1, 1, 4, 16, 16, True), (50, 50, 16, 8, 8, True)]
+    g = torch.Generator().manual_seed(33)
+    for n, (n_q, n_kv, d, block_q, block_kv, causal) in enumerate(cases):
+        spread = 6.0 if n % 3 == 2 else 1.0  # large scores: a missing max subtraction overflows
+        q = torch.randn(n_q, d, generator=g, dtype=torch.float64) * spread
+        k = torch.randn(n_kv, d, generator=g, dtype=torch.float64) * spread
+        v = torch.randn(n_kv, d, generator=g, dtype=torch.float64)
+        what = (f" (N_q={n_q}, N_kv={n_kv}, D={d}, block_q={block_q}, block_kv={block_kv}, "
+                f"is_causal={causal})")
+        result = attempt(tiled_attention, q.clone(), k.clone(), v.clone(), causal, block_q, block_kv,
+                         name="tiled_attention")
+        if not isinstance(result, (tuple, list)) or len(result) != 3:
+            raise ExerciseError("tiled_attention should return a tuple (out, lse, n_tiles), got "
+                                f"{type(result).__name__}")
+        out, lse, n_tiles = result
+        out_ref, lse_ref = naive_attention(q, k, v, is_causal=causal)
+        scale = 1.0 / d ** 0.5
+        hint = None if _close(out, out_ref, 1e-9, 1e-9) else _name_fwd_mistake(
+            out, q, k, v, causal, block_q, block_kv, scale, out_ref, 1e-9, 1e-9)
+        if hint:
+            raise ExerciseError(f"out is wrong{what}: it equals what you get when {hint}.")
+        expect_close(f"out{what}", out, out_ref, atol=1e-9, rtol=1e-9, heatmap=True)
+        expect_close(f"lse{what}", lse, lse_ref, atol=1e-9, rtol=1e-9)
+        kinds = classify_blocks(n_q, n_kv, block_q, block_kv, causal)
+        computed = int((kinds != SKIPPED).sum())
+        try:
+            n_tiles = int(n_tiles)
+        except Exception:
+            raise ExerciseError(f"n_tiles should be an int, got {type(n_tiles).__name__}") from None
+        if n_tiles != computed:
+            raise ExerciseError(f"n_tiles is {n_tiles}{what}, but the kernel computes {computed} of the "
+                                f"{kinds.size} tiles ({int((kinds == SKIPPED).sum())} are skipped). "
+                                "Count each (query block, key block) whose scores you compute, and "
+                                "compute only the tiles that are not skipped.")
+    passed(f"tiled_attention matches the float64 reference in {len(cases)} cases and computes "
+           "exactly the tiles that are not skipped")
+
+
+def check_kv_stage_bounds(kv_stage_bounds):
+    """Chapter 04: ``kv_stage_bounds(q_start, block_q, block_kv, n_kv, is_causal)`` must return
+    ``(kv_full_end, kv_end)`` for the query block starting at ``q_start``: keys [0, kv_full_end)
+    in whole tiles that need no mask, keys [kv_full_end, kv_end) with the mask, none after."""
+    from .traversal import kv_ranges
+
+    count = 0
+    for n_kv in (1, 15, 16, 17, 64, 69, 100, 113, 128):
+        for n_q in (1, 40, 69, 128):
+            for block_q, block_kv in ((16, 16), (32, 16), (16, 32), (64, 32), (32, 64), (128, 64)):
+                for causal in (True, False):
+                    for q_start in range(0, n_q, block_q):
+                        count += 1
+                        call = (f"kv_stage_bounds(q_start={q_start}, block_q={block_q}, "
+                                f"block_kv={block_kv}, n_kv={n_kv}, is_causal={causal})")
+                        got = attempt(kv_stage_bounds, q_start, block_q, block_kv, n_kv, causal,
+                                      name="kv_stage_bounds")
+                        try:
+                            full_end, end = (int(x) for x in got)
+                        except Exception:
+                            raise ExerciseError(f"{call} should return two ints (kv_full_end, kv_end), "
+                                                f"got {got!r}") from None
+                        want_full, want_end = kv_ranges(q_start, block_q, block_kv, n_kv, causal)
+                        if (full_end, end) == (want_full, want_end):
+                            continue
+                        last = q_start + block_q - 1
+                        if end != want_end:
+                            if end > n_kv:
+                                why = f"keys from n_kv = {n_kv} on do not exist"
+                            elif causal and end > want_end:
+                                why = (f"the last query of the block, {last}, sees keys up to {last}: "
+                                       f"keys from {want_end} on are skipped, never loaded")
+                            else:
+                                why = (f"key {end} is seen by some query of the block "
+                                       f"{q_start}..{last}, so it must be visited")
+                            raise ExerciseError(f"{call} returned kv_end = {end}; expected {want_end}: {why}.")
+                        if full_end % block_kv:
+                            why = (f"stage 1 loads whole tiles with no mask, so kv_full_end must be a "
+                                   f"multiple of BLOCK_KV = {block_kv}")
+                        elif full_end > want_full:
+                            j = full_end - 1
+                            why = (f"the tile ending at key {j} needs a mask: "
+                                   + (f"key {j} is past the end" if j >= n_kv else
+                                      f"query {q_start} (the first of the block) does not see key {j}"))
+                        else:
+                            why = (f"keys {full_end}..{want_full - 1} are seen by every query of the "
+                                   "block, in whole tiles, so they belong to the fast stage without a mask "
+                                   "(masking them gives the same numbers, only slower: yours masks more "
+                                   "than needed)")
+                        raise ExerciseError(f"{call} returned kv_full_end = {full_end}; expected {want_full}: {why}.")
+    passed(f"kv_stage_bounds gives the kernel's two stages in all {count} cases")
+
+
+import triton  # noqa: E402  (flashattn/__init__.py, run before this module, has picked the runtime)
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _fwd_exercise_kernel(Q, K, V, O, LSE,
+                         stride_qh, stride_qn, stride_kh, stride_kn, stride_kd,
+                         stride_vh, stride_vn, stride_vd, stride_oh, stride_on,
+                         n_q, n_kv, qk_scale, INNER: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """flashattn's forward kernel around a learner's inner loop ``INNER``, for (heads, N, D) tensors
+    whose head dim is a power of two >= 16 (no column mask) and Q, O with contiguous columns."""
+    q_block, head = tl.program_id(0), tl.program_id(1)
+    Q += head * stride_qh
+    K += head * stride_kh
+    V += head * stride_vh
+    O += head * stride_oh
+    LSE += head * n_q
+    q_start = q_block * BLOCK_Q
+    offs_q = q_start + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + offs_q[:, None] * stride_qn + offs_d[None, :], mask=offs_q[:, None] < n_q, other=0.0)
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    if IS_CAUSAL:
+        kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)
+        kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
+    else:
+        kv_end = n_kv
+        kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
+    acc, m_i, l_i = INNER(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                          offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale, BLOCK_KV, False, IS_CAUSAL)
+    acc, m_i, l_i = INNER(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                          offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale, BLOCK_KV, True, IS_CAUSAL)
+    acc = acc / l_i[:, None]
+    tl.store(LSE + offs_q, m_i + tl.log2(l_i), mask=offs_q < n_q)
+    tl.store(O + offs_q[:, None] * stride_on + offs_d[None, :], acc.to(O.dtype.element_ty),
+             mask=offs_q[:, None] < n_q)
+
+
+def _launch_learner_kernel(kernel, grid, args, constexprs, name):
+    """Launch a kernel that calls a learner's @triton.jit function: a stub (NotImplementedError, or
+    on a GPU the compiler's refusal of `raise`) becomes 'not implemented yet', a crash a readable
+    ExerciseError that keeps the original error as its cause."""
+    try:
+        kernel[grid](*args, **constexprs)
+    except Exception as error:  # the interpreter and the compiler wrap errors raised inside
+        chain, cause = [], error
+        while cause is not None and len(chain) < 10:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        text = " <- ".join(f"{type(c).__name__}: {c}" for c in chain)
+        if any(isinstance(c, NotImplementedError) for c in chain) or "NotImplementedError" in text:
+            raise ExerciseError(f"{name} is not implemented yet: replace `raise NotImplementedError()` "
+                                "with your code, then run this check again.") from None
+        raise ExerciseError(f"{name} failed when its kernel ran with {constexprs}: {text[:2000]}") from error
+
+
+def _inner_is_stub(fn):
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(getattr(fn, "fn", fn))
+    except (OSError, TypeError):
+        return False
+    return re.search(r"^\s*raise NotImplementedError", source, re.M) is not None
+
+
+def run_fwd_inner(fwd_inner, q, k, v, is_causal=False, scale=None, block_q=32, block_kv=16):
+    """Run the forward kernel built around the learner's ``fwd_inner`` on (heads, N, D) tensors
+    (any strides). Returns ``(o, lse2)``: the output like ``q`` and the base-2 LSE (float32)."""
+    import math
+
+    from .reference import LOG2E
+
+    if _inner_is_stub(fwd_inner):
+        raise ExerciseError("fwd_inner is not implemented yet: replace `raise NotImplementedError()` "
+                            "with your code, then run this check again.")
+    heads, n_q, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    o = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    lse2 = torch.full((heads, n_q), float("nan"), device=q.device, dtype=torch.float32)
+    _launch_learner_kernel(_fwd_exercise_kernel, (triton.cdiv(n_q, block_q), heads),
+                    (q, k, v, o, lse2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+                     v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1),
+                     n_q, k.shape[1], scale * LOG2E, fwd_inner),
+                    dict(HEAD_DIM=d, BLOCK_Q=block_q, BLOCK_KV=block_kv, IS_CAUSAL=bool(is_causal)),
+                    "fwd_inner")
+    return o, lse2
+
+
+def check_fwd_inner(fwd_inner):
+    """Chapter 04: the forward kernel's inner loop in Triton, run inside flashattn's kernel (given
+    in this module) through the interpreter on tiny inputs: aligned and ragged lengths, causal and
+    not, N_q != N_kv, strided keys and values, float16; output and LSE against float64."""
+    import math
+
+    from .notebook import pick
+    from .reference import naive_attention
+    from .runtime import DEVICE
+
+    # (heads, n_q, n_kv, D, causal, dtype, layout, block_q, block_kv)
+    cases = [(2, 64, 64, 32, False, torch.float32, "contiguous", 32, 16),
+             (2, 69, 69, 32, False, torch.float32, "contiguous", 32, 16),
+             (2, 69, 69, 32, True, torch.float32, "contiguous", 32, 16),
+             (1, 40, 69, 16, True, torch.float32, "contiguous", 32, 16),
+             (1, 69, 23, 16, True, torch.float32, "contiguous", 16, 32),
+             (2, 33, 47, 16, True, torch.float32, "strided", 32, 16),
+             (2, 69, 69, 32, True, torch.float16, "contiguous", 32, 16)]
+    for n, (heads, n_q, n_kv, d, causal, dtype, layout, block_q, block_kv) in enumerate(cases):
+        g = torch.Generator().manual_seed(440 + n)
+        q = torch.randn(heads, n_q, d, generator=g).to(dtype)
+        if layout == "strided":  # keys and values as (N, H, 2D) storage: row and column strides != D, 1
+            k = torch.randn(n_kv, heads, 2 * d, generator=g).to(dtype).transpose(0, 1)[..., ::2]
+            v = torch.randn(n_kv, heads, 2 * d, generator=g).to(dtype).transpose(0, 1)[..., 1::2]
+        else:
+            k, v = (torch.randn(heads, n_kv, d, generator=g).to(dtype) for _ in range(2))
+        q, k, v = (t.to(DEVICE) for t in (q, k, v))
+        scale = 1.0 / math.sqrt(d)
+        o, lse2 = run_fwd_inner(fwd_inner, q, k, v, is_causal=causal, scale=scale,
+                                block_q=block_q, block_kv=block_kv)
+        o_ref, lse_ref = naive_attention(q.double(), k.double(), v.double(), is_causal=causal, scale=scale)
+        what = (f" (heads={heads}, N_q={n_q}, N_kv={n_kv}, D={d}, is_causal={causal}, {dtype}, "
+                f"{layout} K/V, BLOCK_Q={block_q}, BLOCK_KV={block_kv})")
+        if dtype == torch.float16:
+            atol = 4e-3
+        else:  # a GPU multiplies float32 tiles in TF32 unless told otherwise
+            atol = pick(cpu=2e-5, gpu=2e-5 if torch.get_float32_matmul_precision() == "highest" else 5e-3)
+        if not _close(o, o_ref, atol, atol):
+            hint = _name_fwd_mistake(o.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, block_q, block_kv, scale,
+                                     o_ref.cpu(), atol, atol)
+            if hint:
+                raise ExerciseError(f"the output O is wrong{what}: it equals what you get when {hint}.")
+        expect_close(f"output O{what}", o, o_ref, atol=atol, rtol=atol, heatmap=True)
+        expect_close(f"LSE{what} (natural log: LSE2 * ln 2)", lse2.double() * math.log(2.0), lse_ref,
+                     atol=atol, rtol=atol)
+    passed(f"fwd_inner gives the right O and LSE in all {len(cases)} cases (ragged, causal, "
+           "N_q != N_kv, strided K/V, float16)")
+
+
+# --- Chapters 05-07: the backward pass, its kernels, autograd and testing --------------------------
+
+import triton  # noqa: E402  (flashattn/__init__.py, run before this module, has picked the runtime)
+import triton.language as tl  # noqa: E402
+
+def _bwd_gen(seed):
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _bwd_randn(shape, gen, dtype=torch.float64, scale=1.0):
+    from .runtime import DEVICE
+
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype=dtype, device=DEVICE)
+
+
+def _bwd_matches(got, want, atol=1e-9, rtol=1e-7):
+    got = torch.as_tensor(got).detach().double().cpu()
+    want = want.detach().double().cpu()
+    return got.shape == want.shape and bool(torch.allclose(got, want, atol=atol, rtol=rtol))
+
+
+def _bwd_run_kernel(kernel, grid, args, constexprs, name):
+    """Launch a learner's Triton kernel; a stub (NotImplementedError, or on a GPU the compiler's
+    refusal of `raise`) becomes 'not implemented yet', any other crash a readable ExerciseError."""
+    try:
+        kernel[grid](*args, **constexprs)
+    except Exception as error:  # the interpreter wraps errors raised inside a kernel
+        text = f"{type(error).__name__}: {error}"
+        chain, cause = [], error
+        while cause is not None and len(chain) < 10:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        if any(isinstance(c, NotImplementedError) for c in chain) or "NotImplementedError" in text \
+                or "Raise" in text:
+            raise ExerciseError(f"{name} is not implemented yet: replace `raise NotImplementedError()` "
+                                "with your code, then run this check again.") from None
+        raise ExerciseError(f"{name} crashed when launched with {constexprs}: {text[:1500]}") from None
+
+
+# Chapter 05 --------------------------------------------------------------------------------------
+
+def check_softmax_backward(softmax_backward):
+    """``softmax_backward(p, dp) -> ds`` for P = softmax(S) along the last dim: dS = P * (dP - rowsum(P * dP)).
+
+    Drawn inputs: several shapes (one row, one column, batched, wide), a row with hidden (-inf)
+    scores whose probabilities are exactly 0; compared with torch.autograd in float64."""
+    cases = [((1, 5), 0), ((4, 1), 1), ((3, 7), 2), ((2, 3, 9), 3), ((6, 33), 4), ((2, 2, 4, 17), 5)]
+    for shape, seed in cases:
+        g = _bwd_gen(100 + seed)
+        s = _bwd_randn(shape, g, scale=2.0)
+        if seed % 2 and shape[-1] > 3:
+            s[..., -2:] = float("-inf")  # hidden keys: P = 0 there, and so is their gradient
+        s.requires_grad_(True)
+        p = torch.softmax(s, dim=-1)
+        dp = _bwd_randn(shape, g)
+        (want,) = torch.autograd.grad(p, s, dp)
+        want = torch.nan_to_num(want)  # hidden scores get a zero gradient
+        p_in, dp_in = p.detach().clone(), dp.clone()
+        got = attempt(softmax_backward, p_in, dp_in, name="softmax_backward")
+        if not (torch.equal(p_in, p.detach()) and torch.equal(dp_in, dp)):
+            raise ExerciseError("softmax_backward changed its inputs p or dp in place; return a new tensor")
+        if _bwd_matches(got, want):
+            continue
+        pd = p.detach()
+        if _bwd_matches(got, pd * dp):
+            raise ExerciseError(f"for shape {shape}, your dS equals P * dP: you forgot to subtract the row sum "
+                                "rowsum(P * dP) (a softmax row sums to 1, so a change of one score moves all "
+                                "the probabilities of its row).")
+        if _bwd_matches(got, pd * (dp - (pd * dp).sum(-2, keepdim=True))):
+            raise ExerciseError(f"for shape {shape}, you summed P * dP over the wrong dimension (dim -2, the "
+                                "rows): the sum runs along each row, over the last dim, with keepdim=True.")
+        if _bwd_matches(got, pd * (dp - dp.sum(-1, keepdim=True))):
+            raise ExerciseError(f"for shape {shape}, you subtracted rowsum(dP); the weights of that sum are the "
+                                "probabilities: rowsum(P * dP).")
+        expect_close(f"dS for shape {shape}", got, want, atol=1e-9, rtol=1e-7)
+    passed("softmax_backward matches torch.autograd on 6 shapes, hidden (-inf) scores included")
+
+
+def _bwd_attention_case(n_q, n_kv, d, lead, is_causal, scale, seed):
+    from .reference import naive_attention
+
+    g = _bwd_gen(seed)
+    q, k, v = (_bwd_randn((*lead, n, d), g).requires_grad_(True) for n in (n_q, n_kv, n_kv))
+    out, lse = naive_attention(q, k, v, is_causal=is_causal, scale=scale)
+    do = _bwd_randn(out.shape, g)
+    want = torch.autograd.grad(out, (q, k, v), do)
+    return [t.detach() for t in (q, k, v, out)], do, lse.detach(), want
+
+
+def check_attention_backward(attention_backward):
+    """``attention_backward(q, k, v, o, do, lse, is_causal, scale) -> (dq, dk, dv)`` from the formulas,
+    checked against torch.autograd in float64 (causal and not, N_q != N_kv, leading dims)."""
+    cases = [  # n_q, n_kv, d, leading dims, causal, scale
+        (7, 7, 4, (), False, 0.5), (9, 9, 8, (2,), True, None), (5, 11, 6, (1, 2), True, 0.3),
+        (12, 4, 5, (2, 1), True, None), (6, 13, 3, (), False, 1.7), (1, 1, 2, (), True, None),
+    ]
+    for n, (n_q, n_kv, d, lead, causal, scale) in enumerate(cases):
+        (q, k, v, o), do, lse, want = _bwd_attention_case(n_q, n_kv, d, lead, causal, scale, 200 + n)
+        what = f"N_q={n_q}, N_kv={n_kv}, D={d}, leading dims {lead}, is_causal={causal}, scale={scale}"
+        got = attempt(attention_backward, q.clone(), k.clone(), v.clone(), o.clone(), do.clone(), lse.clone(),
+                      causal, scale, name="attention_backward")
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            raise ExerciseError("attention_backward must return a tuple (dq, dk, dv)")
+        sc = 1.0 / d ** 0.5 if scale is None else scale
+        for name, g_, w in zip(("dq", "dk", "dv"), got, want):
+            if _bwd_matches(g_, w):
+                continue
+            if name != "dv" and _bwd_matches(torch.as_tensor(g_) * sc, w):
+                raise ExerciseError(f"{name} is wrong ({what}): it is missing the factor scale: S = scale * Q K^T, "
+                                    "so dQ = scale * dS K and dK = scale * dS^T Q.")
+            if name != "dv" and _bwd_matches(torch.as_tensor(g_), w * sc):
+                raise ExerciseError(f"{name} is wrong ({what}): it carries the factor scale twice.")
+            expect_close(f"{name} ({what})", g_, w, atol=1e-9, rtol=1e-7, heatmap=True)
+    passed("attention_backward matches torch.autograd in float64 on 6 cases (causal, N_q != N_kv, leading dims)")
+
+
+# Chapter 06 --------------------------------------------------------------------------------------
+
+def check_delta_kernel(delta_kernel):
+    """The Delta preprocess as a Triton kernel, launched as
+    ``delta_kernel[(cdiv(n_rows, BLOCK_ROWS),)](O, dO, Delta, n_rows, stride_o, stride_do,
+    HEAD_DIM=..., BLOCK_ROWS=..., BLOCK_D=...)`` on (n_rows, HEAD_DIM) matrices whose rows are
+    ``stride_o``/``stride_do`` elements apart (columns contiguous). Checks ragged row counts, head dims
+    that need padding, float16 inputs (which must be multiplied and summed in float32) and that
+    nothing is written past the end of Delta."""
+    from .runtime import DEVICE
+
+    cases = [(1, 16, 16, torch.float32), (17, 40, 16, torch.float32), (69, 64, 32, torch.float32),
+             (130, 24, 64, torch.float32), (69, 64, 16, torch.float16), (33, 40, 32, torch.float16)]
+    for n, (n_rows, d, block_rows, dtype) in enumerate(cases):
+        g = _bwd_gen(300 + n)
+        block_d = max(16, triton.next_power_of_2(d))
+        pad = block_rows + 1  # rows past the end hold NaN: a load there is harmless only if masked
+        o_buf = torch.full((n_rows + pad, d + 8), float("nan"), dtype=dtype)
+        do_buf = torch.full((n_rows + pad, d + 3), float("nan"), dtype=dtype)
+        o_buf[:n_rows, :d] = torch.randn(n_rows, d, generator=g) * 2
+        do_buf[:n_rows, :d] = torch.randn(n_rows, d, generator=g) * 2
+        o_buf, do_buf = o_buf.to(DEVICE), do_buf.to(DEVICE)
+        o, do = o_buf[:n_rows, :d], do_buf[:n_rows, :d]
+        o[:, 0], do[:, 0] = 30.0, 30.0  # a large common term: float16 sums lose the small ones
+        delta_buf = torch.full((n_rows + pad,), -7.0, dtype=torch.float32, device=DEVICE)
+        _bwd_run_kernel(delta_kernel, (triton.cdiv(n_rows, block_rows),),
+                        (o, do, delta_buf, n_rows, o.stride(0), do.stride(0)),
+                        dict(HEAD_DIM=d, BLOCK_ROWS=block_rows, BLOCK_D=block_d), "delta_kernel")
+        what = f"n_rows={n_rows}, HEAD_DIM={d}, BLOCK_ROWS={block_rows}, BLOCK_D={block_d}, {dtype}"
+        if not (delta_buf[n_rows:].cpu() == -7.0).all():
+            raise ExerciseError(f"{what}: your kernel wrote past the end of Delta (rows >= n_rows): "
+                                "mask the store with `rows < n_rows`.")
+        want = (o.double() * do.double()).sum(-1)
+        got = delta_buf[:n_rows]
+        if torch.isnan(got).any():
+            raise ExerciseError(f"{what}: Delta has NaN: some loads read outside the {n_rows} x {d} matrix "
+                                "(the padded columns d >= HEAD_DIM or the rows >= n_rows need a mask, "
+                                "with other=0.0).")
+        if dtype == torch.float16 and not _bwd_matches(got, want, atol=2e-4, rtol=2e-5) \
+                and _bwd_matches(got, want, atol=1e-2, rtol=5e-3):  # close, but not float32-close
+            raise ExerciseError(f"{what}: Delta lost precision: convert O and dO to float32 before "
+                                "multiplying (`.to(tl.float32)`), as the package's preprocess does.")
+        expect_close(f"Delta ({what})", got, want, atol=2e-4, rtol=2e-5)
+    passed("delta_kernel computes Delta = rowsum(dO * O) for ragged rows, padded head dims and float16")
+
+
+@triton.jit
+def _bwd_dq_exercise_kernel(Q, K, V, dO, LSE, Delta, dQ,
+                            stride_qh, stride_qn, stride_kh, stride_kn, stride_dqh, stride_dqn,
+                            n_q, n_kv, scale, qk_scale, INNER: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """The dQ stage around a learner's inner loop ``INNER``: the same ranges as flashattn's
+    _attn_bwd_dq, for (heads, N, D) tensors with contiguous columns (K and V share strides, and so
+    do Q and dO)."""
+    q_block, head = tl.program_id(0), tl.program_id(1)
+    Q += head * stride_qh
+    dO += head * stride_qh
+    K += head * stride_kh
+    V += head * stride_kh
+    dQ += head * stride_dqh
+    LSE += head * n_q
+    Delta += head * n_q
+    q_start = q_block * BLOCK_Q
+    offs_q = q_start + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    inside = (offs_q[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + offs_q[:, None] * stride_qn + offs_d[None, :], mask=inside, other=0.0)
+    do = tl.load(dO + offs_q[:, None] * stride_qn + offs_d[None, :], mask=inside, other=0.0)
+    lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
+    delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    if IS_CAUSAL:
+        kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)
+        kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
+    else:
+        kv_end = n_kv
+        kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
+    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
+               HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL)
+    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+               HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL)
+    dq *= scale
+    tl.store(dQ + offs_q[:, None] * stride_dqn + offs_d[None, :], dq, mask=inside)
+
+
+def run_dq_inner(dq_inner, q, k, v, do, is_causal=False, scale=None, block_q=32, block_kv=16):
+    """Run the dQ stage built around ``dq_inner`` on float32 (heads, N, D) tensors; the LSE and
+    Delta come from a float64 reference. Returns dQ (float32)."""
+    import math
+
+    from .reference import LOG2E, naive_attention
+
+    heads, n_q, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q, k, v, do = (t.float().contiguous() for t in (q, k, v, do))
+    o64, lse64 = naive_attention(q.double(), k.double(), v.double(), is_causal=is_causal, scale=scale)
+    lse2 = (lse64 * LOG2E).float().contiguous()
+    delta = (o64 * do.double()).sum(-1).float().contiguous()
+    dq = torch.full_like(q, float("nan"))
+    _bwd_run_kernel(_bwd_dq_exercise_kernel, (triton.cdiv(n_q, block_q), heads),
+                    (q, k, v, do, lse2, delta, dq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                     dq.stride(0), dq.stride(1), n_q, k.shape[1], scale, scale * LOG2E, dq_inner),
+                    dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q,
+                         BLOCK_KV=block_kv, IS_CAUSAL=bool(is_causal)), "dq_inner")
+    return dq
+
+
+def _bwd_dq_variants(q, k, v, do, is_causal, scale, block_q=32):
+    """dQ in float64 for the correct formulas and for three classic mistakes (the unmasked one
+    reaches only the key tiles the kernel visits: up to the end of each query block's diagonal)."""
+    from .reference import causal_mask, naive_attention
+
+    q, k, v, do = (t.double() for t in (q, k, v, do))
+    o, lse = naive_attention(q, k, v, is_causal=is_causal, scale=scale)
+    s = scale * q @ k.transpose(-2, -1)
+    hidden = ~causal_mask(q.shape[-2], k.shape[-2], q.device) if is_causal else torch.zeros_like(s, dtype=torch.bool)
+    delta = (do * o).sum(-1, keepdim=True)
+    dp = do @ v.transpose(-2, -1)
+    p = torch.exp(s - lse[..., None]).masked_fill(hidden, 0.0)
+    i = torch.arange(q.shape[-2], device=q.device)[:, None]
+    j = torch.arange(k.shape[-2], device=q.device)[None, :]
+    p_unmasked = torch.exp(s - lse[..., None]).masked_fill(is_causal & (j >= (i // block_q + 1) * block_q), 0.0)
+    p_natural = torch.exp((s - lse[..., None]) / 0.6931471805599453).masked_fill(hidden, 0.0)
+    return {
+        "correct": scale * (p * (dp - delta)) @ k,
+        "forgot Delta (dS = P * dP)": scale * (p * dp) @ k,
+        "no causal mask on the diagonal tiles": scale * (p_unmasked * (dp - delta)) @ k,
+        "exp instead of exp2 (the LSE and qk_scale are in base 2)": scale * (p_natural * (dp - delta)) @ k,
+    }
+
+
+def check_dq_inner(dq_inner):
+    """The dQ stage's inner loop in Triton, run inside a given kernel on tiny inputs (ragged lengths,
+    causal and not, N_q != N_kv, a padded head dim) and compared with a float64 reference."""
+    from .notebook import pick
+    from .runtime import DEVICE
+
+    tol = pick(cpu=2e-5, gpu=1e-2)  # a GPU multiplies float32 tiles in TF32 by default
+    cases = [(2, 69, 69, 32, True), (2, 69, 69, 32, False), (1, 45, 70, 32, True), (1, 70, 45, 40, True),
+             (2, 33, 17, 16, False), (1, 1, 1, 16, True)]
+    for n, (heads, n_q, n_kv, d, causal) in enumerate(cases):
+        g = _bwd_gen(400 + n)
+        q, k, v, do = (torch.randn(heads, m, d, generator=g).to(DEVICE) for m in (n_q, n_kv, n_kv, n_q))
+        scale = 1.0 / d ** 0.5
+        got = run_dq_inner(dq_inner, q, k, v, do, is_causal=causal, scale=scale)
+        variants = _bwd_dq_variants(q, k, v, do, causal, scale)
+        want = variants["correct"]
+        atol = tol * max(1.0, want.abs().max().item())
+        what = f"heads={heads}, N_q={n_q}, N_kv={n_kv}, D={d}, is_causal={causal}"
+        if _bwd_matches(got, want, atol=atol, rtol=tol):
+            continue
+        for mistake, wrong in variants.items():
+            if mistake != "correct" and _bwd_matches(got, wrong, atol=atol, rtol=tol):
+                raise ExerciseError(f"dQ is wrong ({what}); it equals what you get with this mistake: {mistake}.")
+        expect_close(f"dQ ({what})", got, want, atol=atol, rtol=tol, heatmap=True)
+    passed("dq_inner gives the right dQ for ragged lengths, causal and not, N_q != N_kv and a padded head dim")
+
+
+# Chapter 07 --------------------------------------------------------------------------------------
+
+class _bwd_ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient passing back through it is multiplied by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def _bwd_rule_impls():
+    """A correct implementation and subtly wrong ones, all called as impl(q, k, v, is_causal=...)."""
+    from .api import attention
+    from .reference import naive_attention
+
+    def flash(q, k, v, is_causal=False):
+        return attention(q, k, v, is_causal=is_causal)
+
+    def pytorch(q, k, v, is_causal=False):
+        return naive_attention(q, k, v, is_causal=is_causal)[0]
+
+    def scale_off(q, k, v, is_causal=False):
+        return attention(q, k, v, is_causal=is_causal, scale=1.01 / q.shape[-1] ** 0.5)
+
+    def dk_off(q, k, v, is_causal=False):
+        return attention(q, _bwd_ScaleGrad.apply(k, 1.02), v, is_causal=is_causal)
+
+    def last_row_off(q, k, v, is_causal=False):
+        out = attention(q, k, v, is_causal=is_causal)
+        bump = torch.ones(out.shape[-2], 1, dtype=out.dtype, device=out.device)
+        bump[-1] = 1.004
+        return out * bump
+
+    def sees_next_key(q, k, v, is_causal=False):
+        if not is_causal:
+            return attention(q, k, v)
+        n_q, n_kv = q.shape[-2], k.shape[-2]
+        i = torch.arange(n_q, device=q.device)[:, None]
+        j = torch.arange(n_kv, device=q.device)[None, :]
+        mask = torch.zeros(n_q, n_kv, dtype=q.dtype, device=q.device).masked_fill(j > i + 1, float("-inf"))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    right = {"flashattn.attention": flash, "plain PyTorch in the same dtype": pytorch}
+    wrong = {"the kernel with a scale 1% too large": scale_off,
+             "the kernel with dK 2% too large (forward exact)": dk_off,
+             "the kernel with only the last query row 0.4% off": last_row_off,
+             "causal attention where query i also sees key i+1": sees_next_key}
+    return right, wrong
+
+
+def _bwd_verdict(verdict):
+    if isinstance(verdict, torch.Tensor) and verdict.numel() == 1:
+        verdict = bool(verdict)
+    if not isinstance(verdict, (bool, np.bool_)):
+        raise ExerciseError(f"rule_test must return True or False, got {type(verdict).__name__}")
+    return bool(verdict)
+
+
+def check_rule_test(rule_test):
+    """``rule_test(impl, q, k, v, is_causal) -> bool`` applies the tolerance rule (error against a
+    float64 reference at most 2x (out) or 3x (dq, dk, dv) plain PyTorch's error in the same dtype,
+    plus the floor). It must accept correct implementations and reject subtly wrong ones."""
+    from .runtime import DEVICE
+
+    right, wrong = _bwd_rule_impls()
+
+    def inputs(n_q, n_kv, d, dtype, seed):
+        g = _bwd_gen(500 + seed)
+        return [torch.randn(1, 1, n, d, generator=g).to(dtype=dtype, device=DEVICE) for n in (n_q, n_kv, n_kv)]
+
+    right_cases = [("flashattn.attention", (37, 37, 32, torch.float32, 0), True),
+                   ("flashattn.attention", (37, 50, 40, torch.float16, 1), False),
+                   ("flashattn.attention", (50, 23, 16, torch.bfloat16, 2), True),
+                   ("plain PyTorch in the same dtype", (29, 29, 16, torch.float16, 3), True)]
+    for label, shape, causal in right_cases:
+        verdict = _bwd_verdict(attempt(rule_test, right[label], *inputs(*shape), is_causal=causal, name="rule_test"))
+        if not verdict:
+            raise ExerciseError(f"rule_test rejected a correct implementation ({label}) on N_q, N_kv, D = "
+                                f"{shape[:3]}, {shape[3]}, is_causal={causal}: is the bound factor x "
+                                "PyTorch's error + floor, with errors measured against float64?")
+    for label, impl in wrong.items():
+        verdict = _bwd_verdict(attempt(rule_test, impl, *inputs(45, 45, 32, torch.float32, 7), is_causal=True,
+                                       name="rule_test"))
+        if verdict:
+            raise ExerciseError(f"rule_test accepted a wrong implementation: {label} (float32, causal). "
+                                "Does it compare the gradients too, take the LARGEST error over all "
+                                "elements, and use a bound relative to PyTorch's own error?")
+    passed("rule_test accepts flashattn and PyTorch in fp32, fp16 and bf16, and rejects 4 subtly wrong "
+           "implementations")
+
+
+def check_row_lse_kernel(row_lse_kernel):
+    """The fixed find-the-bug kernel: ``row_lse_kernel[(cdiv(n_rows, BLOCK_ROWS),)](X, LSE, n_rows,
+    n_cols, stride_row, BLOCK_ROWS=..., BLOCK_COLS=...)`` writes logsumexp of each row of X."""
+    from .runtime import DEVICE
+
+    cases = [(8, 64, 4, 16), (5, 17, 4, 16), (3, 1, 4, 16), (9, 69, 8, 32), (2, 100, 4, 32), (7, 48, 4, 32)]
+    for n, (n_rows, n_cols, block_rows, block_cols) in enumerate(cases):
+        g = _bwd_gen(600 + n)
+        x = (torch.randn(n_rows, n_cols + 5, generator=g) * 3).to(DEVICE)[:, :n_cols]
+        lse = torch.full((n_rows + block_rows,), -7.0, device=DEVICE)
+        _bwd_run_kernel(row_lse_kernel, (triton.cdiv(n_rows, block_rows),),
+                        (x, lse, n_rows, n_cols, x.stride(0)),
+                        dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), "row_lse_kernel")
+        want = torch.logsumexp(x.double(), dim=-1)
+        what = f"n_rows={n_rows}, n_cols={n_cols}, BLOCK_ROWS={block_rows}, BLOCK_COLS={block_cols}"
+        if not (lse[n_rows:].cpu() == -7.0).all():
+            raise ExerciseError(f"{what}: the kernel wrote past the end of LSE: mask the store with rows < n_rows.")
+        if _bwd_matches(lse[:n_rows], want, atol=1e-5, rtol=1e-5):
+            continue
+        if n_cols % block_cols and n > 0:  # case 0 (n_cols a multiple of the block) passed
+            raise ExerciseError(f"{what}: wrong when n_cols is not a multiple of BLOCK_COLS (right when it is). "
+                                "The padded columns of the last block still count: their scores must be "
+                                "-inf (probability 0), not 0.")
+        expect_close(f"LSE ({what})", lse[:n_rows], want, atol=1e-5, rtol=1e-5)
+    passed("row_lse_kernel is right on aligned and ragged column counts (1, 17, 69, 100)")

@@ -1,0 +1,295 @@
+"""The student notebooks in exercises/: fresh, complete, stubbed where the solutions were, and
+failing exactly at the exercises' check cells (with "not implemented") while everything else runs.
+
+The student notebooks are made by scripts/make_student.py; these tests read its output with their
+own eyes (they do not trust the script). Executing the student notebooks is the slow part: each
+one runs once, in a fresh kernel with cwd = exercises/, several at a time (set
+STUDENT_NOTEBOOK_WORKERS to change how many; default: the CPU count, at most 4).
+"""
+import asyncio
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+EXERCISES = ROOT / "exercises"
+SCRIPT = ROOT / "scripts" / "make_student.py"
+PLANNED_CHAPTERS = 9        # 00 to 08
+MIN_EXERCISES = 12          # across the course, once all chapters exist
+
+_spec = importlib.util.spec_from_file_location("make_student", SCRIPT)
+make_student = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_student)
+
+
+def meta(cell):
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+def is_solution(cell):
+    return bool(meta(cell).get("solution"))
+
+
+def is_check(cell):
+    return bool(meta(cell).get("grade")) and not meta(cell).get("solution")
+
+
+def chapter_notebooks():
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def with_exercises():
+    return [path for path in chapter_notebooks()
+            if any(is_solution(cell) for cell in nbformat.read(path, as_version=4).cells)]
+
+
+# ---------------------------------------------------------------------------------------------
+# (1) exercises/ is fresh, and regenerating it is deterministic
+# ---------------------------------------------------------------------------------------------
+
+def test_exercises_are_up_to_date():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=ROOT, capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        pytest.fail(result.stdout + result.stderr, pytrace=False)
+
+
+def test_generation_is_deterministic():
+    assert make_student.expected_files() == make_student.expected_files()
+
+
+# ---------------------------------------------------------------------------------------------
+# (2) every notebook with exercises has a student version, stubbed where the solution was
+# ---------------------------------------------------------------------------------------------
+
+def test_every_notebook_with_exercises_has_a_student_version():
+    missing = [path.name for path in with_exercises() if not (EXERCISES / path.name).exists()]
+    if missing:
+        pytest.fail(f"no student version in exercises/ for: {', '.join(missing)} "
+                    "(run `python scripts/make_student.py`)", pytrace=False)
+
+
+def stubbed(source):
+    """What a solution cell must look like in the student version: each marked region replaced by
+    the stub, indented like its BEGIN marker; every other line kept (signature, docstring)."""
+    out, inside = [], False
+    for line in source.split("\n"):
+        if line.strip() == make_student.BEGIN:
+            indent = line[:len(line) - len(line.lstrip())]
+            out += [indent + stub_line for stub_line in make_student.CODE_STUB.split("\n")]
+            inside = True
+        elif line.strip() == make_student.END:
+            inside = False
+        elif not inside:
+            out.append(line)
+    return "\n".join(out)
+
+
+def solution_lines(source):
+    """The code lines inside the solution regions that do not also appear outside them."""
+    inside_lines, outside_lines, inside = [], set(), False
+    for line in source.split("\n"):
+        if line.strip() == make_student.BEGIN:
+            inside = True
+        elif line.strip() == make_student.END:
+            inside = False
+        elif inside:
+            inside_lines.append(line.strip())
+        else:
+            outside_lines.add(line.strip())
+    return [line for line in inside_lines if line and line not in outside_lines]
+
+
+@pytest.mark.parametrize("path", chapter_notebooks(), ids=lambda path: path.stem)
+def test_student_version_is_stubbed(path):
+    source = nbformat.read(path, as_version=4)
+    student_path = EXERCISES / path.name
+    if not student_path.exists():
+        pytest.fail(f"exercises/{path.name} is missing: run `python scripts/make_student.py`")
+    student = nbformat.read(student_path, as_version=4)
+    if len(student.cells) != len(source.cells):
+        pytest.fail(f"exercises/{path.name} has {len(student.cells)} cells, notebooks/{path.name} has "
+                    f"{len(source.cells)}: run `python scripts/make_student.py`", pytrace=False)
+    problems = []
+    grade_ids = {meta(cell).get("grade_id") for cell in source.cells}
+    for index, (cell, theirs) in enumerate(zip(source.cells, student.cells)):
+        where = f"cell {index}" + (f" ({meta(cell)['grade_id']})" if meta(cell).get("grade_id") else "")
+        if theirs.cell_type == "code" and (theirs.outputs or theirs.execution_count is not None):
+            problems.append(f"{where}: the student version keeps outputs or an execution count")
+        added = {key: value for key, value in meta(theirs).items() if key not in meta(cell)}
+        if {key: meta(theirs).get(key) for key in meta(cell)} != meta(cell) or set(added) - {"checksum", "cell_type"}:
+            problems.append(f"{where}: nbgrader metadata differs from the chapter notebook's")
+        if is_solution(cell):
+            lines = [line.strip() for line in cell.source.split("\n")]
+            if make_student.BEGIN not in lines or make_student.END not in lines:
+                problems.append(f"{where}: solution cell without '{make_student.BEGIN}' / '{make_student.END}'")
+                continue
+            if f"{meta(cell)['grade_id']}-check" not in grade_ids:
+                problems.append(f"{where}: no check cell with grade_id '{meta(cell)['grade_id']}-check'")
+            leaked = [line for line in solution_lines(cell.source) if line in
+                      {x.strip() for x in theirs.source.split("\n")}]
+            if leaked:
+                problems.append(f"{where}: solution code left in the student version: {leaked}")
+            if "SOLUTION" in theirs.source:
+                problems.append(f"{where}: solution markers left in the student version")
+            if theirs.source != stubbed(cell.source):
+                problems.append(f"{where}: expected the student cell to read\n{stubbed(cell.source)}\n"
+                                f"but it reads\n{theirs.source}")
+            if theirs.metadata.get("deletable") is not False:
+                problems.append(f"{where}: the solution cell should be undeletable (nbgrader's LockCells)")
+        else:
+            if theirs.source != cell.source:
+                problems.append(f"{where}: a cell without a solution changed in the student version")
+            if is_check(cell):
+                if not re.search(r"\bcheck_\w+\s*\(", cell.source):
+                    problems.append(f"{where}: a check cell should call flashattn.exercises.check_<name>(...)")
+                if theirs.metadata.get("editable") is not False:
+                    problems.append(f"{where}: the check cell should be read-only (nbgrader's LockCells)")
+    if problems:
+        pytest.fail(f"exercises/{path.name}:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# (3) run each student notebook once: check cells fail with "not implemented", the rest runs
+# ---------------------------------------------------------------------------------------------
+
+class _Report:
+    """A plugin that adds this module's lines to pytest's terminal summary."""
+
+    def __init__(self):
+        self.lines = []
+
+    def pytest_terminal_summary(self, terminalreporter):
+        for line in self.lines:
+            terminalreporter.write_line(line)
+
+
+def report(request, line):
+    plugins = request.config.pluginmanager
+    if plugins.get_plugin("student-notebooks-report") is None:
+        plugins.register(_Report(), "student-notebooks-report")
+    plugins.get_plugin("student-notebooks-report").lines.append(line)
+    print(line)
+
+
+def _this_python_kernel_manager():
+    """A kernel manager that starts the kernel with this very interpreter (like nbval's
+    --nbval-current-env), whatever kernelspec 'python3' points to on this machine."""
+    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    class ThisPython(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                              display_name="Python 3 (this environment)", language="python")
+
+    class Manager(AsyncKernelManager):
+        @default("kernel_spec_manager")
+        def _kernel_spec_manager_default(self):
+            return ThisPython()
+
+    return Manager
+
+
+async def _execute_all(paths, workers, timeout):
+    from nbclient import NotebookClient
+
+    manager = _this_python_kernel_manager()
+    limit = asyncio.Semaphore(workers)
+
+    async def run(path):
+        nb = nbformat.read(path, as_version=4)
+        async with limit:
+            start = time.perf_counter()
+            client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
+                                    kernel_manager_class=manager,
+                                    resources={"metadata": {"path": str(EXERCISES)}})
+            try:
+                await client.async_execute()
+            except Exception as error:  # the kernel died or a cell timed out: report, do not hang
+                return path, (error, time.perf_counter() - start)
+        return path, (nb, time.perf_counter() - start)
+
+    return dict(await asyncio.gather(*(run(path) for path in paths)))
+
+
+@pytest.fixture(scope="session")
+def executed(request):
+    """{notebook name: the executed student notebook (or the exception that stopped it)}, for every
+    notebook that the selected tests ask about: they all run together on first use."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            wanted = {item.callspec.params["name"] for item in request.session.items
+                      if getattr(item, "originalname", "") == "test_student_notebook_fails_only_at_checks"}
+            todo = sorted((wanted | {name}) - set(cache))
+            workers = int(os.environ.get("STUDENT_NOTEBOOK_WORKERS", min(4, os.cpu_count() or 1)))
+            results = asyncio.run(_execute_all([EXERCISES / n for n in todo], max(1, workers), timeout=300))
+            cache.update({path.name: nb for path, (nb, _) in results.items()})
+            report(request, f"student notebooks run ({workers} at a time): " + ", ".join(
+                f"{path.stem.split('_', 1)[0]} {seconds:.0f} s" for path, (_, seconds) in results.items()))
+        return cache[name]
+
+    return get
+
+
+def _errors(cell):
+    return [out for out in cell.get("outputs", []) if out.get("output_type") == "error"]
+
+
+@pytest.mark.parametrize("name", [path.name for path in with_exercises()],
+                         ids=lambda name: name.removesuffix(".ipynb"))
+def test_student_notebook_fails_only_at_checks(name, executed):
+    if not (EXERCISES / name).exists():
+        pytest.fail(f"exercises/{name} is missing: run `python scripts/make_student.py`")
+    nb = executed(name)
+    if isinstance(nb, Exception):
+        pytest.fail(f"exercises/{name} did not run to the end: {type(nb).__name__}: {nb}")
+    problems = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        errors = _errors(cell)
+        where = f"cell {index}" + (f" ({meta(cell)['grade_id']})" if meta(cell).get("grade_id") else "")
+        if is_check(cell):
+            if not errors:
+                problems.append(f"{where}: the check passed on the untouched stub (it must fail)")
+            elif errors[0]["ename"] != "ExerciseError" or "not implemented" not in errors[0]["evalue"].lower():
+                problems.append(f"{where}: the check should fail with ExerciseError '... not implemented ...', "
+                                f"got {errors[0]['ename']}: {errors[0]['evalue']}")
+        elif errors:
+            problems.append(f"{where}: raised {errors[0]['ename']}: {errors[0]['evalue']}\n"
+                            f"    (every cell but the check cells must run on the student version; "
+                            f"does it use a function the learner has not written yet?)\n"
+                            + "\n".join("    " + line for line in cell.source.split("\n")))
+    if problems:
+        pytest.fail(f"exercises/{name}:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# (4) how many exercises the course has
+# ---------------------------------------------------------------------------------------------
+
+
+
+def test_enough_exercises(request):
+    counts = {path.stem: sum(is_solution(cell) for cell in nbformat.read(path, as_version=4).cells)
+              for path in chapter_notebooks()}
+    total = sum(counts.values())
+    summary = (f"student notebooks: {total} exercises in {len(counts)} chapter notebooks ("
+               + ", ".join(f"{name.split('_', 1)[0]}: {n}" for name, n in counts.items()) + ")")
+    report(request, summary)
+    if len(counts) < PLANNED_CHAPTERS:
+        pytest.skip(f"only {len(counts)} of {PLANNED_CHAPTERS} chapter notebooks exist so far "
+                    f"({total} exercises); the course needs at least {MIN_EXERCISES} once all exist")
+    assert total >= MIN_EXERCISES, f"{summary}: the course needs at least {MIN_EXERCISES}"

@@ -139,11 +139,12 @@ def exercises(nb):
         if check is not None:
             match = re.search(r"\b(check_\w+)\s*\(", check.source)
             checker = match.group(1) if match else None
-        task = ""
+        task = ""  # the last heading of the markdown cell before (else its first line)
         for previous in reversed(nb.cells[:index]):
             if previous.cell_type == "markdown":
-                task = next((line.strip().lstrip("#").strip() for line in previous.source.split("\n")
-                             if line.strip()), "")
+                lines = [line.strip() for line in previous.source.split("\n") if line.strip()]
+                headings = [line for line in lines if line.startswith("#")]
+                task = (headings or lines or [""])[-1 if headings else 0].lstrip("#").strip()
                 break
         found.append(dict(grade_id=gid, cell=index, functions=functions, checker=checker,
                           points=nbgrader_meta(check).get("points", 0) if check is not None else 0,

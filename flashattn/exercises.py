@@ -1042,14 +1042,18 @@ def check_delta_kernel(delta_kernel):
 
 
 @triton.jit
-def _bwd_dq_exercise_kernel(Q, K, V, dO, LSE, Delta, dQ,
-                            stride_qh, stride_qn, stride_kh, stride_kn, stride_dqh, stride_dqn,
-                            n_q, n_kv, scale, qk_scale, INNER: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                            BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """The dQ stage around a learner's inner loop ``INNER``: the same ranges as flashattn's
-    _attn_bwd_dq, for (heads, N, D) tensors with contiguous columns (K and V share strides, and so
-    do Q and dO)."""
+def dq_exercise_kernel(Q, K, V, dO, LSE, Delta, dQ,
+                       stride_qh, stride_qn, stride_kh, stride_kn, stride_dqh, stride_dqn,
+                       n_q, n_kv, scale, qk_scale, INNER: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """The dQ stage of chapter 06's exercise, around the learner's inner loop ``INNER`` (a
+    @triton.jit function passed as a compile-time constant, and called like flashattn's _dq_inner).
+
+    One program per (query block, head) of (heads, N, D) tensors whose columns are contiguous; K and
+    V share their strides, and so do Q and dO. It loads the resident tiles (q, do, and the rows' LSE2
+    and Delta), then calls INNER twice with the key ranges of flashattn.traversal.kv_ranges: the
+    whole unmasked tiles (MASKED=False), then the diagonal and ragged tiles (MASKED=True)."""
     q_block, head = tl.program_id(0), tl.program_id(1)
     Q += head * stride_qh
     dO += head * stride_qh
@@ -1095,7 +1099,7 @@ def run_dq_inner(dq_inner, q, k, v, do, is_causal=False, scale=None, block_q=32,
     lse2 = (lse64 * LOG2E).float().contiguous()
     delta = (o64 * do.double()).sum(-1).float().contiguous()
     dq = torch.full_like(q, float("nan"))
-    _bwd_run_kernel(_bwd_dq_exercise_kernel, (triton.cdiv(n_q, block_q), heads),
+    _bwd_run_kernel(dq_exercise_kernel, (triton.cdiv(n_q, block_q), heads),
                     (q, k, v, do, lse2, delta, dq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                      dq.stride(0), dq.stride(1), n_q, k.shape[1], scale, scale * LOG2E, dq_inner),
                     dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q,

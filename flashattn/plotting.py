@@ -390,7 +390,8 @@ def backward_ownership(n_q, n_kv, block_q, block_kv, q_block, kv_block, is_causa
         ax.set_xlabel("key position j")
         ax.set_ylabel("query position i")
         ax.set_title(title, fontsize=10)
-    axes[1].legend(handles=[Patch(color="#f7f7f7", label="visible pair"), Patch(color="#bdbdbd", label="hidden (causal)"),
+    axes[1].legend(handles=[Patch(facecolor="#f7f7f7", edgecolor="#999999", label="visible pair"),
+                            Patch(color="#bdbdbd", label="hidden (causal)"),
                             Patch(color="#555555", alpha=0.55, label="tile visited (in order)")],
                    loc="lower left", fontsize=8, framealpha=0.9)
     return axes
@@ -508,9 +509,9 @@ def launch_strips(orders, wave=None, ax=None, title="Which head each program wor
     ax.set_xlabel("launch order (linear program index)")
     if wave is not None:
         ax.axvline(wave - 0.5, color="black", lw=2)
-        ax.text(wave - 0.5, -0.6, f" first {wave} programs run together", fontsize=8, va="bottom")
+        title = f"{title}\n(left of the black line: the first {wave} programs, running together)"
     ax.figure.colorbar(im, ax=ax, label=value_name, fraction=0.03, pad=0.01)
-    ax.set_title(title, fontsize=10, pad=14)
+    ax.set_title(title, fontsize=10)
     return ax
 
 

@@ -10,18 +10,8 @@ import torch
 
 from .backward import attention_backward
 from .forward import attention_forward
-from .runtime import INTERPRET
 
 LN2 = math.log(2.0)
-
-
-def _kernel_dtype(*tensors):
-    """The interpreter runs tl.dot through NumPy, which has no bfloat16: there, bf16 tensors are
-    upcast to float32 before the kernels (the same numbers, loaded wider) and results are rounded
-    back to bf16 afterwards. On a GPU the kernels read bf16 directly."""
-    if INTERPRET and tensors[0].dtype == torch.bfloat16:
-        return [None if t is None else t.float() for t in tensors]
-    return list(tensors)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -29,8 +19,7 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal, scale):
-        o, lse2 = attention_forward(*_kernel_dtype(q, k, v), is_causal, scale)
-        o = o.to(q.dtype)
+        o, lse2 = attention_forward(q, k, v, is_causal, scale)
         ctx.save_for_backward(q, k, v, o, lse2)
         ctx.is_causal, ctx.scale = is_causal, scale
         ctx.set_materialize_grads(False)  # an unused output gets None, not a tensor of zeros
@@ -42,7 +31,5 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, o, lse2 = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        kq, kk, kv, ko, kdo = _kernel_dtype(q, k, v, o, do)
-        dq, dk, dv = attention_backward(kq, kk, kv, ko, lse2, kdo, ctx.is_causal, ctx.scale,
-                                        dlse=dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = attention_backward(q, k, v, o, lse2, do, ctx.is_causal, ctx.scale, dlse=dlse)
+        return dq, dk, dv, None, None

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from . import tuning
 from .forward import LOG2E
+from .runtime import kernel_dtype
 from .tiles import load_tile, store_tile
 
 
@@ -228,9 +229,11 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     configs = configs or {}
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
+    dtypes = q.dtype, k.dtype, v.dtype
+    q, k, v, o, do = kernel_dtype(q, k, v, o, do)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if n_q == 0 or n_kv == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return tuple(t.zero_().to(d) for t, d in zip((dq, dk, dv), dtypes))
     common = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
     masking = dict(common, IS_CAUSAL=bool(is_causal), DOT_PRECISION=tuning.dot_precision(q.dtype))
     seq_len = max(n_q, n_kv)
@@ -256,7 +259,7 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
         (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
          *dq.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
         masking, seq_len, configs.get("bwd_dq"))
-    return dq, dk, dv
+    return tuple(t.to(d) for t, d in zip((dq, dk, dv), dtypes))
 
 
 def _checked_dkdv(config):

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from .runtime import kernel_dtype
 from .tiles import load_tile, store_tile
 
 LOG2E = 1.4426950408889634  # log2(e) = 1 / ln(2): e**x == 2**(x * LOG2E)
@@ -125,12 +126,14 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
     """
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
+    out_dtype = q.dtype
+    q, k, v = kernel_dtype(q, k, v)
     o = torch.empty_like(q)
     lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
     if n_q == 0:
-        return o, lse2
+        return o.to(out_dtype), lse2
     if n_kv == 0:  # softmax over no keys: an empty sum, like scaled_dot_product_attention
-        return o.zero_(), lse2.fill_(float("-inf"))
+        return o.zero_().to(out_dtype), lse2.fill_(float("-inf"))
 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch)
@@ -142,4 +145,4 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
         dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim), IS_CAUSAL=bool(is_causal),
              DOT_PRECISION=tuning.dot_precision(q.dtype)),
         seq_len=max(n_q, n_kv), config=config)
-    return o, lse2
+    return o.to(out_dtype), lse2

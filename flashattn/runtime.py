@@ -29,6 +29,16 @@ RUNTIME = "interpreter" if INTERPRET else "gpu"
 DEVICE = torch.device("cpu") if INTERPRET else torch.device("cuda")
 
 
+def kernel_dtype(*tensors):
+    """The tensors as the kernels should read them here: unchanged on a GPU; on the interpreter,
+    bfloat16 upcast to float32, because the interpreter multiplies tiles with NumPy, which has no
+    bfloat16 (its bf16 tl.dot returns garbage). Upcasting changes no value; the results are
+    rounded back to bfloat16 by the caller."""
+    if INTERPRET:
+        return [t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in tensors]
+    return list(tensors)
+
+
 def describe() -> str:
     """One line saying where the kernels run and why, for the first cell of every notebook."""
     import triton

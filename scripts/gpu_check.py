@@ -40,10 +40,10 @@ def report(label, checks):
 
 
 def qkv(shape_q, shape_kv, dtype, seed=0, magnitude=1.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(shape_q, device="cuda", generator=g) * magnitude
-    k = torch.randn(shape_kv, device="cuda", generator=g) * magnitude
-    v = torch.randn(shape_kv, device="cuda", generator=g)
+    g = torch.Generator(device=flashattn.DEVICE).manual_seed(seed)
+    q = torch.randn(shape_q, device=flashattn.DEVICE, generator=g) * magnitude
+    k = torch.randn(shape_kv, device=flashattn.DEVICE, generator=g) * magnitude
+    v = torch.randn(shape_kv, device=flashattn.DEVICE, generator=g)
     return [t.to(dtype) for t in (q, k, v)]
 
 
@@ -62,8 +62,8 @@ def kernel_level(q, k, v, causal, fwd_config=None, bwd_configs=None):
     dtype = q.dtype
     scale = q.shape[-1] ** -0.5
     o, lse2 = attention_forward(q, k, v, causal, scale, config=fwd_config)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    do = torch.randn(o.shape, device="cuda", generator=g).to(dtype)
+    g = torch.Generator(device=flashattn.DEVICE).manual_seed(1)
+    do = torch.randn(o.shape, device=flashattn.DEVICE, generator=g).to(dtype)
     dq, dk, dv = attention_backward(q, k, v, o, lse2, do, causal, scale, configs=bwd_configs)
 
     def ref(t_q, t_k, t_v):
@@ -117,8 +117,8 @@ def check_int64():
     q, k, v = qkv((1, heads, n, head_dim), (1, heads, n, head_dim), torch.float16)
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     out = flashattn.attention(q, k, v, is_causal=True)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    do = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype)
+    g = torch.Generator(device=flashattn.DEVICE).manual_seed(2)
+    do = torch.randn(out.shape, device=flashattn.DEVICE, generator=g).to(out.dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     last = slice(heads - 2, heads)
 
@@ -158,7 +158,8 @@ def main():
     p.add_argument("what", nargs="+", choices=["configs", "long", "int64", "determinism", "sanitize"])
     p.add_argument("--part", default="0/1", help="run only the I-th of N slices of the configs")
     args = p.parse_args()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (interpreter)"
+    print(f"# {gpu}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
     for what in args.what:
         if what == "configs":

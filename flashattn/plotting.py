@@ -406,16 +406,16 @@ def rule_ratios(labels, checks, ax=None, title="error / bound for each case (bel
     x = np.arange(len(labels))
     markers = dict(out="o", lse="s", dq="^", dk="v", dv="D")
     for n, name in enumerate(names):
-        ratios = [max(case[n].error / case[n].bound, 1e-4) if case[n].bound > 0 else np.nan for case in checks]
+        ratios = [max(case[n].error / case[n].bound, 1e-6) if case[n].bound > 0 else np.nan for case in checks]
         ax.scatter(x + (n - (len(names) - 1) / 2) * 0.1, ratios, marker=markers.get(name, "o"), label=name, s=28)
     ax.axhline(1.0, color="crimson", lw=1.5, ls="--", label="bound")
     ax.set_yscale("log")
     ax.set_xticks(x)
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("error / (factor x PyTorch's error + floor)")
+    ax.set_ylabel("error / (factor x PyTorch's error + floor)\n(exact results drawn at 1e-6)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=3, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 

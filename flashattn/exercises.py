@@ -740,38 +740,40 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _fwd_exercise_kernel(Q, K, V, O, LSE,
-                         stride_qh, stride_qn, stride_kh, stride_kn, stride_kd,
-                         stride_vh, stride_vn, stride_vd, stride_oh, stride_on,
-                         n_q, n_kv, qk_scale, INNER: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """flashattn's forward kernel around a learner's inner loop ``INNER``, for (heads, N, D) tensors
-    whose head dim is a power of two >= 16 (no column mask) and Q, O with contiguous columns."""
-    q_block, head = tl.program_id(0), tl.program_id(1)
-    Q += head * stride_qh
+def fwd_exercise_kernel(Q, K, V, O, LSE,
+                        stride_qh, stride_qn, stride_kh, stride_kn, stride_kd,
+                        stride_vh, stride_vn, stride_vd, stride_oh, stride_on,
+                        n_q, n_kv, qk_scale, INNER: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """flashattn's forward kernel, simplified, around a learner's inner loop ``INNER`` (a
+    @triton.jit function passed as a compile-time argument). Tensors are (heads, N, D) with a head
+    dim that is a power of two >= 16 (so no column mask), Q and O with contiguous columns."""
+    q_block, head = tl.program_id(0), tl.program_id(1)     # grid: (query blocks, heads)
+    Q += head * stride_qh                                  # move to this head's (N, D) matrices
     K += head * stride_kh
     V += head * stride_vh
     O += head * stride_oh
     LSE += head * n_q
     q_start = q_block * BLOCK_Q
-    offs_q = q_start + tl.arange(0, BLOCK_Q)
+    offs_q = q_start + tl.arange(0, BLOCK_Q)               # the query positions of this block
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + offs_q[:, None] * stride_qn + offs_d[None, :], mask=offs_q[:, None] < n_q, other=0.0)
-    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)   # running max M (base 2, scaled)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)                 # running sum L
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)       # unnormalised output
     if IS_CAUSAL:
         kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)
         kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
     else:
         kv_end = n_kv
         kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
+    # stage 1: full tiles, no mask (MASKED=False); stage 2: masked tiles (MASKED=True)
     acc, m_i, l_i = INNER(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                           offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale, BLOCK_KV, False, IS_CAUSAL)
     acc, m_i, l_i = INNER(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                           offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale, BLOCK_KV, True, IS_CAUSAL)
     acc = acc / l_i[:, None]
-    tl.store(LSE + offs_q, m_i + tl.log2(l_i), mask=offs_q < n_q)
+    tl.store(LSE + offs_q, m_i + tl.log2(l_i), mask=offs_q < n_q)   # base-2 LSE
     tl.store(O + offs_q[:, None] * stride_on + offs_d[None, :], acc.to(O.dtype.element_ty),
              mask=offs_q[:, None] < n_q)
 
@@ -821,7 +823,7 @@ def run_fwd_inner(fwd_inner, q, k, v, is_causal=False, scale=None, block_q=32, b
         q = q.contiguous()
     o = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
     lse2 = torch.full((heads, n_q), float("nan"), device=q.device, dtype=torch.float32)
-    _launch_learner_kernel(_fwd_exercise_kernel, (triton.cdiv(n_q, block_q), heads),
+    _launch_learner_kernel(fwd_exercise_kernel, (triton.cdiv(n_q, block_q), heads),
                     (q, k, v, o, lse2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
                      v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1),
                      n_q, k.shape[1], scale * LOG2E, fwd_inner),
@@ -865,8 +867,8 @@ def check_fwd_inner(fwd_inner):
                 f"{layout} K/V, BLOCK_Q={block_q}, BLOCK_KV={block_kv})")
         if dtype == torch.float16:
             atol = 4e-3
-        else:  # a GPU multiplies float32 tiles in TF32 unless told otherwise
-            atol = pick(cpu=2e-5, gpu=2e-5 if torch.get_float32_matmul_precision() == "highest" else 5e-3)
+        else:  # on a GPU, tl.dot multiplies float32 tiles in TF32 unless told input_precision="ieee"
+            atol = pick(cpu=2e-5, gpu=5e-3)
         if not _close(o, o_ref, atol, atol):
             hint = _name_fwd_mistake(o.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, block_q, block_kv, scale,
                                      o_ref.cpu(), atol, atol)

@@ -26,7 +26,8 @@ import torch
 
 FIELDS = ["gpu", "torch", "triton", "dtype", "causal", "batch", "heads", "seq_len", "head_dim",
           "mode", "provider", "ms", "tflops", "peak_mib"]
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+#: "tf32" is float32 with torch.set_float32_matmul_precision("high"): TF32 tensor cores allowed.
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
 PROVIDERS = ["flashattn", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]
 
 
@@ -108,6 +109,53 @@ def measure(provider, dtype, batch, heads, n, head_dim, causal, modes=("fwd", "b
     return results, peak
 
 
+def _compile_one(job):
+    """Worker: compile one kernel configuration into Triton's disk cache by running it once on a
+    small input (same dtypes, head dim and stride pattern as the real runs, so the same binary)."""
+    name, config, dtype, head_dim, causal = job
+    from .backward import attention_backward
+    from .forward import attention_forward
+
+    torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
+    from .runtime import DEVICE
+    q, k, v = (torch.randn(1, 2, 256, head_dim, device=DEVICE, dtype=DTYPES[dtype]) for _ in range(3))
+    try:
+        if name == "fwd":
+            attention_forward(q, k, v, causal, 0.1, config=config)
+        else:
+            o, lse2 = attention_forward(q, k, v, causal, 0.1, config=dict(BLOCK_Q=64, BLOCK_KV=32))
+            configs = {"bwd_preprocess": dict(BLOCK_Q=64), "bwd_dkdv": dict(BLOCK_Q=32, BLOCK_KV=64),
+                       "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=32), name: config}
+            attention_backward(q, k, v, o, lse2, torch.randn_like(o), causal, 0.1, configs=configs)
+        return None
+    except Exception as e:  # a candidate the compiler rejects: the autotuner will skip it too
+        return f"{name} {config}: {type(e).__name__}"
+
+
+def warm_compile(dtypes, head_dims, causals, workers=None):
+    """Compile every autotuning candidate for these settings in parallel processes, so that the
+    autotuner then finds them in Triton's disk cache instead of compiling them one by one."""
+    import concurrent.futures
+    import multiprocessing
+
+    from . import tuning
+
+    jobs = []
+    for dtype in dtypes:
+        size = DTYPES[dtype].itemsize
+        for head_dim in head_dims:
+            for name in ("fwd", "bwd_dkdv", "bwd_dq"):
+                for c in tuning.GPU_CONFIGS[name]:
+                    if tuning.fits(name, c, tuning.block_d(head_dim), size):
+                        config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+                        jobs += [(name, config, dtype, head_dim, causal) for causal in causals]
+    workers = workers or min(16, os.cpu_count() or 1)
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        problems = [r for r in pool.map(_compile_one, jobs) if r]
+    return len(jobs), problems
+
+
 def run(dtypes, head_dims, seq_lens, causals, providers, tokens, out_csv, log=print):
     """The sweep: batch x heads x seq_len is held at ``tokens`` (batch = 1, heads = tokens/N,
     at least 1), so that every length does the same amount of work per key."""
@@ -128,6 +176,7 @@ def run(dtypes, head_dims, seq_lens, causals, providers, tokens, out_csv, log=pr
         writer.writeheader()
         for dtype, head_dim, n, causal, provider in tqdm(settings, desc="bench", mininterval=5):
             heads = max(tokens // n, 1)
+            torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
             try:
                 results, peak = measure(provider, DTYPES[dtype], 1, heads, n, head_dim, causal)
             except Exception as e:  # e.g. a backend that does not take fp32: record and go on
@@ -192,22 +241,23 @@ def plot(rows, out_dir):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32"], choices=list(DTYPES))
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "tf32", "fp32"], choices=list(DTYPES))
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     p.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
     p.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
     p.add_argument("--tokens", type=int, default=128 * 8192,
                    help="batch x heads x seq_len of every setting (default 128 x 8192)")
-    p.add_argument("--tf32", action="store_true", help="let float32 use TF32 tensor cores")
+    p.add_argument("--no-warm", action="store_true", help="skip compiling the candidates in parallel first")
     p.add_argument("--out", default=os.path.join("figures", "data", "bench.csv"))
     p.add_argument("--plots", default="figures", help="folder for the TFLOPS plots ('' for none)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("flashattn.bench needs a CUDA GPU (the interpreter would take days).")
-    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")
-    print(f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"float32 matmul precision {torch.get_float32_matmul_precision()}")
+    print(f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if "flashattn" in args.providers and not args.no_warm:
+        count, problems = warm_compile(args.dtypes, args.head_dims, [bool(c) for c in args.causal])
+        print(f"compiled {count} candidate configurations in parallel; rejected: {problems or 'none'}")
     rows = run(args.dtypes, args.head_dims, args.seq_lens, [bool(c) for c in args.causal],
                args.providers, args.tokens, args.out)
     print("\n".join(summary(rows)))

@@ -43,6 +43,13 @@ GPU_CONFIGS = {
     "bwd_dkdv": _configs([(32, 128), (64, 128), (16, 128), (32, 64), (64, 64), (16, 64)]),
     "bwd_dq": _configs([(128, 32), (128, 64), (128, 16), (64, 32), (64, 64)]),
 }
+#: Small tiles in one stage: what runs when no candidate is judged to fit (float32 at head dim 256).
+FALLBACK_CONFIGS = {
+    "fwd": triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 16}, num_warps=4, num_stages=1),
+    "bwd_preprocess": triton.Config({"BLOCK_Q": 16}, num_warps=4, num_stages=1),
+    "bwd_dkdv": triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 32}, num_warps=4, num_stages=1),
+    "bwd_dq": triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 16}, num_warps=4, num_stages=1),
+}
 
 
 def fits(name, config, block_d, element_size) -> bool:
@@ -60,17 +67,20 @@ def fits(name, config, block_d, element_size) -> bool:
     values = accumulators * resident * block_d + scores * resident * streamed
     if values / (config.num_warps * 32) > 160:
         return False
-    # Shared memory (228 KB per SM) holds the resident tile and, per pipeline stage, two streamed ones.
-    if (resident + config.num_stages * 2 * streamed) * block_d * element_size > 228 * 1024:
+    # Shared memory (227 KB per block) holds the resident tiles (Q; K and V; Q and dO) and, per
+    # pipeline stage, two streamed ones (K and V; Q and dO; K and V).
+    resident_tiles = 1 if name == "fwd" else 2
+    smem = (resident_tiles * resident + config.num_stages * 2 * streamed) * block_d * element_size
+    if smem > 227 * 1024:
         return False
     # dK/dV steps through the queries from the diagonal: BLOCK_Q must divide BLOCK_KV.
     return name != "bwd_dkdv" or bkv % bq == 0
 
 
 def _prune(name):
-    def prune(configs, named_args, **kwargs):
-        size = named_args["Q"].element_size()
-        return [c for c in configs if fits(name, c, named_args["BLOCK_D"], size)] or configs[:1]
+    def prune(configs, named_args, **kwargs):  # Triton passes the constexprs in kwargs
+        size, block_d = named_args["Q"].element_size(), kwargs["BLOCK_D"]
+        return [c for c in configs if fits(name, c, block_d, size)] or [FALLBACK_CONFIGS[name]]
     return prune
 
 
@@ -98,23 +108,33 @@ def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
     Returns the configuration that ran, as a dict."""
     if config is None and INTERPRET:
         config = INTERPRETER_CONFIGS[name]
-    if config is None and os.environ.get("FLASHATTN_AUTOTUNE") == "0":
-        config = default_config(name, constexprs["BLOCK_D"], args[0].element_size())
     if config is not None:
         kernel[grid](*args, **constexprs, **config)
         return dict(config)
+    if os.environ.get("FLASHATTN_AUTOTUNE") == "0":
+        return _first_that_runs(name, kernel, grid, args, constexprs)
     tuner = _tuner(name, kernel, seq_bucket(seq_len))
     tuner[grid](*args, **constexprs)
     best = tuner.best_config
     return dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
 
 
-def default_config(name, block_d, element_size):
-    """The first GPU candidate that fits, as a dict (candidates are listed best guess first)."""
-    fitting = [c for c in GPU_CONFIGS[name]
-               if name == "bwd_preprocess" or fits(name, c, block_d, element_size)]
-    c = (fitting or GPU_CONFIGS[name])[0]
-    return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+def _first_that_runs(name, kernel, grid, args, constexprs):
+    """Without autotuning: the first candidate that fits (they are listed best guess first) and
+    that the compiler accepts; small fallback tiles if none is judged to fit."""
+    candidates = GPU_CONFIGS[name]
+    if name != "bwd_preprocess":
+        size = args[0].element_size()
+        candidates = ([c for c in candidates if fits(name, c, constexprs["BLOCK_D"], size)]
+                      or [FALLBACK_CONFIGS[name]])
+    for i, c in enumerate(candidates):
+        config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+        try:
+            kernel[grid](*args, **constexprs, **config)
+            return config
+        except triton.runtime.errors.OutOfResources:
+            if i == len(candidates) - 1:
+                raise
 
 
 def block_d(head_dim: int) -> int:

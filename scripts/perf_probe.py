@@ -48,7 +48,7 @@ def probe(dtype, head_dim, causal, n, tokens, providers, tma):
               f"bwd {res['bwd'][1]:6.1f} TFLOPS ({res['bwd'][0]:7.3f} ms)  peak {peak:7.0f} MiB", flush=True)
         if provider == "flashattn":
             config_table(n)
-    if tma and dtype in ("fp16", "bf16"):
+    if tma and dtype in ("fp16", "bf16") and head_dim == 128:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "notes", "experiments"))
         from fwd_tma import forward_tma
         q, k, v = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
@@ -64,15 +64,23 @@ def probe(dtype, head_dim, causal, n, tokens, providers, tma):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--settings", nargs="+", default=["bf16:128:1:8192", "bf16:128:0:8192", "fp16:64:1:8192"],
-                   help="dtype:head_dim:causal:seq_len")
+    p.add_argument("--settings", nargs="+",
+                   default=["bf16:128:1:8192", "bf16:128:0:8192", "fp16:64:1:8192", "fp16:64:0:8192",
+                            "tf32:128:1:4096:fixed", "fp32:128:1:4096:fixed"],
+                   help="dtype:head_dim:causal:seq_len[:fixed] (fixed: FLASHATTN_AUTOTUNE=0)")
     p.add_argument("--providers", nargs="+", default=["flashattn", "sdpa", "sdpa-flash", "sdpa-cudnn"])
     p.add_argument("--tokens", type=int, default=128 * 8192)
     p.add_argument("--tma", action="store_true")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    for s in args.settings:
-        dtype, hd, causal, n = s.split(":")
+    settings = [s.split(":") for s in args.settings]
+    tuned = [s for s in settings if len(s) == 4]
+    for dtype, hd in sorted({(s[0], int(s[1])) for s in tuned}):
+        causals = sorted({bool(int(s[2])) for s in tuned if (s[0], int(s[1])) == (dtype, hd)})
+        count, problems = bench.warm_compile([dtype], [hd], causals)
+        print(f"# compiled {count} candidates for {dtype} D={hd}; rejected: {problems or 'none'}", flush=True)
+    for dtype, hd, causal, n, *fixed in settings:
+        os.environ["FLASHATTN_AUTOTUNE"] = "0" if fixed else "1"
         probe(dtype, int(hd), int(causal), int(n), args.tokens, args.providers, args.tma)
 
 

@@ -9,6 +9,8 @@ tensors. Otherwise (or if the user already set ``TRITON_INTERPRET=1``) the very 
 the interpreter, which executes each program with NumPy on CPU tensors.
 """
 import os
+import sys
+import warnings
 
 import torch
 
@@ -22,6 +24,16 @@ else:
     INTERPRET = True
     REASON = "no CUDA GPU found"
     os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in sys.modules:
+        # Triton was imported in compiling mode, and its own helpers (tl.max, tl.zeros, ...) were
+        # built for the compiler. Forget its Python modules (not its C extension) so that the
+        # import below gets a copy in interpreter mode.
+        for name in [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]:
+            del sys.modules[name]
+        warnings.warn("triton was imported before flashattn on a machine without a CUDA GPU; "
+                      "flashattn re-imported it in interpreter mode. Kernels you define with the "
+                      "triton module imported earlier will not run on the CPU: import flashattn "
+                      "first (or set TRITON_INTERPRET=1 before starting Python).", stacklevel=2)
 
 #: "gpu" when the kernels are compiled, "interpreter" when they run on the CPU.
 RUNTIME = "interpreter" if INTERPRET else "gpu"

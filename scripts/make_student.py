@@ -139,13 +139,20 @@ def exercises(nb):
         if check is not None:
             match = re.search(r"\b(check_\w+)\s*\(", check.source)
             checker = match.group(1) if match else None
-        task = ""  # the last heading of the markdown cell before (else its first line)
+        # The exercise's name: the nearest heading above the solution cell (not above an earlier
+        # exercise's cells), else the first line of the markdown cell just above it.
+        task, first_line = "", ""
         for previous in reversed(nb.cells[:index]):
+            if nbgrader_meta(previous):
+                break
             if previous.cell_type == "markdown":
                 lines = [line.strip() for line in previous.source.split("\n") if line.strip()]
+                first_line = first_line or (lines[0] if lines else "")
                 headings = [line for line in lines if line.startswith("#")]
-                task = (headings or lines or [""])[-1 if headings else 0].lstrip("#").strip()
-                break
+                if headings:
+                    task = headings[-1].lstrip("#").strip()
+                    break
+        task = task or first_line
         found.append(dict(grade_id=gid, cell=index, functions=functions, checker=checker,
                           points=nbgrader_meta(check).get("points", 0) if check is not None else 0,
                           task=task))

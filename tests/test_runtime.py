@@ -1,4 +1,5 @@
 """The runtime choice: interpreter without a GPU, whatever was imported first."""
+import os
 import subprocess
 import sys
 
@@ -19,7 +20,9 @@ def test_triton_imported_first_still_gets_the_interpreter():
             "q = torch.randn(1, 1, 20, 16)\n"
             "torch.testing.assert_close(flashattn.attention(q, q, q),\n"
             "    torch.nn.functional.scaled_dot_product_attention(q, q, q))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # set by our own import
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0, result.stderr[-2000:]
 
 

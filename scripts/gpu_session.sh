@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session, as run through the device tool on an H200. Steps run in the order given:
 #   probe    scripts/perf_probe.py: every tile configuration timed at reference settings, with SDPA
-#   checks   the test suite on the GPU, then scripts/gpu_check.py (all tile configurations, long
-#            sequences, 64-bit offsets, determinism) and compute-sanitizer memcheck
+#   tests    the test suite on the GPU (default tile configurations, 8 processes)
+#   checks   scripts/gpu_check.py (all tile configurations, long sequences, 64-bit offsets,
+#            determinism) and compute-sanitizer memcheck
 #   bench    python -m flashattn.bench (arguments after "bench" go to it)
 # Logs go to $OUT (gpu_check.txt, probe.txt, bench.txt).
 set -u
@@ -19,11 +20,15 @@ while [ $# -gt 0 ]; do
   case $step in
     probe)
       { header; timeout 240 python3 scripts/perf_probe.py --tma; } 2>&1 | tee "$OUT/probe.txt" ;;
-    checks)
+    tests)
       {
         header
         echo; echo "## the test suite on the GPU (tests/, default tile configs, 8 processes)"
-        FLASHATTN_AUTOTUNE=0 timeout 240 python3 -m pytest -q -o addopts="" -p no:cacheprovider -n 8 tests 2>&1 | tail -25
+        FLASHATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -q -o addopts="" -p no:cacheprovider -n 8 tests 2>&1 | tail -25
+      } 2>&1 | tee "$OUT/tests.txt" ;;
+    checks)
+      {
+        header
         echo; echo "## every tile configuration the tuner may pick"
         for i in 0 1 2 3 4 5 6 7; do
           timeout 200 python3 scripts/gpu_check.py configs --part $i/8 > "$OUT/part$i" 2>&1 &

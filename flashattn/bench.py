@@ -145,7 +145,7 @@ def warm_compile(dtypes, head_dims, causals, workers=None):
         size = DTYPES[dtype].itemsize
         for head_dim in head_dims:
             for name in ("fwd", "bwd_dkdv", "bwd_dq"):
-                for c in tuning.GPU_CONFIGS[name]:
+                for c in tuning.candidates(name, DTYPES[dtype], "ieee" if dtype == "fp32" else "tf32"):
                     if tuning.fits(name, c, tuning.block_d(head_dim), size):
                         config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
                         jobs += [(name, config, dtype, head_dim, causal) for causal in causals]

@@ -29,19 +29,35 @@ INTERPRETER_CONFIGS = {
 }
 
 
-def _configs(blocks, warps=(8, 4), stages=(3, 2, 4)):
-    return [triton.Config(dict(zip(("BLOCK_Q", "BLOCK_KV"), b)), num_warps=w, num_stages=s)
-            for b in blocks for w in warps for s in stages]
+def _configs(*specs):
+    """Configs from (BLOCK_Q, BLOCK_KV, num_warps, num_stages) tuples."""
+    return [triton.Config({"BLOCK_Q": bq, "BLOCK_KV": bkv}, num_warps=w, num_stages=s)
+            for bq, bkv, w, s in specs]
 
 
-#: Candidates on a GPU, as (BLOCK_Q, BLOCK_KV) pairs, best guess first (FLASHATTN_AUTOTUNE=0 takes
-#: the first that fits). In the forward and dQ kernels a query tile stays resident and key tiles
-#: stream past; in dK/dV it is the other way round.
+#: Candidates on a GPU with tensor cores (16-bit inputs, or float32 allowed TF32), best first.
+#: They are the fastest of a wider sweep on an H200 (notes/gpu_runs/run2_probe.txt: 21 to 30
+#: candidates per kernel, bf16/fp16, head dims 64/128), plus small tiles for head dims up to 256.
+#: In the forward and dQ kernels the query tile stays and key tiles stream past; in dK/dV the
+#: key tile stays. FLASHATTN_AUTOTUNE=0 takes the first candidate that fits.
 GPU_CONFIGS = {
-    "fwd": _configs([(128, 64), (128, 128), (128, 32), (64, 64), (64, 32)]),
-    "bwd_preprocess": [triton.Config({"BLOCK_Q": b}, num_warps=4, num_stages=1) for b in (128, 64)],
-    "bwd_dkdv": _configs([(32, 128), (64, 128), (16, 128), (32, 64), (64, 64), (16, 64)]),
-    "bwd_dq": _configs([(128, 32), (128, 64), (128, 16), (64, 32), (64, 64)]),
+    "fwd": _configs((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
+                    (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (128, 32, 4, 3),
+                    (64, 32, 8, 2), (64, 32, 4, 2)),
+    "bwd_preprocess": [triton.Config({"BLOCK_Q": b}, num_warps=4, num_stages=1) for b in (64, 128)],
+    "bwd_dkdv": _configs((32, 64, 4, 4), (32, 64, 4, 3), (32, 128, 8, 3), (32, 128, 8, 4),
+                         (64, 64, 4, 3), (64, 64, 4, 4), (16, 64, 4, 3), (16, 32, 4, 2)),
+    "bwd_dq": _configs((128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (128, 32, 8, 3),
+                       (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2)),
+}
+#: float32 in IEEE precision has no tensor-core path: tl.dot becomes fused multiply-adds, whose
+#: operands and accumulators all sit in registers. Only small tiles avoid spilling (compiled for
+#: sm_90 by scripts/compile_check.py: 16 x 16 tiles use 80-110 registers, 32 x 32 spill).
+FMA_CONFIGS = {
+    "fwd": _configs((16, 16, 4, 2), (16, 16, 4, 3), (32, 16, 4, 2), (16, 32, 4, 2)),
+    "bwd_preprocess": GPU_CONFIGS["bwd_preprocess"],
+    "bwd_dkdv": _configs((16, 16, 4, 2), (16, 32, 8, 2), (16, 16, 4, 3)),
+    "bwd_dq": _configs((32, 16, 4, 2), (16, 16, 4, 2), (32, 32, 4, 2), (64, 16, 8, 2)),
 }
 #: Small tiles in one stage: what runs when no candidate is judged to fit (float32 at head dim 256).
 FALLBACK_CONFIGS = {
@@ -50,6 +66,12 @@ FALLBACK_CONFIGS = {
     "bwd_dkdv": triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 32}, num_warps=4, num_stages=1),
     "bwd_dq": triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 16}, num_warps=4, num_stages=1),
 }
+
+
+def candidates(name, dtype, dot_precision):
+    """The candidate list for a kernel: FMA_CONFIGS for IEEE float32, GPU_CONFIGS otherwise."""
+    fma = dtype == torch.float32 and dot_precision == "ieee"
+    return FMA_CONFIGS[name] if fma else GPU_CONFIGS[name]
 
 
 def fits(name, config, block_d, element_size) -> bool:
@@ -92,13 +114,20 @@ def seq_bucket(seq_len: int) -> int:
     return min(max(triton.next_power_of_2(seq_len), 128), 16384)
 
 
-def _tuner(name, kernel, bucket):
-    key = (name, bucket)
+def _quick_bench(fn, quantiles):
+    # Shorter than do_bench's defaults (25 ms warm-up, 100 ms of runs): enough to rank candidates
+    # that differ by a few percent, and four times less waiting on a first call.
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _tuner(name, kernel, bucket, configs):
+    key = (name, bucket, configs is FMA_CONFIGS[name])
     if key not in _tuners:
         _tuners[key] = triton.autotune(
-            configs=GPU_CONFIGS[name],
+            configs=configs,
             key=["HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"],  # dtypes are added by Triton itself
             prune_configs_by=None if name == "bwd_preprocess" else {"early_config_prune": _prune(name)},
+            do_bench=_quick_bench,
         )(kernel)
     return _tuners[key]
 
@@ -111,29 +140,29 @@ def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
     if config is not None:
         kernel[grid](*args, **constexprs, **config)
         return dict(config)
+    configs = candidates(name, args[0].dtype, constexprs.get("DOT_PRECISION"))
     if os.environ.get("FLASHATTN_AUTOTUNE") == "0":
-        return _first_that_runs(name, kernel, grid, args, constexprs)
-    tuner = _tuner(name, kernel, seq_bucket(seq_len))
+        return _first_that_runs(name, kernel, grid, args, constexprs, configs)
+    tuner = _tuner(name, kernel, seq_bucket(seq_len), configs)
     tuner[grid](*args, **constexprs)
     best = tuner.best_config
     return dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
 
 
-def _first_that_runs(name, kernel, grid, args, constexprs):
-    """Without autotuning: the first candidate that fits (they are listed best guess first) and
-    that the compiler accepts; small fallback tiles if none is judged to fit."""
-    candidates = GPU_CONFIGS[name]
+def _first_that_runs(name, kernel, grid, args, constexprs, configs):
+    """Without autotuning: the first candidate that fits (they are listed best first) and that
+    the compiler accepts; small fallback tiles if none is judged to fit."""
     if name != "bwd_preprocess":
         size = args[0].element_size()
-        candidates = ([c for c in candidates if fits(name, c, constexprs["BLOCK_D"], size)]
-                      or [FALLBACK_CONFIGS[name]])
-    for i, c in enumerate(candidates):
+        configs = ([c for c in configs if fits(name, c, constexprs["BLOCK_D"], size)]
+                   or [FALLBACK_CONFIGS[name]])
+    for i, c in enumerate(configs):
         config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
         try:
             kernel[grid](*args, **constexprs, **config)
             return config
         except triton.runtime.errors.OutOfResources:
-            if i == len(candidates) - 1:
+            if i == len(configs) - 1:
                 raise
 
 

@@ -5,6 +5,8 @@
 #   checks   scripts/gpu_check.py (all tile configurations, long sequences, 64-bit offsets,
 #            determinism) and compute-sanitizer memcheck
 #   bench    python -m flashattn.bench (arguments after "bench" go to it)
+#   final    the record: the benchmark sweep, the ladder, memory, FlexAttention at the reference
+#            setting, then the test suite; CSVs and logs into $OUT
 # Logs go to $OUT (gpu_check.txt, probe.txt, bench.txt).
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -40,6 +42,24 @@ while [ $# -gt 0 ]; do
         echo; echo "## compute-sanitizer memcheck"
         timeout 120 compute-sanitizer --tool memcheck python3 scripts/gpu_check.py sanitize 2>&1 | grep -v '^#' | tail -6
       } 2>&1 | tee "$OUT/gpu_check.txt" ;;
+    final)
+      {
+        header
+        echo "## python -m flashattn.bench (bf16, fp16; head dims 64, 128; causal or not; N 1k-16k)"
+        timeout 250 python3 -m flashattn.bench --dtypes bf16 fp16 --head-dims 128 64 \
+          --providers flashattn sdpa sdpa-flash sdpa-cudnn sdpa-efficient --out "$OUT/h200_bench.csv" --plots ""
+        echo; echo "## ladder and memory (scripts/perf_probe.py)"
+        timeout 110 python3 scripts/perf_probe.py --ladder "$OUT/h200_ladder.csv" --memory "$OUT/h200_memory.csv"
+        echo; echo "## FlexAttention at the reference setting, side by side"
+        timeout 75 python3 -m flashattn.bench --dtypes bf16 --head-dims 128 --seq-lens 8192 --causal 1 0 \
+          --providers flashattn sdpa flex --no-warm --out "$OUT/h200_flex.csv" --plots ""
+      } 2>&1 | grep -v "UserWarning\|return scaled_dot\|warnings.warn" | tee "$OUT/bench.txt"
+      {
+        header
+        echo "## the test suite on the GPU (tests/ but the student-notebook test, default tiles, 14 processes)"
+        FLASHATTN_AUTOTUNE=0 timeout 130 python3 -m pytest -q -o addopts="" -p no:cacheprovider -n 14 \
+          --ignore=tests/test_student_notebooks.py tests 2>&1 | tail -25
+      } 2>&1 | tee "$OUT/tests.txt" ;;
     bench)
       { header; python3 -m flashattn.bench "$@"; } 2>&1 | tee "$OUT/bench.txt"
       cp figures/data/bench.csv figures/tflops_*.png "$OUT"/ 2>/dev/null

@@ -1,8 +1,12 @@
-"""Where does the time go? One GPU run that times every tile configuration of every kernel at a
-few reference settings, next to SDPA's backends, and prints tables (used to write
-notes/performance.md; the full sweep is `python -m flashattn.bench`).
+"""Where does the time go? GPU measurements behind notes/performance.md and chapter 08 (the
+full sweep against SDPA is `python -m flashattn.bench`).
 
     python scripts/perf_probe.py [--settings bf16:128:1:8192 ...] [--tma]
+        every tile configuration of every kernel timed at reference settings, next to SDPA
+    python scripts/perf_probe.py --ladder figures/data/h200_ladder.csv
+        from the seed's configuration (float32, 16 x 16 tiles) to the tuned kernel, step by step
+    python scripts/perf_probe.py --memory figures/data/h200_memory.csv
+        peak memory of forward + backward against N: naive attention, flashattn, SDPA
 """
 import argparse
 import os
@@ -10,10 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import flashattn  # noqa: E402  (first: it picks the runtime before triton is imported)
 import torch  # noqa: E402
 import triton  # noqa: E402
-
-import flashattn  # noqa: E402
 from flashattn import bench, tuning  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
@@ -62,6 +65,104 @@ def probe(dtype, head_dim, causal, n, tokens, providers, tma):
                 print(f"  tma-fwd {bq}x{bkv} w{w} s{s}: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}")
 
 
+#: The ladder, at one setting (causal, head dim 128, N = 4096, 256 heads): each step changes one
+#: thing. The seed ran float32 with tl.dot's default (TF32 on tensor cores), 16 x 16 forward tiles
+#: and 32/16 backward tiles, 4 warps, 3 stages.
+SEED_TILES = {"fwd": dict(BLOCK_Q=16, BLOCK_KV=16, num_warps=4, num_stages=3),
+              "bwd_preprocess": dict(BLOCK_Q=32, num_warps=4, num_stages=1),
+              "bwd_dkdv": dict(BLOCK_Q=16, BLOCK_KV=32, num_warps=4, num_stages=3),
+              "bwd_dq": dict(BLOCK_Q=32, BLOCK_KV=16, num_warps=4, num_stages=3)}
+MID_TILES = {"fwd": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=3),
+             "bwd_preprocess": dict(BLOCK_Q=64, num_warps=4, num_stages=1),
+             "bwd_dkdv": dict(BLOCK_Q=32, BLOCK_KV=64, num_warps=4, num_stages=3),
+             "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=3)}
+LADDER = [  # (step, dtype, matmul precision, tiles or None for autotuned)
+    ("seed: fp32 (TF32 dots), 16x16 tiles", torch.float32, "high", SEED_TILES),
+    ("fp32 (TF32 dots), tuned tiles", torch.float32, "high", None),
+    ("fp32 IEEE dots (FMA), tuned small tiles", torch.float32, "highest", None),
+    ("bf16, 16x16 tiles", torch.bfloat16, "highest", SEED_TILES),
+    ("bf16, 64x64 tiles, 4 warps", torch.bfloat16, "highest", MID_TILES),
+    ("bf16, tuned tiles/warps/stages", torch.bfloat16, "highest", None),
+]
+
+
+def ladder(path, n=4096, heads=256, head_dim=128):
+    import csv
+
+    from flashattn.backward import attention_backward
+    from flashattn.forward import attention_forward
+
+    bench.warm_compile(["tf32", "fp32", "bf16"], [head_dim], [True])  # the tuned steps' candidates
+    rows = []
+    flops = {m: bench.attention_flops(1, heads, n, n, head_dim, True, m) for m in ("fwd", "bwd")}
+    for step, dtype, precision, tiles in LADDER:
+        torch.set_float32_matmul_precision(precision)
+        q, k, v, do = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=dtype) for _ in range(4))
+        scale = head_dim ** -0.5
+        fwd_cfg = tiles and tiles["fwd"]
+        bwd_cfg = tiles and {name: tiles[name] for name in ("bwd_preprocess", "bwd_dkdv", "bwd_dq")}
+        o, lse2 = attention_forward(q, k, v, True, scale, config=fwd_cfg)
+        attention_backward(q, k, v, o, lse2, do, True, scale, configs=bwd_cfg)  # tunes if None
+        ms_f = triton.testing.do_bench(lambda: attention_forward(q, k, v, True, scale, config=fwd_cfg),
+                                       return_mode="median")
+        ms_b = triton.testing.do_bench(lambda: attention_backward(q, k, v, o, lse2, do, True, scale,
+                                                                  configs=bwd_cfg), return_mode="median")
+        for mode, ms in (("fwd", ms_f), ("bwd", ms_b)):
+            rows.append(dict(step=step, mode=mode, ms=f"{ms:.3f}", tflops=f"{flops[mode] / ms * 1e-9:.1f}"))
+        print(f"  {step:45} fwd {rows[-2]['tflops']:>6} TFLOPS  bwd {rows[-1]['tflops']:>6} TFLOPS", flush=True)
+    for precision in ("highest", "high"):  # SDPA in float32 at the same setting, for reference
+        torch.set_float32_matmul_precision(precision)
+        res, _ = bench.measure("sdpa", torch.float32, 1, heads, n, head_dim, True)
+        step = f"SDPA fp32 (matmul precision {precision})"
+        for mode in ("fwd", "bwd"):
+            rows.append(dict(step=step, mode=mode, ms=f"{res[mode][0]:.3f}", tflops=f"{res[mode][1]:.1f}"))
+        print(f"  {step:45} fwd {res['fwd'][1]:6.1f} TFLOPS  bwd {res['bwd'][1]:6.1f} TFLOPS", flush=True)
+    torch.set_float32_matmul_precision("highest")
+    _write(path, rows, dict(n=n, heads=heads, head_dim=head_dim, causal=1))
+
+
+def memory(path, heads=8, head_dim=128, dtype=torch.bfloat16):
+    """Peak memory of one forward + backward, above the inputs, against N."""
+    from flashattn.reference import naive_attention
+
+    providers = {"naive": lambda q, k, v: naive_attention(q, k, v, is_causal=True)[0],
+                 "flashattn": lambda q, k, v: flashattn.attention(q, k, v, is_causal=True),
+                 "sdpa": bench.provider_fn("sdpa")}
+    providers["sdpa"] = (lambda f: lambda q, k, v: f(q, k, v, True))(providers["sdpa"])
+    rows = []
+    for n in (1024, 2048, 4096, 8192, 16384):
+        for name, fn in providers.items():
+            q, k, v = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            do = torch.randn_like(q)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fn(q, k, v).backward(do)
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            rows.append(dict(provider=name, seq_len=n, peak_mib=f"{peak:.1f}"))
+            print(f"  memory N={n:>5} {name:10} {peak:9.1f} MiB", flush=True)
+            del q, k, v, do
+            torch.cuda.empty_cache()
+    _write(path, rows, dict(heads=heads, head_dim=head_dim, dtype=str(dtype).replace("torch.", ""),
+                            causal=1, batch=1))
+
+
+def _write(path, rows, setting):
+    import csv
+    import time
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d"), **setting)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(meta) + list(rows[0]))
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(dict(meta, **r))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--settings", nargs="+",
@@ -71,8 +172,16 @@ def main():
     p.add_argument("--providers", nargs="+", default=["flashattn", "sdpa", "sdpa-flash", "sdpa-cudnn"])
     p.add_argument("--tokens", type=int, default=128 * 8192)
     p.add_argument("--tma", action="store_true")
+    p.add_argument("--ladder", metavar="CSV", help="run the ladder instead of the settings")
+    p.add_argument("--memory", metavar="CSV", help="run the memory sweep instead of the settings")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.ladder or args.memory:
+        if args.ladder:
+            ladder(args.ladder)
+        if args.memory:
+            memory(args.memory)
+        return
     settings = [s.split(":") for s in args.settings]
     tuned = [s for s in settings if len(s) == 4]
     for dtype, hd in sorted({(s[0], int(s[1])) for s in tuned}):

@@ -63,6 +63,10 @@ def _flex(q, k, v, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if _flex_compiled is None:
+        # The compiled backward may reuse ("donate") saved buffers, which forbids the
+        # retain_graph=True that timing the backward alone needs.
+        import torch._functorch.config
+        torch._functorch.config.donated_buffer = False
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     mask = None
     if causal:

@@ -86,16 +86,18 @@ LADDER = [  # (step, dtype, matmul precision, tiles or None for autotuned)
 ]
 
 
-def ladder(path, n=4096, heads=256, head_dim=128):
+def ladder(path, n=4096, heads=256, head_dim=128, steps=None):
     import csv
 
     from flashattn.backward import attention_backward
     from flashattn.forward import attention_forward
 
-    bench.warm_compile(["tf32", "fp32", "bf16"], [head_dim], [True])  # the tuned steps' candidates
+    chosen = [LADDER[i] for i in (steps if steps is not None else range(len(LADDER)))]
+    bench.warm_compile(sorted({"bf16" if d == torch.bfloat16 else ("tf32" if p == "high" else "fp32")
+                               for _, d, p, t in chosen if t is None}), [head_dim], [True])
     rows = []
     flops = {m: bench.attention_flops(1, heads, n, n, head_dim, True, m) for m in ("fwd", "bwd")}
-    for step, dtype, precision, tiles in LADDER:
+    for step, dtype, precision, tiles in chosen:
         torch.set_float32_matmul_precision(precision)
         q, k, v, do = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=dtype) for _ in range(4))
         scale = head_dim ** -0.5
@@ -110,6 +112,9 @@ def ladder(path, n=4096, heads=256, head_dim=128):
         for mode, ms in (("fwd", ms_f), ("bwd", ms_b)):
             rows.append(dict(step=step, mode=mode, ms=f"{ms:.3f}", tflops=f"{flops[mode] / ms * 1e-9:.1f}"))
         print(f"  {step:45} fwd {rows[-2]['tflops']:>6} TFLOPS  bwd {rows[-1]['tflops']:>6} TFLOPS", flush=True)
+        _write(path, rows, dict(n=n, heads=heads, head_dim=head_dim, causal=1))  # after every step
+    if steps is not None:
+        return
     for precision in ("highest", "high"):  # SDPA in float32 at the same setting, for reference
         torch.set_float32_matmul_precision(precision)
         res, _ = bench.measure("sdpa", torch.float32, 1, heads, n, head_dim, True)
@@ -174,11 +179,12 @@ def main():
     p.add_argument("--tma", action="store_true")
     p.add_argument("--ladder", metavar="CSV", help="run the ladder instead of the settings")
     p.add_argument("--memory", metavar="CSV", help="run the memory sweep instead of the settings")
+    p.add_argument("--steps", nargs="+", type=int, help="only these ladder steps (indices into LADDER)")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if args.ladder or args.memory:
         if args.ladder:
-            ladder(args.ladder)
+            ladder(args.ladder, steps=args.steps)
         if args.memory:
             memory(args.memory)
         return

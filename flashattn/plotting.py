@@ -27,27 +27,10 @@ def _numpy(x):
 def tile_map(n_q, n_kv, block_q, block_kv, is_causal=True, ax=None, title=None):
     """The forward kernel's tiles for one (batch, head): full, masked or skipped, drawn to scale,
     with the causal boundary over them and the fraction of tiles computed in the title."""
-    ax = _axes(ax)
     kinds = traversal.classify_blocks(n_q, n_kv, block_q, block_kv, is_causal)
-    cmap = ListedColormap([TILE_COLORS[k] for k in (traversal.SKIPPED, traversal.MASKED, traversal.FULL)])
-    # Draw in element coordinates so that ragged last blocks appear smaller, as they are.
-    x_edges = np.minimum(np.arange(kinds.shape[1] + 1) * block_kv, n_kv)
-    y_edges = np.minimum(np.arange(kinds.shape[0] + 1) * block_q, n_q)
-    ax.pcolormesh(x_edges, y_edges, kinds, cmap=cmap, vmin=-0.5, vmax=2.5, edgecolors="white",
-                  linewidth=1.0)
-    if is_causal:
-        ax.plot([0, min(n_q, n_kv)], [0, min(n_q, n_kv)], color="black", lw=1.2, ls="--")
-    ax.set_xlim(0, n_kv)
-    ax.set_ylim(n_q, 0)
-    ax.set_aspect("equal")
-    ax.set_xlabel(f"key position j (BLOCK_KV = {block_kv})")
-    ax.set_ylabel(f"query position i (BLOCK_Q = {block_q})")
     done = traversal.work_fraction(kinds)
-    ax.set_title(title or f"N_q={n_q}, N_kv={n_kv}, {'causal' if is_causal else 'full'}: "
-                 f"{done:.0%} of tiles computed", fontsize=10)
-    ax.legend(handles=[Patch(color=TILE_COLORS[k], label=TILE_NAMES[k]) for k in TILE_COLORS],
-              loc="upper right", fontsize=8, framealpha=0.9)
-    return ax
+    return tile_kinds_map(kinds, n_q, n_kv, block_q, block_kv, is_causal, ax=ax, title=title or (
+        f"N_q={n_q}, N_kv={n_kv}, {'causal' if is_causal else 'not causal'}: {done:.0%} of tiles computed"))
 
 
 def softmax_trace(x_row, block, ax=None):
@@ -298,20 +281,6 @@ def classify_blocks_dkdv(n_q, n_kv, block_q, block_kv, is_causal):
     return kinds
 
 
-def _draw_kinds(ax, kinds, n_q, n_kv, block_q, block_kv, is_causal):
-    cmap = ListedColormap([TILE_COLORS[k] for k in (traversal.SKIPPED, traversal.MASKED, traversal.FULL)])
-    x_edges = np.minimum(np.arange(kinds.shape[1] + 1) * block_kv, n_kv)
-    y_edges = np.minimum(np.arange(kinds.shape[0] + 1) * block_q, n_q)
-    ax.pcolormesh(x_edges, y_edges, kinds, cmap=cmap, vmin=-0.5, vmax=2.5, edgecolors="white", linewidth=1.0)
-    if is_causal:
-        ax.plot([0, min(n_q, n_kv)], [0, min(n_q, n_kv)], color="black", lw=1.2, ls="--")
-    ax.set_xlim(0, n_kv)
-    ax.set_ylim(n_q, 0)
-    ax.set_aspect("equal")
-    ax.set_xlabel(f"key position j (BLOCK_KV = {block_kv})")
-    ax.set_ylabel(f"query position i (BLOCK_Q = {block_q})")
-
-
 def backward_tile_maps(n_q, n_kv, is_causal, dkdv_blocks=(16, 32), dq_blocks=(32, 16), axes=None):
     """The tiles of the two backward stages side by side, for one (batch, head).
 
@@ -325,7 +294,7 @@ def backward_tile_maps(n_q, n_kv, is_causal, dkdv_blocks=(16, 32), dq_blocks=(32
     what = f"N_q={n_q}, N_kv={n_kv}, {'causal' if is_causal else 'not causal'}"
     bq, bkv = dkdv_blocks
     kinds = classify_blocks_dkdv(n_q, n_kv, bq, bkv, is_causal)
-    _draw_kinds(axes[0], kinds, n_q, n_kv, bq, bkv, is_causal)
+    tile_kinds_map(kinds, n_q, n_kv, bq, bkv, is_causal, ax=axes[0], legend=False)
     for kb in range(kinds.shape[1]):  # each program walks down its column, over the tiles it visits
         rows = np.flatnonzero(kinds[:, kb] != traversal.SKIPPED)
         if rows.size:
@@ -335,7 +304,7 @@ def backward_tile_maps(n_q, n_kv, is_causal, dkdv_blocks=(16, 32), dq_blocks=(32
     axes[0].set_title(f"dK/dV stage: K, V resident, loop over\nquery blocks (down). {what}", fontsize=10)
     bq, bkv = dq_blocks
     kinds = traversal.classify_blocks(n_q, n_kv, bq, bkv, is_causal)
-    _draw_kinds(axes[1], kinds, n_q, n_kv, bq, bkv, is_causal)
+    tile_kinds_map(kinds, n_q, n_kv, bq, bkv, is_causal, ax=axes[1], legend=False)
     for qb in range(kinds.shape[0]):  # each program walks along its row
         cols = np.flatnonzero(kinds[qb] != traversal.SKIPPED)
         if cols.size:
@@ -422,7 +391,7 @@ def rule_ratios(labels, checks, ax=None, title="error / bound for each case (bel
 # --- Chapters 03-04: tiles, causal blocks, the launch grid, and the forward kernel's pieces ------
 
 def tile_kinds_map(kinds, n_q, n_kv, block_q, block_kv, is_causal=False, ax=None, title=None,
-                   wrong=None):
+                   wrong=None, legend=True):
     """Draw any map of tile kinds (``FULL``, ``MASKED``, ``SKIPPED``, shape (query blocks, key
     blocks)), for instance one a learner computed, the way :func:`tile_map` draws the kernel's.
     ``wrong`` (a boolean array of the same shape) outlines those tiles in red."""
@@ -447,8 +416,9 @@ def tile_kinds_map(kinds, n_q, n_kv, block_q, block_kv, is_causal=False, ax=None
     ax.set_ylabel(f"query position i (BLOCK_Q = {block_q})")
     ax.set_title(title or f"N_q={n_q}, N_kv={n_kv}, {'causal' if is_causal else 'not causal'}",
                  fontsize=10)
-    ax.legend(handles=[Patch(color=TILE_COLORS[k], label=TILE_NAMES[k]) for k in TILE_COLORS],
-              loc="upper right", fontsize=8, framealpha=0.9)
+    if legend:
+        ax.legend(handles=[Patch(color=TILE_COLORS[k], label=TILE_NAMES[k]) for k in TILE_COLORS],
+                  loc="upper right", fontsize=8, framealpha=0.9)
     return ax
 
 

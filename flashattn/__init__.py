@@ -13,4 +13,15 @@ from .runtime import DEVICE, INTERPRET, RUNTIME, describe  # first: it decides T
 from .api import attention  # noqa: E402  (the kernels must be defined after the runtime choice)
 
 __all__ = ["attention", "DEVICE", "INTERPRET", "RUNTIME", "describe"]
+_SUBMODULES = {"api", "autograd", "backward", "bench", "exercises", "forward", "notebook", "plotting",
+               "reference", "runtime", "testing", "tiles", "traversal", "tuning"}
+
+
+def __getattr__(name):
+    """``flashattn.exercises`` and friends work after a plain ``import flashattn``: a submodule
+    is imported the first time it is used (so importing the package stays light)."""
+    if name in _SUBMODULES:
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'flashattn' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -80,6 +80,17 @@ def memory():
     save(ax.figure, "memory.png")
 
 
+def ladder():
+    with open(os.path.join(DATA, "h200_ladder.csv")) as f:
+        rows = list(csv.DictReader(f))
+    steps = list(dict.fromkeys(r["step"] for r in rows))
+    values = {label: [float(next(r["tflops"] for r in rows if r["step"] == s and r["mode"] == mode))
+                      for s in steps] for label, mode in (("forward", "fwd"), ("backward", "bwd"))}
+    ax = plotting.ladder_bars(steps, values, title=f"From the seed's configuration to the tuned kernel "
+                              f"({rows[0]['gpu']}, causal, head dim {rows[0]['head_dim']}, N={rows[0]['n']})")
+    save(ax.figure, "ladder.png")
+
+
 def tflops():
     with open(os.path.join(DATA, "h200_bench.csv")) as f:
         for path in bench.plot(list(csv.DictReader(f)), FIGURES):
@@ -91,4 +102,5 @@ if __name__ == "__main__":
     softmax_trace()
     error_heatmaps()
     memory()
+    ladder()
     tflops()

@@ -18,7 +18,8 @@ from .api import attention
 from .reference import naive_attention
 
 FACTORS = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
-#: Unit roundoff of each dtype, and of the precision float32 dots really get with TF32.
+#: Unit roundoff of each dtype. (With TF32 allowed, float32 products are rounded more coarsely,
+#: but PyTorch's own float32 error, which the rule scales, grows with them.)
 EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
 FLOOR_UNITS = 8  # the floor, in units of EPS times the largest reference magnitude
 

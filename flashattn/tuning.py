@@ -133,8 +133,9 @@ def _tuner(name, kernel, bucket, configs):
 
 
 def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
-    """Run ``kernel`` with a fixed ``config`` if given (or on the interpreter), else autotuned.
-    Returns the configuration that ran, as a dict."""
+    """Run ``kernel`` with ``config`` if given (the fixed one on the interpreter), with the first
+    candidate that runs under FLASHATTN_AUTOTUNE=0, else autotuned. Returns the configuration that
+    ran, as a dict."""
     if config is None and INTERPRET:
         config = INTERPRETER_CONFIGS[name]
     if config is not None:

@@ -23,7 +23,7 @@ import flashattn  # noqa: E402
 from flashattn import reference, tuning  # noqa: E402
 from flashattn.backward import attention_backward  # noqa: E402
 from flashattn.forward import attention_forward  # noqa: E402
-from flashattn.testing import FACTORS, Check, compare_with_reference, floor, max_error  # noqa: E402
+from flashattn.testing import compare_with_reference, judge  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 failures = []
@@ -45,16 +45,6 @@ def qkv(shape_q, shape_kv, dtype, seed=0, magnitude=1.0):
     k = torch.randn(shape_kv, device=flashattn.DEVICE, generator=g) * magnitude
     v = torch.randn(shape_kv, device=flashattn.DEVICE, generator=g)
     return [t.to(dtype) for t in (q, k, v)]
-
-
-def judge(ours, ref64, pytorch, dtype):
-    """ours/ref64/pytorch: dicts name -> tensor. Returns checks under the rule."""
-    checks = []
-    for name in ours:
-        baseline = max_error(pytorch[name], ref64[name])
-        bound = FACTORS[name] * baseline + floor(ref64[name], dtype)
-        checks.append(Check(name, max_error(ours[name], ref64[name]), baseline, bound))
-    return checks
 
 
 def kernel_level(q, k, v, causal, fwd_config=None, bwd_configs=None):

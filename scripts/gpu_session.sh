@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # One GPU session, as run through the device tool on an H200. Steps run in the order given:
-#   probe    scripts/perf_probe.py: every tile configuration timed at reference settings, with SDPA
-#   tests    the test suite on the GPU (default tile configurations, 8 processes)
-#   checks   scripts/gpu_check.py (all tile configurations, long sequences, 64-bit offsets,
-#            determinism) and compute-sanitizer memcheck
-#   bench    python -m flashattn.bench (arguments after "bench" go to it)
-#   final    the record: the benchmark sweep, the ladder, memory, FlexAttention at the reference
-#            setting, then the test suite; CSVs and logs into $OUT
-# Logs go to $OUT (gpu_check.txt, probe.txt, bench.txt).
+#   probe      scripts/perf_probe.py: every tile configuration timed at reference settings, with SDPA
+#   tests      the test suite on the GPU (default tile configurations, 14 processes)
+#   checks     scripts/gpu_check.py (all tile configurations, long sequences, 64-bit offsets,
+#              determinism) and compute-sanitizer memcheck
+#   sweep      python -m flashattn.bench over bf16/fp16, head dims 64/128, causal or not, N 1k-16k,
+#              flashattn (both backward paths) against every SDPA backend; then long sequences
+#              against float64 and the forward pipelining experiment
+#   record     the ladder, memory against N, FlexAttention at the reference setting
+#   notebooks  every chapter through nbval (nbval is not on the GPU image: carry it as wheels in
+#              .whl/, see notes/gpu_runs/README.md)
+#   bench      python -m flashattn.bench (arguments after "bench" go to it)
+# Logs and CSVs go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -25,8 +29,9 @@ while [ $# -gt 0 ]; do
     tests)
       {
         header
-        echo; echo "## the test suite on the GPU (tests/, default tile configs, 8 processes)"
-        FLASHATTN_AUTOTUNE=0 timeout 300 python3 -m pytest -q -o addopts="" -p no:cacheprovider -n 8 tests 2>&1 | tail -25
+        echo; echo "## the test suite on the GPU (tests/ but the student-notebook test, default tiles, 14 processes)"
+        FLASHATTN_AUTOTUNE=0 timeout 200 python3 -m pytest -q -o addopts="" -p no:cacheprovider -n 14 \
+          --ignore=tests/test_student_notebooks.py tests 2>&1 | tail -25
       } 2>&1 | tee "$OUT/tests.txt" ;;
     checks)
       {
@@ -42,24 +47,36 @@ while [ $# -gt 0 ]; do
         echo; echo "## compute-sanitizer memcheck"
         timeout 120 compute-sanitizer --tool memcheck python3 scripts/gpu_check.py sanitize 2>&1 | grep -v '^#' | tail -6
       } 2>&1 | tee "$OUT/gpu_check.txt" ;;
-    final)
+    sweep)
       {
         header
         echo "## python -m flashattn.bench (bf16, fp16; head dims 64, 128; causal or not; N 1k-16k)"
-        timeout 250 python3 -m flashattn.bench --dtypes bf16 fp16 --head-dims 128 64 \
-          --providers flashattn sdpa sdpa-flash sdpa-cudnn sdpa-efficient --out "$OUT/h200_bench.csv" --plots ""
-        echo; echo "## ladder and memory (scripts/perf_probe.py)"
-        timeout 110 python3 scripts/perf_probe.py --ladder "$OUT/h200_ladder.csv" --memory "$OUT/h200_memory.csv"
-        echo; echo "## FlexAttention at the reference setting, side by side"
-        timeout 75 python3 -m flashattn.bench --dtypes bf16 --head-dims 128 --seq-lens 8192 --causal 1 0 \
-          --providers flashattn sdpa flex --no-warm --out "$OUT/h200_flex.csv" --plots ""
-      } 2>&1 | grep -v "UserWarning\|return scaled_dot\|warnings.warn" | tee "$OUT/bench.txt"
+        timeout 420 python3 -m flashattn.bench --dtypes bf16 fp16 --head-dims 128 64 \
+          --providers flashattn flashattn-deterministic sdpa sdpa-flash sdpa-cudnn sdpa-efficient \
+          --out "$OUT/h200_bench.csv" --plots ""
+        echo; echo "## long sequences against float64 (default backward: atomic dQ)"
+        timeout 60 python3 scripts/gpu_check.py long 2>&1 | grep -v '^#'
+        echo; echo "## the forward loop pipelined by hand (notes/experiments/fwd_pipelined.py)"
+        timeout 60 python3 scripts/perf_probe.py --pipelined
+      } 2>&1 | grep -v "UserWarning\|return scaled_dot\|warnings.warn" | tee "$OUT/sweep.txt" ;;
+    record)
       {
         header
-        echo "## the test suite on the GPU (tests/ but the student-notebook test, default tiles, 14 processes)"
-        FLASHATTN_AUTOTUNE=0 timeout 130 python3 -m pytest -q -o addopts="" -p no:cacheprovider -n 14 \
-          --ignore=tests/test_student_notebooks.py tests 2>&1 | tail -25
-      } 2>&1 | tee "$OUT/tests.txt" ;;
+        echo "## ladder and memory (scripts/perf_probe.py)"
+        timeout 150 python3 scripts/perf_probe.py --ladder "$OUT/h200_ladder.csv" --memory "$OUT/h200_memory.csv"
+        echo; echo "## FlexAttention at the reference setting, side by side"
+        timeout 90 python3 -m flashattn.bench --dtypes bf16 --head-dims 128 --seq-lens 8192 --causal 1 0 \
+          --providers flashattn flashattn-deterministic sdpa flex --no-warm --out "$OUT/h200_flex.csv" --plots ""
+      } 2>&1 | grep -v "UserWarning\|return scaled_dot\|warnings.warn" | tee "$OUT/record.txt" ;;
+    notebooks)
+      {
+        header
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "could not install the wheels in .whl/"
+        echo "## every notebook through nbval, on the GPU"
+        PYTHONPATH=/tmp/site timeout 280 python3 -m pytest -p no:cacheprovider -o addopts="" \
+          --nbval-lax --nbval-current-env --durations=10 notebooks 2>&1 | tail -40
+      } 2>&1 | tee "$OUT/notebooks.txt" ;;
     bench)
       { header; python3 -m flashattn.bench "$@"; } 2>&1 | tee "$OUT/bench.txt"
       cp figures/data/bench.csv figures/tflops_*.png "$OUT"/ 2>/dev/null

@@ -7,6 +7,9 @@ full sweep against SDPA is `python -m flashattn.bench`).
         from the seed's configuration (float32, 16 x 16 tiles) to the tuned kernel, step by step
     python scripts/perf_probe.py --memory figures/data/h200_memory.csv
         peak memory of forward + backward against N: naive attention, flashattn, SDPA
+    python scripts/perf_probe.py --pipelined
+        notes/experiments/fwd_pipelined.py (the forward loop reordered by hand) against the
+        package's forward, same configurations, same run
 """
 import argparse
 import os
@@ -76,13 +79,14 @@ MID_TILES = {"fwd": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=3),
              "bwd_preprocess": dict(BLOCK_Q=64, num_warps=4, num_stages=1),
              "bwd_dkdv": dict(BLOCK_Q=32, BLOCK_KV=64, num_warps=4, num_stages=3),
              "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=3)}
-LADDER = [  # (step, dtype, matmul precision, tiles or None for autotuned)
-    ("seed: fp32 (TF32 dots), 16x16 tiles", torch.float32, "high", SEED_TILES),
-    ("fp32 (TF32 dots), tuned tiles", torch.float32, "high", None),
-    ("fp32 IEEE dots (FMA), tuned small tiles", torch.float32, "highest", None),
-    ("bf16, 16x16 tiles", torch.bfloat16, "highest", SEED_TILES),
-    ("bf16, 64x64 tiles, 4 warps", torch.bfloat16, "highest", MID_TILES),
-    ("bf16, tuned tiles/warps/stages", torch.bfloat16, "highest", None),
+LADDER = [  # (step, dtype, matmul precision, tiles or None for autotuned, deterministic backward)
+    ("seed: fp32 (TF32 dots), 16x16 tiles", torch.float32, "high", SEED_TILES, True),
+    ("fp32 (TF32 dots), tuned tiles", torch.float32, "high", None, True),
+    ("fp32 IEEE dots (FMA), tuned small tiles", torch.float32, "highest", None, True),
+    ("bf16, 16x16 tiles", torch.bfloat16, "highest", SEED_TILES, True),
+    ("bf16, 64x64 tiles, 4 warps", torch.bfloat16, "highest", MID_TILES, True),
+    ("bf16, tuned tiles/warps/stages", torch.bfloat16, "highest", None, True),
+    ("bf16, tuned, dQ by atomic adds", torch.bfloat16, "highest", None, False),
 ]
 
 
@@ -92,21 +96,26 @@ def ladder(path, n=4096, heads=256, head_dim=128, steps=None):
 
     chosen = [LADDER[i] for i in (steps if steps is not None else range(len(LADDER)))]
     bench.warm_compile(sorted({"bf16" if d == torch.bfloat16 else ("tf32" if p == "high" else "fp32")
-                               for _, d, p, t in chosen if t is None}), [head_dim], [True])
+                               for _, d, p, t, _ in chosen if t is None}), [head_dim], [True])
     rows = []
     flops = {m: bench.attention_flops(1, heads, n, n, head_dim, True, m) for m in ("fwd", "bwd")}
-    for step, dtype, precision, tiles in chosen:
+    for step, dtype, precision, tiles, deterministic in chosen:
         torch.set_float32_matmul_precision(precision)
         q, k, v, do = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=dtype) for _ in range(4))
         scale = head_dim ** -0.5
         fwd_cfg = tiles and tiles["fwd"]
         bwd_cfg = tiles and {name: tiles[name] for name in ("bwd_preprocess", "bwd_dkdv", "bwd_dq")}
         o, lse2 = attention_forward(q, k, v, True, scale, config=fwd_cfg)
-        attention_backward(q, k, v, o, lse2, do, True, scale, configs=bwd_cfg)  # tunes if None
+        if not deterministic:
+            bwd_cfg = tiles and dict(bwd_cfg, bwd_dkdv_dq=tiles["bwd_dkdv"])
+
+        def backward():  # tunes on its first call if bwd_cfg is None
+            return attention_backward(q, k, v, o, lse2, do, True, scale, configs=bwd_cfg,
+                                      deterministic=deterministic)
+        backward()
         ms_f = triton.testing.do_bench(lambda: attention_forward(q, k, v, True, scale, config=fwd_cfg),
                                        return_mode="median")
-        ms_b = triton.testing.do_bench(lambda: attention_backward(q, k, v, o, lse2, do, True, scale,
-                                                                  configs=bwd_cfg), return_mode="median")
+        ms_b = triton.testing.do_bench(backward, return_mode="median")
         for mode, ms in (("fwd", ms_f), ("bwd", ms_b)):
             rows.append(dict(step=step, mode=mode, ms=f"{ms:.3f}", tflops=f"{flops[mode] / ms * 1e-9:.1f}"))
         print(f"  {step:45} fwd {rows[-2]['tflops']:>6} TFLOPS  bwd {rows[-1]['tflops']:>6} TFLOPS", flush=True)
@@ -122,6 +131,33 @@ def ladder(path, n=4096, heads=256, head_dim=128, steps=None):
         print(f"  {step:45} fwd {res['fwd'][1]:6.1f} TFLOPS  bwd {res['bwd'][1]:6.1f} TFLOPS", flush=True)
     torch.set_float32_matmul_precision("highest")
     _write(path, rows, dict(n=n, heads=heads, head_dim=head_dim, causal=1))
+
+
+def pipelined(n=8192, heads=128):
+    """The hand-pipelined forward (notes/experiments/fwd_pipelined.py) against the package's
+    forward with the same fixed configurations, bf16 and fp16, head dims 64 and 128."""
+    from flashattn.forward import attention_forward
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "notes", "experiments"))
+    from fwd_pipelined import forward_pipelined
+
+    for dtype, head_dim, causal in ((torch.bfloat16, 128, True), (torch.bfloat16, 128, False),
+                                    (torch.float16, 64, True)):
+        q, k, v = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+        flops = bench.attention_flops(1, heads, n, n, head_dim, causal, "fwd")
+        scale = head_dim ** -0.5
+        for bq, bkv, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)):
+            config = dict(BLOCK_Q=bq, BLOCK_KV=bkv, num_warps=w, num_stages=s)
+            line = f"  {str(dtype)[6:]} D={head_dim} causal={int(causal)} {bq}x{bkv} w{w} s{s}:"
+            for label, fn in (("package", lambda: attention_forward(q, k, v, causal, scale, config=config)),
+                              ("pipelined", lambda: forward_pipelined(q, k, v, causal, scale, bq, bkv, w, s))):
+                try:
+                    ms = triton.testing.do_bench(fn, return_mode="median")
+                    line += f"  {label} {flops / ms * 1e-9:6.1f} TFLOPS"
+                except Exception as e:
+                    line += f"  {label} {type(e).__name__}"
+            o1, _ = attention_forward(q, k, v, causal, scale, config=config)
+            o2, _ = forward_pipelined(q, k, v, causal, scale, bq, bkv, w, s)
+            print(line + f"  (max |difference| {(o1.float() - o2.float()).abs().max().item():.1e})", flush=True)
 
 
 def memory(path, heads=8, head_dim=128, dtype=torch.bfloat16):
@@ -178,8 +214,12 @@ def main():
     p.add_argument("--ladder", metavar="CSV", help="run the ladder instead of the settings")
     p.add_argument("--memory", metavar="CSV", help="run the memory sweep instead of the settings")
     p.add_argument("--steps", nargs="+", type=int, help="only these ladder steps (indices into LADDER)")
+    p.add_argument("--pipelined", action="store_true", help="run the pipelining experiment only")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.pipelined:
+        pipelined()
+        return
     if args.ladder or args.memory:
         if args.ladder:
             ladder(args.ladder, steps=args.steps)

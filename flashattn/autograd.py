@@ -1,9 +1,7 @@
 """The torch.autograd.Function that joins the forward and backward kernels.
 
 The forward saves Q, K, V, the output O and the base-2 log-sum-exp, nothing of size N_q x N_kv;
-the backward rebuilds what it needs from them. Like PyTorch's own attention backends, the backward
-adds up dQ with atomics (fast, but its last bits vary from run to run) unless
-``torch.use_deterministic_algorithms(True)`` asks for reproducible results. Tensors here are (B, H, N, D); flashattn.api
+the backward rebuilds what it needs from them. Tensors here are (B, H, N, D); flashattn.api
 reshapes whatever the user passed to that.
 """
 import math
@@ -33,6 +31,5 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, o, lse2 = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = attention_backward(q, k, v, o, lse2, do, ctx.is_causal, ctx.scale, dlse=dlse,
-                                        deterministic=torch.are_deterministic_algorithms_enabled())
+        dq, dk, dv = attention_backward(q, k, v, o, lse2, do, ctx.is_causal, ctx.scale, dlse=dlse)
         return dq, dk, dv, None, None

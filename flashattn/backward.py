@@ -16,13 +16,9 @@ log-sum-exp saved by the forward pass, ``P = 2**(S * log2(e) - LSE2)``. Three ke
    accumulating dQ, like the forward pass.
 
 Each output tile is written by exactly one program, in a fixed order, so the result is bit-identical
-from run to run (no atomics).
-
-The other way, FlashAttention-2's, skips kernel 3: the dK/dV program, which already has the tile
-dS^T, also computes its share ``dS K`` of dQ and adds it with atomic adds into a float32 buffer.
-That is 5 tile matmuls per (query block, key block) instead of 7 (kernel 3 recomputes S and dP),
-but the order of the additions, hence the last bits of dQ, changes from run to run.
-``attention_backward(..., deterministic=False)`` takes that path.
+from run to run (no atomics). FlashAttention-2 instead lets the dK/dV program add its share of dQ
+into memory with atomic adds (5 tile matmuls per tile pair instead of 7). Measured on an H200
+(notes/performance.md), that variant was 6-22 % slower than these kernels, so it is not here.
 
 Where did the ln 2 of base 2 go? The kernels rebuild ``P = 2**(s * scale * log2(e) - LSE2)`` from the
 raw score ``s = q.k``, so the chain rule gives ``dL/ds = ln(2) * scale * log2(e) * P * (dP - Delta)``:
@@ -61,13 +57,11 @@ def _attn_bwd_preprocess(O, dO, Delta,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v,
-                Q, dO, LSE, Delta, DQ, stride_qn, stride_qd, stride_don, stride_dod,
+                Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
                 offs_kv, offs_d, q_lo, q_hi, n_q, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr):
-    """Accumulate into dK and dV the query blocks ``[q_lo, q_hi)`` (and, if ``ATOMIC_DQ``, add
-    their share of dQ to the float32 buffer ``DQ``).
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate into dK and dV the query blocks ``[q_lo, q_hi)``.
 
     Everything here is transposed (keys along rows, queries along columns) because the key block
     is the one that stays: ``sT = K Q^T`` is S^T, and so on."""
@@ -91,20 +85,13 @@ def _dkdv_inner(dk, dv, k, v,
         pT = tl.exp2(sT * qk_scale - lse[None, :])                   # P^T, rebuilt from the LSE
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)      # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)                        # dS^T (unscaled)
-        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)                  # dK += dS^T Q
-        if ATOMIC_DQ:  # this key block's share of dQ = dS K, added straight into memory
-            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)
-            # The buffer's rows are BLOCK_D wide, so only query rows can be out of range (the
-            # mask broadcasts along them). "relaxed": nothing here reads the sums back, so the
-            # adds need no ordering with other memory operations.
-            tl.atomic_add(DQ + offs_q[:, None] * BLOCK_D + offs_d[None, :], dq,
-                          mask=offs_q[:, None] < n_q if MASKED else None, sem="relaxed")
+        dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)      # dK += dS^T Q
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv"])  # one binary for every length
-def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV, DQ,
+def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -114,7 +101,7 @@ def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV, DQ,
                    n_heads, n_q, n_kv, scale, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                   IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     kv_block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
     K += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
@@ -124,8 +111,6 @@ def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV, DQ,
     dV += batch.to(tl.int64) * stride_dvb + head.to(tl.int64) * stride_dvh
     LSE += (batch.to(tl.int64) * n_heads + head) * n_q
     Delta += (batch.to(tl.int64) * n_heads + head) * n_q
-    if ATOMIC_DQ:  # a float32 (B, H, N_q, BLOCK_D) buffer, zeroed by the launcher
-        DQ += (batch.to(tl.int64) * n_heads + head) * n_q * BLOCK_D
 
     kv_start = kv_block * BLOCK_KV
     offs_kv = kv_start + tl.arange(0, BLOCK_KV)
@@ -145,15 +130,15 @@ def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV, DQ,
         q_lo = 0
         q_full_lo = 0
     q_full_hi = q_full_lo + tl.maximum(n_q - q_full_lo, 0) // BLOCK_Q * BLOCK_Q
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, DQ, stride_qn, stride_qd, stride_don, stride_dod,
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
                          offs_kv, offs_d, q_lo, tl.minimum(q_full_lo, n_q), n_q, qk_scale,
-                         HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION, ATOMIC_DQ)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, DQ, stride_qn, stride_qd, stride_don, stride_dod,
+                         HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
                          offs_kv, offs_d, q_full_lo, q_full_hi, n_q, qk_scale,
-                         HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION, ATOMIC_DQ)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, DQ, stride_qn, stride_qd, stride_don, stride_dod,
+                         HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
                          offs_kv, offs_d, q_full_hi, n_q, n_q, qk_scale,
-                         HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION, ATOMIC_DQ)
+                         HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION)
 
     dk *= scale  # S = scale * Q K^T, so dK carries the scale once
     store_tile(dK, dk, offs_kv, offs_d, stride_dkn, stride_dkd, n_kv, HEAD_DIM, HEAD_DIM < BLOCK_D)
@@ -235,15 +220,12 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
     store_tile(dQ, dq, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
 
 
-def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
-                       deterministic=True):
-    """Launch the backward kernels on (B, H, N, D) tensors of any strides.
+def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None):
+    """Launch the three backward kernels on (B, H, N, D) tensors of any strides.
 
     ``lse2`` is the forward's base-2 log-sum-exp. ``dlse``, if given, is the gradient reaching the
     natural-log LSE output: since d lse_i / d S_ij = P_ij, it only shifts Delta (Delta - dlse).
-    ``deterministic=False`` computes dQ inside the dK/dV kernel with atomic adds (see the module
-    docstring). ``configs`` may fix the tiles per kernel: ``{"bwd_dkdv": {...}, "bwd_dq": {...},
-    ...}`` (``"bwd_dkdv_dq"`` for the dK/dV kernel of the atomic path).
+    ``configs`` may fix the tiles per kernel: ``{"bwd_dkdv": {...}, "bwd_dq": {...}, ...}``.
     Returns ``(dq, dk, dv)`` in the dtypes of q, k and v.
     """
     configs = configs or {}
@@ -267,30 +249,23 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     if dlse is not None:
         delta -= dlse
 
-    # With atomic adds, dQ is summed in float32, in rows padded to BLOCK_D (no column mask).
-    dq_sum = None if deterministic else q.new_zeros((batch, heads, n_q, common["BLOCK_D"]),
-                                                    dtype=torch.float32)
-    dkdv = "bwd_dkdv" if deterministic else "bwd_dkdv_dq"
     tuning.launch(
-        dkdv, _attn_bwd_dkdv,
+        "bwd_dkdv", _attn_bwd_dkdv,
         lambda meta: (triton.cdiv(n_kv, meta["BLOCK_KV"]), heads, batch),
-        (q, k, v, do, lse2, delta, dk, dv, dq_sum, *q.stride(), *k.stride(), *v.stride(),
-         *do.stride(), *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
-        dict(masking, ATOMIC_DQ=not deterministic), seq_len, _checked_dkdv(dkdv, configs.get(dkdv)))
-    if deterministic:
-        tuning.launch(
-            "bwd_dq", _attn_bwd_dq,
-            lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
-            (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-             *dq.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
-            masking, seq_len, configs.get("bwd_dq"))
-    else:
-        dq = dq_sum[..., :head_dim].mul_(scale)
+        (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+         *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
+        masking, seq_len, _checked_dkdv(configs.get("bwd_dkdv")))
+    tuning.launch(
+        "bwd_dq", _attn_bwd_dq,
+        lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
+        (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+         *dq.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
+        masking, seq_len, configs.get("bwd_dq"))
     return tuple(t.to(d) for t, d in zip((dq, dk, dv), dtypes))
 
 
-def _checked_dkdv(name, config):
+def _checked_dkdv(config):
     if config is not None and config["BLOCK_KV"] % config["BLOCK_Q"]:
-        raise ValueError(f"{name} config {config}: BLOCK_Q must divide BLOCK_KV, because the "
+        raise ValueError(f"bwd_dkdv config {config}: BLOCK_Q must divide BLOCK_KV, because the "
                          "query loop starts at the diagonal of each key block")
     return config

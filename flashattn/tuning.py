@@ -25,7 +25,6 @@ INTERPRETER_CONFIGS = {
     "fwd": dict(BLOCK_Q=32, BLOCK_KV=16),
     "bwd_preprocess": dict(BLOCK_Q=64),
     "bwd_dkdv": dict(BLOCK_KV=32, BLOCK_Q=16),
-    "bwd_dkdv_dq": dict(BLOCK_KV=32, BLOCK_Q=16),
     "bwd_dq": dict(BLOCK_Q=32, BLOCK_KV=16),
 }
 
@@ -50,10 +49,6 @@ GPU_CONFIGS = {
                          (64, 64, 4, 3), (64, 64, 4, 4), (16, 64, 4, 3), (16, 32, 4, 2)),
     "bwd_dq": _configs((128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (128, 32, 8, 3),
                        (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2)),
-    # dK/dV with dQ by atomic adds (deterministic=False): larger key tiles mean fewer adds into
-    # each row of dQ (one per key block).
-    "bwd_dkdv_dq": _configs((64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 3),
-                            (64, 64, 4, 3), (32, 64, 4, 3), (16, 64, 4, 3), (16, 32, 4, 2)),
 }
 #: float32 in IEEE precision has no tensor-core path: tl.dot becomes fused multiply-adds, whose
 #: operands and accumulators all sit in registers. Only small tiles avoid spilling (compiled for
@@ -62,7 +57,6 @@ FMA_CONFIGS = {
     "fwd": _configs((16, 16, 4, 2), (16, 16, 4, 3), (32, 16, 4, 2), (16, 32, 4, 2)),
     "bwd_preprocess": GPU_CONFIGS["bwd_preprocess"],
     "bwd_dkdv": _configs((16, 16, 4, 2), (16, 32, 8, 2), (16, 16, 4, 3)),
-    "bwd_dkdv_dq": _configs((16, 16, 4, 2), (16, 32, 8, 2), (16, 16, 4, 3)),
     "bwd_dq": _configs((32, 16, 4, 2), (16, 16, 4, 2), (32, 32, 4, 2), (64, 16, 8, 2)),
 }
 #: Small tiles in one stage: what runs when no candidate is judged to fit (float32 at head dim 256).
@@ -70,7 +64,6 @@ FALLBACK_CONFIGS = {
     "fwd": triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 16}, num_warps=4, num_stages=1),
     "bwd_preprocess": triton.Config({"BLOCK_Q": 16}, num_warps=4, num_stages=1),
     "bwd_dkdv": triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 32}, num_warps=4, num_stages=1),
-    "bwd_dkdv_dq": triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 32}, num_warps=4, num_stages=1),
     "bwd_dq": triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 16}, num_warps=4, num_stages=1),
 }
 
@@ -88,13 +81,11 @@ def fits(name, config, block_d, element_size) -> bool:
     spills; these two rules are what those numbers showed.
     """
     bq, bkv = config.kwargs.get("BLOCK_Q", 0), config.kwargs.get("BLOCK_KV", 0)
-    dkdv = name.startswith("bwd_dkdv")
-    resident, streamed = (bkv, bq) if dkdv else (bq, bkv)
+    resident, streamed = (bkv, bq) if name == "bwd_dkdv" else (bq, bkv)
     # fp32 tiles held in registers: accumulators (resident x head dim: O; dK and dV; dQ) and
     # score-shaped tiles (resident x streamed: S; S and dP; S and dP). Past ~160 values per
-    # thread the compiler spills them to local memory. (The atomic path's tile of dQ lives only
-    # until its add: compiled, it did not change which candidates spill.)
-    accumulators, scores = {"fwd": (1, 1), "bwd_dq": (1, 2)}.get(name, (2, 2))
+    # thread the compiler spills them to local memory.
+    accumulators, scores = {"fwd": (1, 1), "bwd_dkdv": (2, 2), "bwd_dq": (1, 2)}[name]
     values = accumulators * resident * block_d + scores * resident * streamed
     if values / (config.num_warps * 32) > 160:
         return False
@@ -105,7 +96,7 @@ def fits(name, config, block_d, element_size) -> bool:
     if smem > 227 * 1024:
         return False
     # dK/dV steps through the queries from the diagonal: BLOCK_Q must divide BLOCK_KV.
-    return not dkdv or bkv % bq == 0
+    return name != "bwd_dkdv" or bkv % bq == 0
 
 
 def _prune(name):
@@ -136,9 +127,6 @@ def _tuner(name, kernel, bucket, configs):
             configs=configs,
             key=["HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"],  # dtypes are added by Triton itself
             prune_configs_by=None if name == "bwd_preprocess" else {"early_config_prune": _prune(name)},
-            # The atomic path adds into dQ: every timing run must start from zeros, and so must
-            # the real run that follows the timings.
-            reset_to_zero=["DQ"] if name == "bwd_dkdv_dq" else None,
             do_bench=_quick_bench,
         )(kernel)
     return _tuners[key]

@@ -30,14 +30,11 @@ torch.cuda.is_available = lambda: True
 torch.cuda.get_device_name = lambda *args: "sm_90, compile only"
 from flashattn import backward, forward, tuning  # noqa: E402
 
-KERNELS = {  # kernel, 16-bit (or input-typed) tensors, fp32 tensors, fixed constexprs
-    "fwd": (forward._attn_fwd, ["Q", "K", "V", "O"], ["LSE"], {}),
-    "bwd_preprocess": (backward._attn_bwd_preprocess, ["O", "dO"], ["Delta"], {}),
-    "bwd_dkdv": (backward._attn_bwd_dkdv, ["Q", "K", "V", "dO", "dK", "dV"], ["LSE", "Delta"],
-                 dict(DQ=None, ATOMIC_DQ=False)),
-    "bwd_dkdv_dq": (backward._attn_bwd_dkdv, ["Q", "K", "V", "dO", "dK", "dV"], ["LSE", "Delta", "DQ"],
-                    dict(ATOMIC_DQ=True)),
-    "bwd_dq": (backward._attn_bwd_dq, ["Q", "K", "V", "dO", "dQ"], ["LSE", "Delta"], {}),
+KERNELS = {
+    "fwd": (forward._attn_fwd, ["Q", "K", "V", "O"], ["LSE"]),
+    "bwd_preprocess": (backward._attn_bwd_preprocess, ["O", "dO"], ["Delta"]),
+    "bwd_dkdv": (backward._attn_bwd_dkdv, ["Q", "K", "V", "dO", "dK", "dV"], ["LSE", "Delta"]),
+    "bwd_dq": (backward._attn_bwd_dq, ["Q", "K", "V", "dO", "dQ"], ["LSE", "Delta"]),
 }
 TYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -92,9 +89,9 @@ def main():
     for name, dtype, head_dim, causal in itertools.product(
             args.kernel or list(KERNELS), args.dtype or ["bf16"], args.head_dim or [64, 128],
             args.causal or [1]):
-        fn, tensors, fp32_tensors, fixed = KERNELS[name]
+        fn, tensors, fp32_tensors = KERNELS[name]
         for config in tuning.GPU_CONFIGS[name]:
-            const = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim), **fixed)
+            const = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
             if name != "bwd_preprocess":
                 const.update(IS_CAUSAL=bool(causal), DOT_PRECISION="tf32" if dtype == "fp32" else "ieee")
                 if not (args.all or tuning.fits(name, config, const["BLOCK_D"], 4 if dtype == "fp32" else 2)):

@@ -54,9 +54,7 @@ def kernel_level(q, k, v, causal, fwd_config=None, bwd_configs=None):
     o, lse2 = attention_forward(q, k, v, causal, scale, config=fwd_config)
     g = torch.Generator(device=flashattn.DEVICE).manual_seed(1)
     do = torch.randn(o.shape, device=flashattn.DEVICE, generator=g).to(dtype)
-    atomic = bool(bwd_configs) and "bwd_dkdv_dq" in bwd_configs
-    dq, dk, dv = attention_backward(q, k, v, o, lse2, do, causal, scale, configs=bwd_configs,
-                                    deterministic=not atomic)
+    dq, dk, dv = attention_backward(q, k, v, o, lse2, do, causal, scale, configs=bwd_configs)
 
     def ref(t_q, t_k, t_v):
         t = [x.detach().requires_grad_() for x in (t_q, t_k, t_v)]
@@ -76,7 +74,7 @@ def check_configs(part):
     for dtype, head_dim in (("bf16", 128), ("fp16", 64), ("bf16", 40)):
         block_d = tuning.block_d(head_dim)
         size = DTYPES[dtype].itemsize
-        for name in ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv_dq"):
+        for name in ("fwd", "bwd_dkdv", "bwd_dq"):
             for c in tuning.GPU_CONFIGS[name]:
                 if tuning.fits(name, c, block_d, size):
                     cases.append((dtype, head_dim, name, dict(c.kwargs, num_warps=c.num_warps,
@@ -127,23 +125,15 @@ def check_int64():
 
 
 def check_determinism():
-    """Under torch.use_deterministic_algorithms(True) gradients must be bit-identical on repeat;
-    the default (atomic dQ) path is only reported: its dQ may differ in the last bits."""
     for dtype, head_dim in (("bf16", 128), ("fp16", 64)):
         q, k, v = (t.requires_grad_() for t in qkv((2, 4, 3000, head_dim), (2, 4, 3000, head_dim), DTYPES[dtype]))
         do = torch.randn_like(q)
-        for deterministic in (True, False):
-            torch.use_deterministic_algorithms(deterministic)
-            runs = [torch.autograd.grad(flashattn.attention(q, k, v, is_causal=True), (q, k, v), do)
-                    for _ in range(4)]
-            torch.use_deterministic_algorithms(False)
-            same = [all(torch.equal(a[i], b[i]) for a, b in zip(runs, runs[1:])) for i in range(3)]
-            label = "deterministic mode" if deterministic else "default (atomic dQ)"
-            status = "ok  " if all(same) or not deterministic else "FAIL"
-            print(f"{status} determinism {dtype}, {label}: bit-identical over 4 runs "
-                  f"(dq, dk, dv): {same}", flush=True)
-            if status == "FAIL":
-                failures.append(f"determinism {dtype}")
+        first = torch.autograd.grad(flashattn.attention(q, k, v, is_causal=True), (q, k, v), do)
+        same = all(torch.equal(a, b) for _ in range(3) for a, b in
+                   zip(first, torch.autograd.grad(flashattn.attention(q, k, v, is_causal=True), (q, k, v), do)))
+        print(f"{'ok  ' if same else 'FAIL'} determinism {dtype}: gradients bit-identical over 4 runs", flush=True)
+        if not same:
+            failures.append(f"determinism {dtype}")
 
 
 def check_sanitize():

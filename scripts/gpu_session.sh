@@ -5,8 +5,8 @@
 #   checks     scripts/gpu_check.py (all tile configurations, long sequences, 64-bit offsets,
 #              determinism) and compute-sanitizer memcheck
 #   sweep      python -m flashattn.bench over bf16/fp16, head dims 64/128, causal or not, N 1k-16k,
-#              flashattn (both backward paths) against every SDPA backend; then long sequences
-#              against float64 and the forward pipelining experiment
+#              flashattn against every SDPA backend; then long sequences against float64 and the
+#              forward pipelining experiment
 #   record     the ladder, memory against N, FlexAttention at the reference setting
 #   notebooks  every chapter through nbval (nbval is not on the GPU image: carry it as wheels in
 #              .whl/, see notes/gpu_runs/README.md)
@@ -52,9 +52,9 @@ while [ $# -gt 0 ]; do
         header
         echo "## python -m flashattn.bench (bf16, fp16; head dims 64, 128; causal or not; N 1k-16k)"
         timeout 420 python3 -m flashattn.bench --dtypes bf16 fp16 --head-dims 128 64 \
-          --providers flashattn flashattn-deterministic sdpa sdpa-flash sdpa-cudnn sdpa-efficient \
+          --providers flashattn sdpa sdpa-flash sdpa-cudnn sdpa-efficient \
           --out "$OUT/h200_bench.csv" --plots ""
-        echo; echo "## long sequences against float64 (default backward: atomic dQ)"
+        echo; echo "## long sequences against float64"
         timeout 60 python3 scripts/gpu_check.py long 2>&1 | grep -v '^#'
         echo; echo "## the forward loop pipelined by hand (notes/experiments/fwd_pipelined.py)"
         timeout 60 python3 scripts/perf_probe.py --pipelined
@@ -66,7 +66,7 @@ while [ $# -gt 0 ]; do
         timeout 150 python3 scripts/perf_probe.py --ladder "$OUT/h200_ladder.csv" --memory "$OUT/h200_memory.csv"
         echo; echo "## FlexAttention at the reference setting, side by side"
         timeout 90 python3 -m flashattn.bench --dtypes bf16 --head-dims 128 --seq-lens 8192 --causal 1 0 \
-          --providers flashattn flashattn-deterministic sdpa flex --no-warm --out "$OUT/h200_flex.csv" --plots ""
+          --providers flashattn sdpa flex --no-warm --out "$OUT/h200_flex.csv" --plots ""
       } 2>&1 | grep -v "UserWarning\|return scaled_dot\|warnings.warn" | tee "$OUT/record.txt" ;;
     notebooks)
       {

@@ -79,14 +79,13 @@ MID_TILES = {"fwd": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=3),
              "bwd_preprocess": dict(BLOCK_Q=64, num_warps=4, num_stages=1),
              "bwd_dkdv": dict(BLOCK_Q=32, BLOCK_KV=64, num_warps=4, num_stages=3),
              "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=3)}
-LADDER = [  # (step, dtype, matmul precision, tiles or None for autotuned, deterministic backward)
-    ("seed: fp32 (TF32 dots), 16x16 tiles", torch.float32, "high", SEED_TILES, True),
-    ("fp32 (TF32 dots), tuned tiles", torch.float32, "high", None, True),
-    ("fp32 IEEE dots (FMA), tuned small tiles", torch.float32, "highest", None, True),
-    ("bf16, 16x16 tiles", torch.bfloat16, "highest", SEED_TILES, True),
-    ("bf16, 64x64 tiles, 4 warps", torch.bfloat16, "highest", MID_TILES, True),
-    ("bf16, tuned tiles/warps/stages", torch.bfloat16, "highest", None, True),
-    ("bf16, tuned, dQ by atomic adds", torch.bfloat16, "highest", None, False),
+LADDER = [  # (step, dtype, matmul precision, tiles or None for autotuned)
+    ("seed: fp32 (TF32 dots), 16x16 tiles", torch.float32, "high", SEED_TILES),
+    ("fp32 (TF32 dots), tuned tiles", torch.float32, "high", None),
+    ("fp32 IEEE dots (FMA), tuned small tiles", torch.float32, "highest", None),
+    ("bf16, 16x16 tiles", torch.bfloat16, "highest", SEED_TILES),
+    ("bf16, 64x64 tiles, 4 warps", torch.bfloat16, "highest", MID_TILES),
+    ("bf16, tuned tiles/warps/stages", torch.bfloat16, "highest", None),
 ]
 
 
@@ -96,22 +95,19 @@ def ladder(path, n=4096, heads=256, head_dim=128, steps=None):
 
     chosen = [LADDER[i] for i in (steps if steps is not None else range(len(LADDER)))]
     bench.warm_compile(sorted({"bf16" if d == torch.bfloat16 else ("tf32" if p == "high" else "fp32")
-                               for _, d, p, t, _ in chosen if t is None}), [head_dim], [True])
+                               for _, d, p, t in chosen if t is None}), [head_dim], [True])
     rows = []
     flops = {m: bench.attention_flops(1, heads, n, n, head_dim, True, m) for m in ("fwd", "bwd")}
-    for step, dtype, precision, tiles, deterministic in chosen:
+    for step, dtype, precision, tiles in chosen:
         torch.set_float32_matmul_precision(precision)
         q, k, v, do = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=dtype) for _ in range(4))
         scale = head_dim ** -0.5
         fwd_cfg = tiles and tiles["fwd"]
         bwd_cfg = tiles and {name: tiles[name] for name in ("bwd_preprocess", "bwd_dkdv", "bwd_dq")}
         o, lse2 = attention_forward(q, k, v, True, scale, config=fwd_cfg)
-        if not deterministic:
-            bwd_cfg = tiles and dict(bwd_cfg, bwd_dkdv_dq=tiles["bwd_dkdv"])
 
         def backward():  # tunes on its first call if bwd_cfg is None
-            return attention_backward(q, k, v, o, lse2, do, True, scale, configs=bwd_cfg,
-                                      deterministic=deterministic)
+            return attention_backward(q, k, v, o, lse2, do, True, scale, configs=bwd_cfg)
         backward()
         ms_f = triton.testing.do_bench(lambda: attention_forward(q, k, v, True, scale, config=fwd_cfg),
                                        return_mode="median")

@@ -33,7 +33,7 @@ import triton.language as tl
 from . import tuning
 from .forward import LOG2E
 from .runtime import kernel_dtype
-from .tiles import load_tile, store_tile
+from .tiles import dot_acc, load_tile, store_tile
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_q"])  # one binary for every length
@@ -83,10 +83,10 @@ def _dkdv_inner(dk, dv, k, v,
                 visible = visible & (offs_q[None, :] >= offs_kv[:, None])
             sT = tl.where(visible, sT, float("-inf"))
         pT = tl.exp2(sT * qk_scale - lse[None, :])                   # P^T, rebuilt from the LSE
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)      # dV += P^T dO
+        dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                    # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)      # dK += dS^T Q
+        dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_PRECISION)                     # dK += dS^T Q
     return dk, dv
 
 
@@ -166,7 +166,7 @@ def _dq_inner(dq, q, do, lse, delta,
         p = tl.exp2(s * qk_scale - lse[:, None])                      # P, rebuilt from the LSE
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
         ds = p * (dp - delta[:, None])                                 # dS (unscaled)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K
+        dq = dot_acc(ds.to(k.dtype), k, dq, DOT_PRECISION)                # dQ += dS K
     return dq
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import load_tile, store_tile
+from .tiles import dot_acc, load_tile, store_tile
 
 LOG2E = 1.4426950408889634  # log2(e) = 1 / ln(2): e**x == 2**(x * LOG2E)
 
@@ -56,7 +56,7 @@ def _fwd_inner(acc, m_i, l_i, q,
         v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
                       MASKED, HEAD_DIM < BLOCK_D)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 

@@ -9,6 +9,13 @@ libraries is relative to what PyTorch itself achieves:
 with ``factor = 2`` for the output and the LSE and ``3`` for the gradients, and a small ``floor``
 (a few units of the dtype's rounding at the size of the values) so that a case where PyTorch is
 exact by luck does not demand the impossible. Errors are the largest absolute difference.
+
+For the gradients the floor is taken at least at the size of the upstream gradient dO, of which
+they are a linear function. They pass through ``dP - Delta``, where FlashAttention computes
+``Delta = rowsum(dO * O)`` and PyTorch's autograd ``rowsum(P * dP)``: equal in exact arithmetic,
+but summed differently. Where a row sees a single key the difference is exactly 0, so PyTorch's
+dQ and dK are exact, while flashattn's carry roundings at the size of dO (measured on an H200 in
+float32: 8.7 units at magnitude 1, with dO up to 3).
 """
 from dataclasses import dataclass
 
@@ -31,10 +38,11 @@ def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (x.double() - ref.double()).abs().max().item()
 
 
-def floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
-    """The rule's floor: FLOOR_UNITS roundings of the dtype at the magnitude of ``ref``."""
+def floor(ref: torch.Tensor, dtype: torch.dtype, at_least: float = 1.0) -> float:
+    """The rule's floor: FLOOR_UNITS roundings of the dtype at the magnitude of ``ref`` (or
+    ``at_least``, if larger)."""
     scale = ref.abs().max().item() if ref.numel() else 0.0
-    return FLOOR_UNITS * EPS[dtype] * max(scale, 1.0)
+    return FLOOR_UNITS * EPS[dtype] * max(scale, at_least)
 
 
 @dataclass
@@ -84,6 +92,7 @@ def compare_with_reference(q, k, v, is_causal=False, scale=None, backward=True, 
         # Rounded to the dtype first, so that all three see exactly the same upstream gradients.
         do = torch.randn(out.shape, generator=g).to(dtype).double().to(q.device)
         dlse = torch.randn(lse.shape, generator=g).double().to(q.device)
+        upstream = max_error(do, torch.zeros_like(do))  # the largest |dO|
         ours = _grads(out, lse, leaves, do, dlse)
         ref = _grads(out_ref, lse_ref, ref64, do, dlse)
         pt = _grads(out_pt, lse_pt, base, do, dlse)
@@ -91,15 +100,17 @@ def compare_with_reference(q, k, v, is_causal=False, scale=None, backward=True, 
             results[name] = (ours[i], ref[i], pt[i])
 
     return judge({n: r[0] for n, r in results.items()}, {n: r[1] for n, r in results.items()},
-                 {n: r[2] for n, r in results.items()}, dtype)
+                 {n: r[2] for n, r in results.items()}, dtype, upstream if backward else 1.0)
 
 
-def judge(ours, ref64, pytorch, dtype):
+def judge(ours, ref64, pytorch, dtype, upstream=1.0):
     """The rule applied to dicts ``name -> tensor`` (names out, lse, dq, dk, dv): ours and plain
-    PyTorch in ``dtype``, both against the float64 reference. Returns a list of :class:`Check`."""
+    PyTorch in ``dtype``, both against the float64 reference; ``upstream`` is the largest |dO|.
+    Returns a list of :class:`Check`."""
     checks = []
     for name in ours:
         baseline = max_error(pytorch[name], ref64[name])
-        bound = FACTORS[name] * baseline + floor(ref64[name], dtype)
+        at_least = max(upstream, 1.0) if name in ("dq", "dk", "dv") else 1.0
+        bound = FACTORS[name] * baseline + floor(ref64[name], dtype, at_least)
         checks.append(Check(name, max_error(ours[name], ref64[name]), baseline, bound))
     return checks

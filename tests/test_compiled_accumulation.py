@@ -11,13 +11,9 @@ Triton cannot compile for CUDA.
 """
 import os
 import re
-import subprocess
 import sys
 
-import pytest
-
-SKIP = 77
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from sm90_child import ROOT, SKIP, run_as_child
 
 # kernel: (tile configuration, accumulator tile shape, separate additions expected in IEEE fp32)
 CASES = {
@@ -28,12 +24,7 @@ CASES = {
 
 
 def test_ieee_float32_sums_each_tile_before_adding_it():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True,
-                            timeout=300, env=env, cwd=ROOT)
-    if result.returncode == SKIP:
-        pytest.skip(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "cannot compile")
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_as_child(__file__)
 
 
 def _child():

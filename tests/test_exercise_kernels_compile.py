@@ -11,22 +11,13 @@ arguments, and checks that a stub's compile error becomes the checkers' "not imp
 while any other compile error does not. Skipped where Triton cannot compile for CUDA.
 """
 import os
-import subprocess
 import sys
 
-import pytest
-
-SKIP = 77  # the child's exit status when this machine cannot compile for sm_90 at all
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from sm90_child import ROOT, SKIP, run_as_child
 
 
 def test_exercise_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # set by flashattn on a CPU
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True,
-                            timeout=300, env=env, cwd=ROOT)
-    if result.returncode == SKIP:
-        pytest.skip(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "cannot compile")
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_as_child(__file__)
 
 
 def _child():

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .forward import LOG2E
+from .forward import LOG2E, kv_stage_bounds
 from .runtime import kernel_dtype
 from .tiles import dot_acc, load_tile, store_tile
 
@@ -203,13 +203,8 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
     delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
 
-    # The same two stages as the forward kernel (flashattn.traversal.kv_ranges).
-    if IS_CAUSAL:
-        kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)
-        kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
-    else:
-        kv_end = n_kv
-        kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
+    # The same two stages as the forward kernel.
+    kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                    offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
                    HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)

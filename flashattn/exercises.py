@@ -738,6 +738,8 @@ def check_kv_stage_bounds(kv_stage_bounds):
 import triton  # noqa: E402  (flashattn/__init__.py, run before this module, has picked the runtime)
 import triton.language as tl  # noqa: E402
 
+from .forward import kv_stage_bounds  # noqa: E402
+
 
 @triton.jit
 def fwd_exercise_kernel(Q, K, V, O, LSE,
@@ -761,12 +763,7 @@ def fwd_exercise_kernel(Q, K, V, O, LSE,
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)   # running max M (base 2, scaled)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)                 # running sum L
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)       # unnormalised output
-    if IS_CAUSAL:
-        kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)
-        kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
-    else:
-        kv_end = n_kv
-        kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
+    kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)  # flashattn's own
     # stage 1: full tiles, no mask (MASKED=False); stage 2: masked tiles (MASKED=True)
     acc, m_i, l_i = INNER(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                           offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale, BLOCK_KV, False, IS_CAUSAL)
@@ -1091,12 +1088,7 @@ def dq_exercise_kernel(Q, K, V, dO, LSE, Delta, dQ,
     lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
     delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    if IS_CAUSAL:
-        kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)
-        kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
-    else:
-        kv_end = n_kv
-        kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
+    kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
     dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
                HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL)
     dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,

@@ -1,7 +1,7 @@
 """IEEE float32 accumulation as a GPU compiles it: each tile's product is summed, then added.
 
 In IEEE float32, ``tl.dot(a, b, acc)`` is a chain of FMAs running through ``acc``, so a sum over N
-keys or queries is rounded N times in a row; on an H200 that gave dV 6x PyTorch's error at N = 1000
+keys or queries is rounded N times in a row; on an H200 that gave dV 5.7x PyTorch's error at N = 1000
 (notes/performance.md). ``tiles.dot_acc`` keeps the tile's product a separate sum. Triton's
 compiler would fuse a plain ``acc + tl.dot(a, b)`` back into ``tl.dot(a, b, acc)``, which the
 interpreter never shows, so this test compiles the kernels for sm_90 (in a child process that

@@ -4,14 +4,11 @@ The forward saves Q, K, V, the output O and the base-2 log-sum-exp, nothing of s
 the backward rebuilds what it needs from them. Tensors here are (B, H, N, D); flashattn.api
 reshapes whatever the user passed to that.
 """
-import math
-
 import torch
 
 from .backward import attention_backward
 from .forward import attention_forward
-
-LN2 = math.log(2.0)
+from .tiles import LN2
 
 
 class FlashAttention(torch.autograd.Function):

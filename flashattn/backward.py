@@ -32,9 +32,8 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .forward import LOG2E, kv_stage_bounds
 from .runtime import kernel_dtype
-from .tiles import dot_acc, load_tile, store_tile
+from .tiles import LOG2E, dot_acc, kv_stage_bounds, load_tile, store_tile
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_q"])  # one binary for every length
@@ -261,7 +260,7 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
 
 
 def _checked_dkdv(config):
-    if config is not None and config["BLOCK_KV"] % config["BLOCK_Q"]:
+    if config is not None and not tuning.dkdv_steps_fit(config["BLOCK_Q"], config["BLOCK_KV"]):
         raise ValueError(f"bwd_dkdv config {config}: BLOCK_Q must divide BLOCK_KV, because the "
                          "query loop starts at the diagonal of each key block")
     return config

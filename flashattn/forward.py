@@ -6,7 +6,7 @@ online softmax of chapter 01, in base 2 as in chapter 02). Nothing of size N_q x
 reaches memory: per query row it writes the output row and one number, the log-sum-exp, which the
 backward pass uses to rebuild the probabilities.
 
-The keys a query block visits split in two stages (chapter 03, ``kv_stage_bounds``):
+The keys a query block visits split in two stages (chapter 03, ``tiles.kv_stage_bounds``):
 
 1. ``[0, kv_full_end)``: whole tiles that every query of the block sees; no mask at all.
 2. ``[kv_full_end, kv_end)``: tiles on the causal diagonal or past the end of the sequence; an
@@ -18,25 +18,7 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import dot_acc, load_tile, store_tile
-
-LOG2E = 1.4426950408889634  # log2(e) = 1 / ln(2): e**x == 2**(x * LOG2E)
-
-
-@triton.jit
-def kv_stage_bounds(q_start, n_kv, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    IS_CAUSAL: tl.constexpr):
-    """``(kv_full_end, kv_end)`` for the query block starting at ``q_start``: keys
-    ``[0, kv_full_end)`` in whole tiles that need no mask, ``[kv_full_end, kv_end)`` with the mask,
-    none after. The forward and the dQ kernel share it; ``flashattn.traversal.kv_ranges`` is the
-    same in plain Python."""
-    if IS_CAUSAL:
-        kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)  # query i sees keys 0..i
-        kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
-    else:
-        kv_end = n_kv
-        kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
-    return kv_full_end, kv_end
+from .tiles import LOG2E, dot_acc, kv_stage_bounds, load_tile, store_tile
 
 
 @triton.jit

@@ -11,9 +11,8 @@ import math
 
 import torch
 
+from .tiles import LOG2E
 from .traversal import kv_ranges
-
-LOG2E = 1.0 / math.log(2.0)
 
 
 def default_scale(head_dim: int, scale=None) -> float:

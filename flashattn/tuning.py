@@ -95,8 +95,13 @@ def fits(name, config, block_d, element_size) -> bool:
     smem = (resident_tiles * resident + config.num_stages * 2 * streamed) * block_d * element_size
     if smem > 227 * 1024:
         return False
-    # dK/dV steps through the queries from the diagonal: BLOCK_Q must divide BLOCK_KV.
-    return name != "bwd_dkdv" or bkv % bq == 0
+    return name != "bwd_dkdv" or dkdv_steps_fit(bq, bkv)
+
+
+def dkdv_steps_fit(block_q, block_kv) -> bool:
+    """Whether BLOCK_Q divides BLOCK_KV, as the dK/dV kernel needs: it starts its query loop at
+    the diagonal of its key block and steps through the queries BLOCK_Q at a time."""
+    return block_kv % block_q == 0
 
 
 def _prune(name):

@@ -65,6 +65,22 @@ def classify_blocks(n_q: int, n_kv: int, block_q: int, block_kv: int, is_causal:
     return kinds
 
 
+def classify_blocks_dkdv(n_q: int, n_kv: int, block_q: int, block_kv: int, is_causal: bool) -> np.ndarray:
+    """The dK/dV kernel's map of tiles, from :func:`q_ranges`: an int array of shape (query
+    blocks, key blocks) holding ``FULL``, ``MASKED`` or ``SKIPPED``.
+
+    Each key block (a column) walks down the query blocks: the ones that cross the causal diagonal
+    and a ragged last block are masked, the ones in between are full, those above are skipped.
+    Under the causal mask the tiles must be ones the kernel takes (``tuning.dkdv_steps_fit``)."""
+    kinds = np.full((cdiv(n_q, block_q), cdiv(n_kv, block_kv)), SKIPPED, dtype=np.int8)
+    for kb in range(kinds.shape[1]):
+        start, full_start, full_end, end = q_ranges(kb * block_kv, block_kv, block_q, n_q, is_causal)
+        for lo, hi, kind in ((start, full_start, MASKED), (full_start, full_end, FULL),
+                             (full_end, end, MASKED)):
+            kinds[lo // block_q: cdiv(hi, block_q), kb] = kind
+    return kinds
+
+
 def work_fraction(kinds: np.ndarray) -> float:
     """Fraction of all tiles that the kernel computes (full or masked)."""
     return float((kinds != SKIPPED).mean()) if kinds.size else 0.0

@@ -1,0 +1,20 @@
+"""The course's pictures, by chapter: tile maps, online-softmax traces, error heatmaps, memory and
+TFLOPS curves.
+
+Each function draws into a matplotlib Axes (a new figure if none is given) and returns it, so the
+notebooks and ``tools/make_figures.py`` draw the same pictures from the same code. One module per
+group of chapters; every picture is available from here (``plotting.tile_map(...)``).
+"""
+from .ch00_02 import capacity_ladder, exp_range, matrix_panels, memory_curve, partial_outputs, softmax_trace
+from .ch03_04 import (TILE_COLORS, TILE_NAMES, error_heatmap, error_heatmaps, gantt, int_table, launch_strips,
+                      tile_kinds_map, tile_map, visibility_map, work_fraction_curve)
+from .ch05_07 import backward_ownership, backward_tile_maps, rule_ratios
+from .ch08 import config_bars, ladder_bars, roofline, tflops_curves
+
+__all__ = [
+    "matrix_panels", "capacity_ladder", "memory_curve", "softmax_trace", "partial_outputs", "exp_range",
+    "TILE_COLORS", "TILE_NAMES", "tile_map", "tile_kinds_map", "visibility_map", "work_fraction_curve",
+    "launch_strips", "gantt", "int_table", "error_heatmap", "error_heatmaps",
+    "backward_ownership", "backward_tile_maps", "rule_ratios",
+    "roofline", "tflops_curves", "ladder_bars", "config_bars",
+]

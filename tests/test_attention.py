@@ -6,8 +6,9 @@ float64 reference, plus a floor of a few roundings of the dtype. Upstream gradie
 the output and the LSE, so the LSE's backward is tested too.
 
 On a CPU the kernels run in Triton's interpreter; there bfloat16 is computed in float32 (the
-interpreter cannot multiply bf16 tiles) and the rule still holds. scripts/gpu_check.py runs the
-same grid compiled on a GPU, plus bf16 on the tensor cores, long sequences and 64-bit offsets.
+interpreter cannot multiply bf16 tiles) and the rule still holds. On a GPU these tests run compiled
+(bf16 on the tensor cores), and tests/test_gpu.py adds every tile configuration, long sequences
+and 64-bit offsets.
 """
 import pytest
 import torch

@@ -1,15 +1,17 @@
 """Experiment (not part of the package): the forward loop reordered by hand so that the P V
 matmul of one tile can run while the softmax of the next executes ("intra-warpgroup pipelining",
 as in FlashAttention-3): S_j is issued, then P_{j-1} V_{j-1}, then the softmax of S_j. Only the unmasked stage is pipelined; the masked stage is the package's own loop.
-Contiguous (B, H, N, D) inputs, head dim a power of two. Run by scripts/perf_probe.py --experiments.
+Contiguous (B, H, N, D) inputs, head dim a power of two. Run by
+``experiments/perf_probe.py --pipelined``.
 
-Kept exactly as measured (run 5): it writes out the stage bounds that the package kernels now
-take from ``flashattn.forward.kv_stage_bounds``."""
+Kept as measured: it writes out the stage bounds that the package kernels take from
+``flashattn.tiles.kv_stage_bounds``."""
 import torch
 import triton
 import triton.language as tl
 
-from flashattn.forward import LOG2E, _fwd_inner
+from flashattn.forward import _fwd_inner
+from flashattn.tiles import LOG2E
 
 
 @triton.jit

@@ -1,28 +1,25 @@
-"""Where does the time go? GPU measurements behind notes/performance.md and chapter 08 (the
-full sweep against SDPA is `python -m flashattn.bench`).
+"""Where does the time go? The GPU measurements behind docs/performance.md and chapter 08 (the
+full sweep against SDPA is `python -m flashattn.bench`). Needs a CUDA GPU.
 
-    python scripts/perf_probe.py [--settings bf16:128:1:8192 ...] [--tma]
+    python experiments/perf_probe.py [--settings bf16:128:1:8192 ...] [--tma]
         every tile configuration of every kernel timed at reference settings, next to SDPA
-    python scripts/perf_probe.py --ladder figures/data/h200_ladder.csv
-        from the seed's configuration (float32, 16 x 16 tiles) to the tuned kernel, step by step
-    python scripts/perf_probe.py --memory figures/data/h200_memory.csv
+        (--tma: also the forward with tensor descriptors, experiments/fwd_tma.py)
+    python experiments/perf_probe.py --ladder figures/data/h200_ladder.csv
+        from a first kernel's configuration (float32, 16 x 16 tiles) to the tuned kernel, step by step
+    python experiments/perf_probe.py --memory figures/data/h200_memory.csv
         peak memory of forward + backward against N: naive attention, flashattn, SDPA
-    python scripts/perf_probe.py --pipelined
-        notes/experiments/fwd_pipelined.py (the forward loop reordered by hand) against the
+    python experiments/perf_probe.py --pipelined
+        experiments/fwd_pipelined.py (the forward loop reordered by hand) against the
         package's forward, same configurations, same run
 """
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import flashattn  # noqa: E402  (first: it picks the runtime before triton is imported)
-import torch  # noqa: E402
-import triton  # noqa: E402
-from flashattn import bench, tuning  # noqa: E402
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+import flashattn  # first: it picks the runtime before triton is imported
+import torch
+import triton
+from flashattn import bench, tuning
+from flashattn.bench import DTYPES
 
 
 def config_table(seq_len):
@@ -55,8 +52,7 @@ def probe(dtype, head_dim, causal, n, tokens, providers, tma):
         if provider == "flashattn":
             config_table(n)
     if tma and dtype in ("fp16", "bf16") and head_dim == 128:
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "notes", "experiments"))
-        from fwd_tma import forward_tma
+        from fwd_tma import forward_tma  # next to this script
         q, k, v = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
         flops = bench.attention_flops(1, heads, n, n, head_dim, bool(causal), "fwd")
         for bq, bkv, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)):
@@ -69,8 +65,9 @@ def probe(dtype, head_dim, causal, n, tokens, providers, tma):
 
 
 #: The ladder, at one setting (causal, head dim 128, N = 4096, 256 heads): each step changes one
-#: thing. The seed ran float32 with tl.dot's default (TF32 on tensor cores), 16 x 16 forward tiles
-#: and 32/16 backward tiles, 4 warps, 3 stages.
+#: thing. The first step is the configuration of a first FlashAttention kernel in Triton (the one
+#: this course started from): float32 with tl.dot's default (TF32 on tensor cores), 16 x 16 forward
+#: tiles and 32/16 backward tiles, 4 warps, 3 stages.
 SEED_TILES = {"fwd": dict(BLOCK_Q=16, BLOCK_KV=16, num_warps=4, num_stages=3),
               "bwd_preprocess": dict(BLOCK_Q=32, num_warps=4, num_stages=1),
               "bwd_dkdv": dict(BLOCK_Q=16, BLOCK_KV=32, num_warps=4, num_stages=3),
@@ -134,11 +131,10 @@ def ladder(path, n=4096, heads=256, head_dim=128, steps=None):
 
 
 def pipelined(n=8192, heads=128):
-    """The hand-pipelined forward (notes/experiments/fwd_pipelined.py) against the package's
+    """The hand-pipelined forward (experiments/fwd_pipelined.py) against the package's
     forward with the same fixed configurations, bf16 and fp16, head dims 64 and 128."""
     from flashattn.forward import attention_forward
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "notes", "experiments"))
-    from fwd_pipelined import forward_pipelined
+    from fwd_pipelined import forward_pipelined  # next to this script
 
     for dtype, head_dim, causal in ((torch.bfloat16, 128, True), (torch.bfloat16, 128, False),
                                     (torch.float16, 64, True)):

@@ -1,19 +1,15 @@
 """Draw the README's pictures into figures/, with the same plotting functions the notebooks call.
 
-    python scripts/make_figures.py
+    python tools/make_figures.py
 
 Runs on a CPU (the error heatmaps launch the real forward kernel through Triton's interpreter on
 small inputs); the GPU measurements come from figures/data/, recorded on an H200.
 """
 import csv
 import os
-import sys
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-
-import flashattn  # noqa: E402  (first: it picks the runtime)
-import matplotlib  # noqa: E402
+import flashattn  # first: it picks the runtime
+import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -21,6 +17,8 @@ import torch  # noqa: E402
 
 from flashattn import bench, plotting, reference  # noqa: E402
 from flashattn.forward import attention_forward  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 FIGURES = os.path.join(ROOT, "figures")
 DATA = os.path.join(FIGURES, "data")

@@ -1,14 +1,14 @@
 """Experiment (not part of the package): the forward kernel with K and V loaded through tensor
 descriptors (Hopper's TMA copy engine) instead of pointer tiles, to measure what TMA buys.
-Contiguous (B, H, N, D) inputs only; fixed configs. Run by scripts/perf_probe.py.
-Kept exactly as measured (runs 1 and 2): it writes out the stage bounds that the package kernels now
-take from ``flashattn.forward.kv_stage_bounds``."""
+Contiguous (B, H, N, D) inputs only; fixed configs. Run by ``experiments/perf_probe.py --tma``.
+Kept as measured: it writes out the stage bounds that the package kernels take from
+``flashattn.tiles.kv_stage_bounds``."""
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashattn.forward import LOG2E
+from flashattn.tiles import LOG2E
 
 
 @triton.jit

@@ -5,7 +5,7 @@ full sweep against SDPA is `python -m flashattn.bench`). Needs a CUDA GPU.
         every tile configuration of every kernel timed at reference settings, next to SDPA
         (--tma: also the forward with tensor descriptors, experiments/fwd_tma.py)
     python experiments/perf_probe.py --ladder figures/data/h200_ladder.csv
-        from a first kernel's configuration (float32, 16 x 16 tiles) to the tuned kernel, step by step
+        from the starting configuration (float32, 16 x 16 tiles) to the tuned kernel, step by step
     python experiments/perf_probe.py --memory figures/data/h200_memory.csv
         peak memory of forward + backward against N: naive attention, flashattn, SDPA
     python experiments/perf_probe.py --pipelined
@@ -65,10 +65,10 @@ def probe(dtype, head_dim, causal, n, tokens, providers, tma):
 
 
 #: The ladder, at one setting (causal, head dim 128, N = 4096, 256 heads): each step changes one
-#: thing. The first step is the configuration of a first FlashAttention kernel in Triton (the one
-#: this course started from): float32 with tl.dot's default (TF32 on tensor cores), 16 x 16 forward
-#: tiles and 32/16 backward tiles, 4 warps, 3 stages.
-SEED_TILES = {"fwd": dict(BLOCK_Q=16, BLOCK_KV=16, num_warps=4, num_stages=3),
+#: thing. The first step is the configuration of the FlashAttention kernel this course grew from:
+#: float32 with tl.dot's default (TF32 on tensor cores), 16 x 16 forward tiles and 32/16 backward
+#: tiles, 4 warps, 3 stages.
+START_TILES = {"fwd": dict(BLOCK_Q=16, BLOCK_KV=16, num_warps=4, num_stages=3),
               "bwd_preprocess": dict(BLOCK_Q=32, num_warps=4, num_stages=1),
               "bwd_dkdv": dict(BLOCK_Q=16, BLOCK_KV=32, num_warps=4, num_stages=3),
               "bwd_dq": dict(BLOCK_Q=32, BLOCK_KV=16, num_warps=4, num_stages=3)}
@@ -77,10 +77,10 @@ MID_TILES = {"fwd": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=3),
              "bwd_dkdv": dict(BLOCK_Q=32, BLOCK_KV=64, num_warps=4, num_stages=3),
              "bwd_dq": dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=4, num_stages=3)}
 LADDER = [  # (step, dtype, matmul precision, tiles or None for autotuned)
-    ("seed: fp32 (TF32 dots), 16x16 tiles", torch.float32, "high", SEED_TILES),
+    ("start: fp32 (TF32 dots), 16x16 tiles", torch.float32, "high", START_TILES),
     ("fp32 (TF32 dots), tuned tiles", torch.float32, "high", None),
     ("fp32 IEEE dots (FMA), tuned small tiles", torch.float32, "highest", None),
-    ("bf16, 16x16 tiles", torch.bfloat16, "highest", SEED_TILES),
+    ("bf16, 16x16 tiles", torch.bfloat16, "highest", START_TILES),
     ("bf16, 64x64 tiles, 4 warps", torch.bfloat16, "highest", MID_TILES),
     ("bf16, tuned tiles/warps/stages", torch.bfloat16, "highest", None),
 ]

@@ -17,9 +17,8 @@ log-sum-exp saved by the forward pass, ``P = 2**(S * log2(e) - LSE2)``. Three ke
 
 Each output tile is written by exactly one program, in a fixed order, so the result is bit-identical
 from run to run (no atomics). FlashAttention-2 instead lets the dK/dV program add its share of dQ
-into memory with atomic adds (5 tile matmuls per tile pair instead of 7). Measured on an H200
-(notes/performance.md), that variant ran at 0.78-0.94x the speed of these kernels, so it is not
-here.
+into memory with atomic adds (5 tile matmuls per tile pair instead of 7); docs/performance.md
+compares the two.
 
 Where did the ln 2 of base 2 go? The kernels rebuild ``P = 2**(s * scale * log2(e) - LSE2)`` from the
 raw score ``s = q.k``, so the chain rule gives ``dL/ds = ln(2) * scale * log2(e) * P * (dP - Delta)``:

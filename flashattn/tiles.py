@@ -1,4 +1,4 @@
-"""The @triton.jit helpers and constants the kernels share: loading and storing one tile, adding
+"""The @triton.jit functions and constants the kernels share: loading and storing one tile, adding
 a tile's product to a running sum, and the two stages of keys a query block visits.
 
 A kernel sees one head of one batch element as a matrix whose rows are sequence positions and whose

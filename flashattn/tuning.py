@@ -36,7 +36,7 @@ def _configs(*specs):
 
 
 #: Candidates on a GPU with tensor cores (16-bit inputs, or float32 allowed TF32), best first.
-#: They are the fastest of a wider sweep on an H200 (notes/gpu_runs/run2_probe.txt: 21 to 30
+#: They are the fastest of a wider sweep on an H200 (figures/data/h200_tile_configs.csv: 21 to 30
 #: candidates per kernel, bf16/fp16, head dims 64/128), plus small tiles for head dims up to 256.
 #: In the forward and dQ kernels the query tile stays and key tiles stream past; in dK/dV the
 #: key tile stays. FLASHATTN_AUTOTUNE=0 takes the first candidate that fits.
@@ -52,7 +52,7 @@ GPU_CONFIGS = {
 }
 #: float32 in IEEE precision has no tensor-core path: tl.dot becomes fused multiply-adds, whose
 #: operands and accumulators all sit in registers. Only small tiles avoid spilling (compiled for
-#: sm_90 by scripts/compile_check.py: 16 x 16 tiles use 80-110 registers, 32 x 32 spill).
+#: sm_90 by tools/compile_check.py: 16 x 16 tiles use 80-110 registers, 32 x 32 spill).
 FMA_CONFIGS = {
     "fwd": _configs((16, 16, 4, 2), (16, 16, 4, 3), (32, 16, 4, 2), (16, 32, 4, 2)),
     "bwd_preprocess": GPU_CONFIGS["bwd_preprocess"],
@@ -77,7 +77,7 @@ def candidates(name, dtype, dot_precision):
 def fits(name, config, block_d, element_size) -> bool:
     """Whether a candidate can run well on an H100/H200, judged before compiling it.
 
-    ``scripts/compile_check.py`` compiles every candidate for sm_90 and prints its registers and
+    ``tools/compile_check.py`` compiles every candidate for sm_90 and prints its registers and
     spills; these two rules are what those numbers showed.
     """
     bq, bkv = config.kwargs.get("BLOCK_Q", 0), config.kwargs.get("BLOCK_KV", 0)

@@ -84,7 +84,7 @@ def ladder():
     steps = list(dict.fromkeys(r["step"] for r in rows))
     values = {label: [float(next(r["tflops"] for r in rows if r["step"] == s and r["mode"] == mode))
                       for s in steps] for label, mode in (("forward", "fwd"), ("backward", "bwd"))}
-    ax = plotting.ladder_bars(steps, values, title=f"From the seed's configuration to the tuned kernel "
+    ax = plotting.ladder_bars(steps, values, title=f"From the starting configuration to the tuned kernel "
                               f"({rows[0]['gpu']}, causal, head dim {rows[0]['head_dim']}, N={rows[0]['n']})")
     save(ax.figure, "ladder.png")
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import flashattn
+from flashattn.api import SUPPORTED_DTYPES as DTYPES
 from flashattn.testing import compare_with_reference
 
 DEVICE = flashattn.DEVICE
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Lengths that are not multiples of any tile (1, 17, 69, 113), one that is (128), one longer than
 # several tiles (200), and query/key lengths that differ both ways.
 LENGTHS = [(1, 1), (17, 17), (69, 69), (113, 113), (128, 128), (200, 200), (17, 113), (113, 17)]

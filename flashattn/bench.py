@@ -149,10 +149,12 @@ def warm_compile(dtypes, head_dims, causals, workers=None):
     jobs = []
     for dtype in dtypes:
         size = DTYPES[dtype].itemsize
+        torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
+        precision = tuning.dot_precision(DTYPES[dtype])  # as _compile_one will see it
         for head_dim in head_dims:
             for name in ("fwd", "bwd_dkdv", "bwd_dq"):
-                for c in tuning.candidates(name, DTYPES[dtype], "ieee" if dtype == "fp32" else "tf32"):
-                    if tuning.fits(name, c, tuning.block_d(head_dim), size):
+                for c in tuning.candidates(name, DTYPES[dtype], precision):
+                    if tuning.fits(name, c, tuning.block_d(head_dim), size, precision):
                         config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
                         jobs += [(name, config, dtype, head_dim, causal) for causal in causals]
     workers = workers or min(16, os.cpu_count() or 1)

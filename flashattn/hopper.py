@@ -60,13 +60,6 @@ def _mma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
-@gluon.constexpr_function
-def _tile_layout(layout):
-    """The 2-D shared layout of one tile, for a descriptor whose block is (1, 1, rows, head dim)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width,
-                                element_bitwidth=layout.element_bitwidth, rank=2)
-
-
 # ---------------------------------------------------------------------------- partitions
 
 
@@ -135,7 +128,6 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = desc_o.dtype
-    tile_layout: gl.constexpr = _tile_layout(desc_o.layout)
 
     q = q_smem.index(C).reshape([BLOCK_M, HEAD_DIM])
     offs_q = q_start + C * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)

@@ -25,6 +25,7 @@ import concurrent.futures
 import csv
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -76,6 +77,14 @@ def _make(b, h, n, d, layout, dtype, magnitude, gen, device="cuda"):
     return (t * magnitude).to(dtype)
 
 
+def _verdict(cid, checks, extra=""):
+    """One line for a case: ok/FAIL, the worst error/bound ratio, each quantity's error/bound."""
+    ok = all(c.ok for c in checks)
+    worst = max(c.error / c.bound for c in checks)
+    detail = "; ".join(f"{c.name} {c.error:.2e}/{c.bound:.2e}" for c in checks)
+    print(f"{'ok' if ok else 'FAIL'} {cid}: worst={worst:.2f} error/bound {detail}{extra}", flush=True)
+
+
 def child_gluon(args):
     """Check each case of one (dtype, head dim, causal) group through flashattn.attention, with a
     counter proving the Gluon kernel ran, and compare with the Triton forward too."""
@@ -116,10 +125,7 @@ def child_gluon(args):
             os.environ.pop("FLASHATTN_GLUON")
             o_gluon, _ = launch(q, k, v, causal, args.head_dim ** -0.5)
             diff = (o_gluon.float() - o_triton.float()).abs().max().item()
-            ok = all(c.ok for c in checks)
-            detail = "; ".join(f"{c.name} {c.error:.2e}/{c.bound:.2e}" for c in checks)
-            print(f"{'ok' if ok else 'FAIL'} {cid}: error/bound {detail}; |gluon-triton| {diff:.2e}",
-                  flush=True)
+            _verdict(cid, checks, f"; |gluon-triton| {diff:.2e}")
         except Exception as e:
             _fail(cid, e)
 
@@ -151,9 +157,7 @@ def child_variants(args):
                             return o, lse2 * LN2
 
                         checks = compare_with_reference(q, k, v, is_causal=causal, backward=False, impl=impl)
-                        ok = all(c.ok for c in checks)
-                        detail = "; ".join(f"{c.name} {c.error:.2e}/{c.bound:.2e}" for c in checks)
-                        print(f"{'ok' if ok else 'FAIL'} {cid} {cfg}: error/bound {detail}", flush=True)
+                        _verdict(cid, checks, f" {cfg}")
                     except Exception as e:
                         _fail(f"{cid} {cfg}", e)
 
@@ -195,9 +199,12 @@ def child_fp32(args):
     print(f"info precision {args.precision!r}: tl.dot input_precision "
           f"{tuning.dot_precision(torch.float32)!r}", flush=True)
     skip = set(filter(None, (args.skip or "").split(",")))
-    for name, n_q, n_kv, d, causal, mag, scale, layout in fp32_cases():
-        if int(causal) != args.causal or (name.startswith(("len", "long")) != (args.part == "lengths")):
-            continue  # the grid is split between children
+    # The grid is split between children: by causal, then in chunks of neighbouring head dims
+    # (each head dim compiles its own kernels).
+    cases = sorted((c for c in fp32_cases() if int(c[4]) == args.causal), key=lambda c: c[3])
+    part, parts = map(int, args.part.split("/"))
+    size = -(-len(cases) // parts)
+    for name, n_q, n_kv, d, causal, mag, scale, layout in cases[part * size:(part + 1) * size]:
         cid = f"fp32-{args.precision}-{name}-{'causal' if causal else 'full'}"
         if cid in skip:
             continue
@@ -208,10 +215,7 @@ def child_fp32(args):
             k = _make(1, 2, n_kv, d, layout, torch.float32, mag, g)
             v = _make(1, 2, n_kv, d, layout, torch.float32, 1.0, g)
             checks = compare_with_reference(q, k, v, is_causal=causal, scale=scale)
-            ok = all(c.ok for c in checks)
-            worst = max(c.error / c.bound for c in checks)
-            detail = "; ".join(f"{c.name} {c.error:.2e}/{c.bound:.2e}" for c in checks)
-            print(f"{'ok' if ok else 'FAIL'} {cid}: worst error/bound {worst:.2f}; {detail}", flush=True)
+            _verdict(cid, checks)
         except Exception as e:
             _fail(cid, e)
 
@@ -472,11 +476,13 @@ def main():
     p.add_argument("out", nargs="?", default=".")
     p.add_argument("--parts", default="gluon,variants,fp32,bench,fp32bench")
     p.add_argument("--quick", action="store_true", help="fewer lengths in the timings")
-    p.add_argument("--workers", type=int, default=10, help="checking children run at once")
+    p.add_argument("--workers", type=int, default=12, help="checking children run at once")
     p.add_argument("--budget", type=float, default=285, help="seconds for the whole run")
     p.add_argument("--child", choices=list(CHILDREN), help=argparse.SUPPRESS)
-    p.add_argument("--dtype"), p.add_argument("--head-dim", type=int), p.add_argument("--causal", type=int)
-    p.add_argument("--precision"), p.add_argument("--skip"), p.add_argument("--part")
+    for name in ("--dtype", "--precision", "--skip", "--part"):
+        p.add_argument(name, help=argparse.SUPPRESS)
+    for name in ("--head-dim", "--causal"):
+        p.add_argument(name, type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return CHILDREN[args.child](args)
@@ -486,8 +492,9 @@ def main():
     start = time.time()
     deadline = start + args.budget
 
-    def say(line):
-        print(line, flush=True)
+    def say(line, also_stdout=True):
+        if also_stdout:
+            print(line, flush=True)
         log.write(line + "\n")
         log.flush()
 
@@ -499,22 +506,13 @@ def main():
         say("FAIL no CUDA GPU")
         return 1
     parts = args.parts.split(",")
-    jobs = []  # (label, job, argv, idle timeout)
+    jobs = []  # (label, job, argv, idle timeout), the most important first
     if "gluon" in parts:
         for dtype in DTYPES:
             for d in HEAD_DIMS:
                 for causal in (0, 1):
                     jobs.append((f"gluon {dtype} D={d} causal={causal}", "gluon",
                                  ["--dtype", dtype, "--head-dim", str(d), "--causal", str(causal)], 60))
-    if "variants" in parts:
-        for d in HEAD_DIMS:
-            jobs.append((f"variants D={d}", "variants", ["--head-dim", str(d)], 60))
-    if "fp32" in parts:
-        for precision in ("highest", "high"):
-            for causal in (0, 1):
-                for part in ("lengths", "shapes"):
-                    jobs.append((f"fp32 {precision} causal={causal} {part}", "fp32",
-                                 ["--precision", precision, "--causal", str(causal), "--part", part], 90))
     for d in HEAD_DIMS:  # compile what the timings use while the checks run
         if "bench" in parts:
             jobs.append((f"warm triton fwd D={d}", "warm", ["--precision", "fwd16", "--head-dim", str(d)], 90))
@@ -522,7 +520,16 @@ def main():
             for precision in ("highest", "high"):
                 jobs.append((f"warm fp32 {precision} D={d}", "warm",
                              ["--precision", precision, "--head-dim", str(d)], 90))
-    counts, bad = {}, []
+    if "variants" in parts:
+        for d in HEAD_DIMS:
+            jobs.append((f"variants D={d}", "variants", ["--head-dim", str(d)], 60))
+    if "fp32" in parts:
+        for precision in ("highest", "high"):
+            for causal, chunks in ((1, 3), (0, 2)):
+                for i in range(chunks):
+                    jobs.append((f"fp32 {precision} causal={causal} part {i + 1}/{chunks}", "fp32",
+                                 ["--precision", precision, "--causal", str(causal), "--part", f"{i}/{chunks}"], 90))
+    counts, bad, problems = {}, set(), []
     check_deadline = start + 0.42 * args.budget if {"bench", "fp32bench"} & set(parts) else deadline
     with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
         futures = {pool.submit(run_job, job, argv, idle, check_deadline): label
@@ -530,39 +537,45 @@ def main():
         for fut in concurrent.futures.as_completed(futures):
             label = futures[fut]
             lines, status = fut.result()
-            say(f"== {label} ({time.time() - start:.0f} s)")
+            tally = {w: sum(v == w for v in status.values()) for w in ("ok", "FAIL", "HANG")}
+            ratios = [(float(m.group(1)), line.split()[1]) for line in lines
+                      for m in [re.search(r"worst=([0-9.einf]+)", line)] if m]
+            worst = f", worst error/bound {max(ratios)[0]:.2f} ({max(ratios)[1]})" if ratios else ""
+            say(f"== {label}: {tally['ok']} ok, {tally['FAIL']} FAIL, {tally['HANG']} HANG{worst} "
+                f"({time.time() - start:.0f} s)")
             for line in lines:
-                say("   " + line)
+                failed = line.startswith(("FAIL", "HANG"))
+                say("   " + line, also_stdout=failed or line.startswith("info"))
+                if failed:
+                    problems.append(f"{label}: {line[:160]}")
             for case, word in status.items():
                 counts[word] = counts.get(word, 0) + 1
-                if word != "ok":
-                    parts_of = case.split("-")
-                    if case.startswith("gluon-"):
-                        bad.append("-".join(parts_of[1:4]))
-                    elif case.startswith("variant-"):
-                        bad.append("-".join(parts_of[:3]))
-            for line in lines:
-                if line.startswith(("HANG", "FAIL")) and label.startswith("gluon"):
-                    dtype, d, c = label.split()[1:4]
-                    bad.append(f"{dtype}-d{d[2:]}-{'causal' if c.endswith('1') else 'full'}")
-    say(f"== checks: {counts} ({time.time() - start:.0f} s); Gluon groups left out of timing: "
-        f"{sorted(set(bad)) or 'none'}")
+            if label.startswith("gluon") and (tally["FAIL"] or tally["HANG"] or not status):
+                dtype, d, c = label.split()[1:4]
+                bad.add(f"{dtype}-d{d[2:]}-{'causal' if c.endswith('1') else 'full'}")
+            for case, word in status.items():
+                if word != "ok" and case.startswith("variant-"):
+                    bad.add("-".join(case.split("-")[:3]))
+    say(f"== checks: {counts} ({time.time() - start:.0f} s); left out of the timings: {sorted(bad) or 'none'}")
     for part, idle in (("bench", 120), ("fp32bench", 150)):
-        if part in parts:
-            left = deadline - time.time()
-            if left < 20:
-                say(f"SKIP {part}: out of time")
-                continue
-            argv = ["--skip", ",".join(sorted(set(bad)))] if bad and part == "bench" else []
-            if args.quick:
-                argv.append("--quick")
-            argv = [args.out] + argv
-            part_deadline = time.time() + (0.5 * left if part == "bench" and "fp32bench" in parts else left)
-            lines, _ = run_job(part, argv, idle, part_deadline, max_restarts=0)
-            say(f"== {part} ({time.time() - start:.0f} s)")
-            for line in lines:
-                say("   " + line)
-    say(f"done in {time.time() - start:.0f} s; files in {os.path.abspath(args.out)}")
+        if part not in parts:
+            continue
+        left = deadline - time.time()
+        if left < 20:
+            say(f"SKIP {part}: out of time")
+            continue
+        argv = [args.out] + (["--quick"] if args.quick else [])
+        if bad and part == "bench":
+            argv += ["--skip", ",".join(sorted(bad))]
+        share = 0.5 if part == "bench" and "fp32bench" in parts else 1.0
+        lines, _ = run_job(part, argv, idle, time.time() + share * left, max_restarts=0)
+        say(f"== {part} ({time.time() - start:.0f} s)")
+        for line in lines:
+            say("   " + line)
+            if line.startswith(("FAIL", "HANG")):
+                problems.append(f"{part}: {line[:160]}")
+    say(f"== {len(problems)} problems" + "".join(f"\n   {p}" for p in problems[:40]))
+    say(f"done in {time.time() - start:.0f} s; log and CSVs in {os.path.abspath(args.out)}")
     log.close()
     return 0
 

@@ -446,6 +446,8 @@ def run_job(job, argv, idle_timeout, deadline, max_restarts=3):
             if line.startswith("START "):
                 current = line.split()[1]
                 continue
+            if line.startswith("info") and line in lines:
+                continue
             lines.append(line)
             word, _, rest = line.partition(" ")
             if word in ("ok", "FAIL") and rest:
@@ -463,8 +465,9 @@ def run_job(job, argv, idle_timeout, deadline, max_restarts=3):
         code = proc.wait()
         if code == 0:
             break
-        lines.append(f"FAIL {job} {' '.join(argv)}: child exited with status {code}"
-                     + (f" during {current}" if current else ""))
+        if current not in status:  # died without a verdict (a crash, or an error before any case)
+            lines.append(f"FAIL {job} {' '.join(argv)}: child exited with status {code}"
+                         + (f" during {current}" if current else ""))
         if current is None or time.time() >= deadline:
             break
         status.setdefault(current, "FAIL")
@@ -538,16 +541,20 @@ def main():
             label = futures[fut]
             lines, status = fut.result()
             tally = {w: sum(v == w for v in status.values()) for w in ("ok", "FAIL", "HANG")}
+            expected = len(SHAPES) if label.startswith("gluon") else len(status)
+            missing = f", {expected - len(status)} not run" if expected > len(status) else ""
             ratios = [(float(m.group(1)), line.split()[1]) for line in lines
                       for m in [re.search(r"worst=([0-9.einf]+)", line)] if m]
             worst = f", worst error/bound {max(ratios)[0]:.2f} ({max(ratios)[1]})" if ratios else ""
-            say(f"== {label}: {tally['ok']} ok, {tally['FAIL']} FAIL, {tally['HANG']} HANG{worst} "
+            say(f"== {label}: {tally['ok']} ok, {tally['FAIL']} FAIL, {tally['HANG']} HANG{missing}{worst} "
                 f"({time.time() - start:.0f} s)")
-            for line in lines:
+            shown = 0
+            for line in lines:  # everything to the log, the first few failures to the screen too
                 failed = line.startswith(("FAIL", "HANG"))
-                say("   " + line, also_stdout=failed or line.startswith("info"))
+                shown += failed
+                say("   " + line, also_stdout=(failed and shown <= 4) or line.startswith("info"))
                 if failed:
-                    problems.append(f"{label}: {line[:160]}")
+                    problems.append(f"{label}: {line}")
             for case, word in status.items():
                 counts[word] = counts.get(word, 0) + 1
             if label.startswith("gluon") and (tally["FAIL"] or tally["HANG"] or not status):
@@ -571,10 +578,10 @@ def main():
         lines, _ = run_job(part, argv, idle, time.time() + share * left, max_restarts=0)
         say(f"== {part} ({time.time() - start:.0f} s)")
         for line in lines:
-            say("   " + line)
+            say("   " + line[:400])
             if line.startswith(("FAIL", "HANG")):
-                problems.append(f"{part}: {line[:160]}")
-    say(f"== {len(problems)} problems" + "".join(f"\n   {p}" for p in problems[:40]))
+                problems.append(f"{part}: {line}")
+    say(f"== {len(problems)} problems (all in log.txt)" + "".join(f"\n   {p[:200]}" for p in problems[:25]))
     say(f"done in {time.time() - start:.0f} s; log and CSVs in {os.path.abspath(args.out)}")
     log.close()
     return 0

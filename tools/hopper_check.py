@@ -315,13 +315,17 @@ def child_bench(args):
                         except Exception as e:
                             print(f"FAIL bench-{group}-{n} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     sd = res.get("sdpa", float("nan"))
-                    cols = "  ".join(f"{p} {t:6.1f} ({t / sd:4.2f}x sdpa)" for p, t in res.items())
-                    print(f"ok bench-{group}-{n}: {cols}", flush=True)
-                    del q, k, v
+                    cols = "  ".join(f"{p} {t:5.1f} ({t / sd:4.2f}x)" for p, t in res.items())
+                    if "gluon" in res and "triton" in res:
+                        cols += f"  gluon/triton {res['gluon'] / res['triton']:4.2f}"
+                    print(f"ok bench-{group}-{n}: TFLOPS (x sdpa) {cols}", flush=True)
+                    q = k = v = None  # free the memory before the next setting
                     torch.cuda.empty_cache()
     # Each Gluon variant at one length, to choose the defaults.
     n = 8192
     for d in HEAD_DIMS:
+        print(f"info variants D={d}: " + ", ".join(f"v{i} {cfg}" for i, cfg in
+                                                   enumerate([hopper.CONFIGS[d]] + VARIANTS[d])), flush=True)
         for dtype_name in DTYPES:
             dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype_name])
             for causal in (False, True):
@@ -340,12 +344,12 @@ def child_bench(args):
                             return hopper.attention_forward(q, k, v, causal, d ** -0.5, cfg)
                         fn()
                         ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-                        tf = record(dtype_name, d, causal, n, f"gluon-variant{i - 1}" if i else "gluon", str(cfg), ms)
-                        cols.append(f"{cfg}: {tf:.1f}")
+                        tf = record(dtype_name, d, causal, n, f"gluon-v{i}", str(cfg), ms)
+                        cols.append(f"v{i} {tf:.1f}")
                     except Exception as e:
-                        cols.append(f"{cfg}: {type(e).__name__}")
-                print(f"ok variants-{group}-{n}: " + " | ".join(cols), flush=True)
-                del q, k, v
+                        cols.append(f"v{i} {type(e).__name__}")
+                print(f"ok variants-{group}-{n}: TFLOPS " + " | ".join(cols), flush=True)
+                q = k = v = None  # free the memory before the next setting
                 torch.cuda.empty_cache()
     out.close()
 
@@ -401,7 +405,7 @@ def child_fp32bench(args):
                 print(f"ok {cid}: " + " | ".join(cols) + f"  (3xTF32 as {tuning.dot_precision(torch.float32)} "
                       "under 'highest')", flush=True)
                 torch.set_float32_matmul_precision("highest")
-                del q, k, v, do
+                q = k = v = do = None  # free the memory before the next setting
                 torch.cuda.empty_cache()
     out.close()
 

@@ -154,13 +154,14 @@ def sm_count(device) -> int:
 
 def choose_num_splits(programs, n_seen, block_kv, n_sm, programs_per_sm=PROGRAMS_PER_SM):
     """How many splits for ``programs`` unsplit programs (batch x KV heads x row blocks), when
-    the longest sequence has ``n_seen`` keys seen by all its new tokens: enough for
-    ``programs_per_sm`` programs per SM, at least MIN_TILES_PER_SPLIT tiles of ``block_kv`` keys
-    each, at most MAX_SPLITS; 1 (no merge) when the programs already fill the GPU or the cache
-    is short."""
+    the longest sequence has ``n_seen`` keys seen by all its new tokens: the count nearest to
+    ``programs_per_sm`` programs on each of the ``n_sm`` SMs (nearest rather than above, so that
+    the programs come in whole waves and no SM is left with a lone extra one), but no more than
+    gives each split MIN_TILES_PER_SPLIT tiles of ``block_kv`` keys, and at most MAX_SPLITS. So 1
+    (no merge) when the programs already fill the GPU or the cache is short."""
     if programs <= 0 or n_seen <= 0:
         return 1
-    wanted = triton.cdiv(programs_per_sm * n_sm, programs)
+    wanted = round(programs_per_sm * n_sm / programs)
     most = triton.cdiv(n_seen, block_kv) // MIN_TILES_PER_SPLIT
     return max(1, min(wanted, most, MAX_SPLITS))
 

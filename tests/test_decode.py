@@ -78,7 +78,7 @@ def test_the_default_splits_on_the_interpreter():
     if not flashattn.INTERPRET:
         pytest.skip("the interpreter's pretend SM count")
     assert choose_num_splits(5 * 2, 113, 16, 8) == 2
-    assert choose_num_splits(5 * 1, 300, 16, 8) == 4
+    assert choose_num_splits(5 * 1, 300, 16, 8) == 3
     assert choose_num_splits(5 * 2, 40, 16, 8) == 1
 
 
@@ -162,10 +162,11 @@ def test_no_new_tokens_and_no_batch():
 
 
 def test_split_heuristic():
-    """Enough programs for two per SM, each split at least MIN_TILES_PER_SPLIT tiles, at most
-    MAX_SPLITS; no split when the programs fill the GPU or the cache is short."""
-    assert choose_num_splits(8 * 8, 4096, 64, 132) == 5      # B = 8, H_kv = 8 on an H200
-    assert choose_num_splits(8 * 8, 65536, 64, 132) == 5
+    """The count nearest to two programs per SM, each split at least MIN_TILES_PER_SPLIT tiles,
+    at most MAX_SPLITS; no split when the programs fill the GPU or the cache is short."""
+    assert choose_num_splits(8 * 8, 4096, 64, 132) == 4      # B = 8, H_kv = 8 on an H200
+    assert choose_num_splits(8 * 8, 65536, 64, 132) == 4
+    assert choose_num_splits(8 * 8, 65536, 64, 132, programs_per_sm=4) == 8
     assert choose_num_splits(1, 65536, 64, 132) == MAX_SPLITS
     assert choose_num_splits(264, 65536, 64, 132) == 1
     assert choose_num_splits(8, 64 * MIN_TILES_PER_SPLIT * 3, 64, 132) == 3

@@ -1,4 +1,4 @@
-"""``flashattn.decode``: attention of a few new tokens against a KV cache, split-KV (flash-decoding).
+"""``flashattn.decode``: attention of new tokens against a KV cache, split-KV (flash-decoding).
 
 Generating text calls attention once per new token: N_q new queries per sequence (usually 1)
 against the keys and values of everything generated so far, kept in a cache. There is almost no
@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .forward import LOG2E, _fwd_inner
+from .forward import LOG2E
+from .forward import _fwd_inner
 from .runtime import DEVICE, INTERPRET, RUNTIME, kernel_dtype
 from .tiles import load_tile, store_tile
 
@@ -71,7 +72,8 @@ def _decode_split(Q, K, V, LENS, O, LSE,
     t = offs_r % n_q
     offs_d = tl.arange(0, BLOCK_D)
     Q += batch.to(tl.int64) * stride_qb + (kv_head * group).to(tl.int64) * stride_qh
-    q_ptrs = Q + ((offs_r // n_q) * stride_qh + t * stride_qn)[:, None] + offs_d[None, :] * stride_qd
+    row_offsets = (offs_r // n_q) * stride_qh + t * stride_qn
+    q_ptrs = Q + row_offsets[:, None] + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     # The new tokens are the last n_q of the cache: token t sits at position L - n_q + t and sees
     # keys 0 .. L - n_q + t (bottom-right alignment), the causal mask of the forward kernel.
@@ -198,7 +200,8 @@ def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None
     else:
         o_part = torch.empty((batch, n_heads, n_q, num_splits, head_dim), device=q.device,
                              dtype=torch.float32)
-        lse_part = torch.empty((batch, n_heads, n_q, num_splits), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((batch, n_heads, n_q, num_splits), device=q.device,
+                               dtype=torch.float32)
     _decode_split[(row_blocks * num_splits, kv_heads, batch)](
         q, k_cache, v_cache, lengths, o_part, lse_part,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -265,7 +268,9 @@ def _lengths(cache_seqlens, n_max, n_q, device):
     if cache_seqlens.device != device:
         # Through pinned memory, so that the copy does not wait for the GPU's queued work.
         host = host.contiguous()
-        cache_seqlens = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        cache_seqlens = host.to(device, non_blocking=True)
     return cache_seqlens.contiguous(), high
 
 
@@ -295,7 +300,8 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, return_lse):
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has "
                          f"{tuple(k_cache.shape)}; they must be equal")
     if k_cache.shape[0] != batch:
-        raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch}; they must be equal")
+        raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch}; "
+                         "they must be equal")
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache has head dim {k_cache.shape[3]} but q has {head_dim}; "
                          "they must be equal")
@@ -310,7 +316,8 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, return_lse):
         raise ValueError(f"batch {batch} and KV heads {kv_heads} must each be at most "
                          f"{MAX_GRID_DIM} (CUDA's grid limit)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.shape[2] and (t.shape[2] - 1) * abs(t.stride(2)) + (head_dim - 1) * abs(t.stride(3)) >= 2**31:
+        span = (t.shape[2] - 1) * abs(t.stride(2)) + (head_dim - 1) * abs(t.stride(3))
+        if t.shape[2] and span >= 2**31:
             raise ValueError(f"{name}: one (batch, head) spans 2**31 elements or more (strides "
                              f"{t.stride()}); the kernel indexes within a head in 32 bits")
     if not isinstance(cache_seqlens, torch.Tensor):

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .forward import LOG2E
+from .tiles import LOG2E
 from .forward import _fwd_inner
 from .runtime import DEVICE, INTERPRET, RUNTIME, kernel_dtype
 from .tiles import load_tile, store_tile

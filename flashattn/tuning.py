@@ -233,3 +233,43 @@ def dot_precision(dtype: torch.dtype) -> str:
 def _tensor_cores() -> bool:
     """Whether the kernels run on a GPU with TF32 tensor cores (compute capability 8.0 or more)."""
     return not INTERPRET and torch.cuda.get_device_capability()[0] >= 8
+
+
+# -- Decoding (flashattn.decode) ----------------------------------------------------------------
+# A decode program keeps a tile of BLOCK_R query rows (the query heads of one KV head, times the new
+# tokens) and streams its share of the K/V cache past it once. The loop is bound by memory, so the
+# tile sizes are chosen for bytes in flight per SM (BLOCK_KV x stages), not for FLOPs. One fixed
+# configuration runs (no autotuning: the split count depends on BLOCK_KV and must be known before
+# the launch); DECODE_CANDIDATES are the ones the decode benchmark times side by side.
+
+#: (BLOCK_KV, num_warps, num_stages) on a GPU with 16-bit inputs (or TF32), for query tiles of 16
+#: rows (the query heads of a KV group times the new tokens, padded); the first is the default.
+#: Compiled for sm_90 (tests/test_decode_compile.py --all), none spills; (64, 4, 4) takes 128
+#: registers and 102 KB of shared memory, so two programs fit on an SM with 192 KB of K and V
+#: tiles in flight between them.
+DECODE_CANDIDATES = [(64, 4, 4), (64, 4, 3), (64, 8, 4), (128, 4, 3), (128, 4, 2), (128, 8, 3),
+                     (32, 4, 4), (32, 4, 6)]
+#: IEEE float32 multiplies with fused multiply-adds in registers: small key tiles and 8 warps
+#: (at 4 warps, 32-key tiles spill at head dim 128; these take 64 registers, 109 at head dim 256).
+DECODE_FMA_CONFIG = (16, 8, 2)
+DECODE_INTERPRETER_CONFIG = dict(BLOCK_KV=16)
+
+
+def decode_config(dtype, dot_precision, block_r, block_d, candidate=None):
+    """The decode kernel's configuration as a dict (BLOCK_KV, num_warps, num_stages): the
+    interpreter's, DECODE_FMA_CONFIG for IEEE float32, else ``candidate`` (default: the first of
+    DECODE_CANDIDATES). Tall query tiles get smaller key tiles (the fp32 score tile
+    BLOCK_R x BLOCK_KV stays at most 32 x 128) and more warps (at 64 rows and 4 warps the compiler
+    needs 254 registers); the stages are cut to what shared memory holds (Triton keeps
+    num_stages - 1 K and V tiles in flight: at most 160 KB)."""
+    if INTERPRET:
+        return dict(DECODE_INTERPRETER_CONFIG)
+    if dtype == torch.float32 and dot_precision == "ieee":
+        candidate = DECODE_FMA_CONFIG
+    block_kv, warps, stages = candidate or DECODE_CANDIDATES[0]
+    block_kv = max(16, min(block_kv, 32 * 128 // block_r))
+    warps = max(warps, block_r // 8)
+    stage_bytes = 2 * block_kv * block_d * dtype.itemsize
+    while stages > 2 and (stages - 1) * stage_bytes > 160 * 1024:
+        stages -= 1
+    return dict(BLOCK_KV=block_kv, num_warps=warps, num_stages=stages)

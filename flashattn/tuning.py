@@ -244,9 +244,9 @@ def _tensor_cores() -> bool:
 
 #: (BLOCK_KV, num_warps, num_stages) on a GPU with 16-bit inputs (or TF32), for query tiles of 16
 #: rows (the query heads of a KV group times the new tokens, padded); the first is the default.
-#: Compiled for sm_90 (tests/test_decode_compile.py --all), none spills; (64, 4, 4) takes 128
-#: registers and 102 KB of shared memory, so two programs fit on an SM with 192 KB of K and V
-#: tiles in flight between them.
+#: Compiled for sm_90 (python tools/compile_check.py --kernel decode_split --all), none spills;
+#: (64, 4, 4) takes 128 registers and 102 KB of shared memory, so two programs fit on an SM with
+#: 192 KB of K and V tiles in flight between them.
 DECODE_CANDIDATES = [(64, 4, 4), (64, 4, 3), (64, 8, 4), (128, 4, 3), (128, 4, 2), (128, 8, 3),
                      (32, 4, 4), (32, 4, 6)]
 #: IEEE float32 multiplies with fused multiply-adds in registers: small key tiles and 8 warps

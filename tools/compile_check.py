@@ -3,7 +3,9 @@
 Triton can compile to a cubin on any machine: this catches compile errors in configurations the
 interpreter cannot check (it ignores layouts, shared memory and registers) and shows, per
 configuration, the registers per thread, the spilled bytes and the shared memory, so that
-candidates that spill can be pruned before any GPU time is spent.
+candidates that spill can be pruned before any GPU time is spent. The decode kernels are compiled
+as ``flashattn.decode`` launches them (query tiles of 16, 32 and 64 rows; ``--all`` adds every
+candidate the decode benchmark times); a decode configuration that spills fails the check.
 
     python tools/compile_check.py [--dtype bf16] [--head-dim 128] [--kernel fwd] [--all]
 """
@@ -21,7 +23,9 @@ torch.cuda.is_available = lambda: True
 torch.cuda.get_device_name = lambda *args: "sm_90, compile only"
 
 from flashattn import tuning  # noqa: E402
-from flashattn.compiled import KERNELS, compile_kernel, resources  # noqa: E402
+from flashattn.compiled import (DECODE_KERNELS, KERNELS, SMEM_PER_BLOCK, compile_kernel,  # noqa: E402
+                                decode_launches, decode_merge_launch, resources)
+from flashattn.decode import MAX_SPLITS  # noqa: E402
 
 
 def main():
@@ -33,9 +37,10 @@ def main():
     p.add_argument("--all", action="store_true", help="also compile the candidates tuning.fits prunes")
     args = p.parse_args()
     failures = 0
+    kernels = args.kernel or list(KERNELS)
     print(f"{'kernel':15} {'dtype':5} {'D':>4} {'causal':6} {'config':44} {'regs':>4} {'spill':>5} {'smem':>6}")
     for name, dtype, head_dim, causal in itertools.product(
-            args.kernel or list(KERNELS), args.dtype or ["bf16"], args.head_dim or [64, 128],
+            [k for k in kernels if k not in DECODE_KERNELS], args.dtype or ["bf16"], args.head_dim or [64, 128],
             args.causal or [1]):
         for config in tuning.GPU_CONFIGS[name]:
             const = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
@@ -54,7 +59,41 @@ def main():
                 failures += 1
                 print(f"{name:15} {dtype:5} {head_dim:4} {causal:6} {label:44} FAILED: "
                       f"{str(e).splitlines()[0][:200]}", flush=True)
+    for dtype, head_dim in itertools.product(args.dtype or ["bf16"], args.head_dim or [64, 128]):
+        failures += check_decode(kernels, dtype, head_dim, args.all)
     sys.exit(1 if failures else 0)
+
+
+def check_decode(kernels, dtype, head_dim, everything):
+    """Compile the decode kernels of ``kernels`` for one dtype and head dim, print a line each (no
+    causal flag: the new tokens always see the cache up to themselves); return the failures."""
+    launches = []
+    for precision in ["ieee", "tf32"] if dtype == "fp32" else ["ieee"]:
+        fma = dtype == "fp32" and precision == "ieee"  # one configuration, whatever the candidate
+        for block_r, candidate in itertools.product((16, 32, 64), tuning.DECODE_CANDIDATES
+                                                    if everything and not fma else [None]):
+            launches += [(f"{precision} BLOCK_R={block_r}", launch)
+                         for launch in decode_launches(dtype, head_dim, precision, block_r, candidate)]
+    launches += [(f"{splits} splits", decode_merge_launch(head_dim, splits)) for splits in (2, MAX_SPLITS)]
+    failures, seen = 0, set()
+    for what, (name, const, options) in launches:
+        key = (name, tuple(sorted(const.items())), tuple(sorted(options.items())))
+        if name not in kernels or key in seen:  # tall tiles can cut two candidates to one
+            continue
+        seen.add(key)
+        shown = {k: v for k, v in const.items() if k in ("BLOCK_KV", "BLOCK_S")}
+        label = f"{what} {shown} w{options['num_warps']} s{options['num_stages']}"
+        try:
+            regs, spill, smem = resources(compile_kernel(name, dtype, const, **options))
+        except Exception as e:  # report and go on
+            failures += 1
+            print(f"{name:15} {dtype:5} {head_dim:4} {'-':>6} {label:44} FAILED: {str(e).splitlines()[0][:200]}")
+            continue
+        bad = spill != 0 or smem > SMEM_PER_BLOCK
+        failures += bad
+        print(f"{name:15} {dtype:5} {head_dim:4} {'-':>6} {label:44} {regs:4} {spill:5} {smem // 1024:5}K"
+              + ("  <- spills or too much shared memory" if bad else ""), flush=True)
+    return failures
 
 
 if __name__ == "__main__":

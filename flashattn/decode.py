@@ -168,20 +168,27 @@ def choose_num_splits(programs, n_seen, block_kv, n_sm, programs_per_sm=PROGRAMS
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
-def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, config=None):
+def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, config=None,
+                   partials=False):
     """Launch the decode kernels on checked arguments: ``q`` (B, H_q, N_q, D), caches (B, H_kv,
     N_max, D) of any strides, ``lengths`` an int32/int64 tensor (B,) on the device, ``max_len``
     its largest value. ``num_splits`` and ``config`` (BLOCK_KV, num_warps, num_stages) default to
-    the heuristic and tuning.decode_config. Returns ``(out, lse)``, lse in natural log."""
+    the heuristic and tuning.decode_config. Returns ``(out, lse)``, lse in natural log.
+
+    With ``partials``, the merge is not run: returns the split kernel's partial states instead,
+    ``o_part`` (B, H_q, N_q, num_splits, D) and ``lse_part`` (B, H_q, N_q, num_splits), float32,
+    each O_s divided by its own sum and LSE_s in base 2 (-inf for a split without keys)."""
     batch, n_heads, n_q, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     out_dtype = q.dtype
     q, k_cache, v_cache = kernel_dtype(q, k_cache, v_cache)
     out = torch.empty((batch, n_heads, n_q, head_dim), device=q.device, dtype=q.dtype)
     lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
-    if out.numel() == 0:
-        return out.to(out_dtype), lse
-    if max_len == 0:  # no sequence has a key: an empty sum, like scaled_dot_product_attention
+    if partials and out.numel() == 0:
+        raise ValueError("partials need at least one query row (q has shape "
+                         f"{tuple(q.shape)})")
+    if out.numel() == 0 or (max_len == 0 and not partials):
+        # no sequence has a key: an empty sum, like scaled_dot_product_attention
         return out.zero_().to(out_dtype), lse.fill_(float("-inf"))
 
     group = n_heads // kv_heads
@@ -194,7 +201,7 @@ def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None
     if num_splits is None:
         num_splits = choose_num_splits(batch * kv_heads * row_blocks, max_len - n_q + 1,
                                        config["BLOCK_KV"], sm_count(q.device))
-    final = num_splits == 1
+    final = num_splits == 1 and not partials
     if final:
         o_part, lse_part = out, lse
     else:
@@ -208,6 +215,8 @@ def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None
         n_q, group, num_splits, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, FINAL=final, DOT_PRECISION=precision,
         **config)
+    if partials:
+        return o_part, lse_part
     if not final:
         _decode_merge[(batch * n_heads * n_q,)](
             o_part, lse_part, out, lse, num_splits,

@@ -12,7 +12,7 @@ import math
 import torch
 
 from .tiles import LOG2E
-from .traversal import kv_ranges
+from .traversal import decode_split_bounds, kv_ranges
 
 
 def default_scale(head_dim: int, scale=None) -> float:
@@ -179,3 +179,31 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None):
         p = torch.softmax(s, dim=-1)
         out[b] = torch.where(seen, p @ v, torch.zeros((), dtype=q.dtype, device=q.device))
     return out, lse
+
+
+def decode_split_partials(q, k_cache, v_cache, cache_seqlens, num_splits, block_kv, scale=None):
+    """The partial states the decode kernel's splits write (``flashattn.decode`` before its merge),
+    from the formula: split ``s`` of a sequence reads keys ``[lo, hi)`` of
+    ``traversal.decode_split_bounds`` and returns its own attention over them, ``O_s`` (divided by
+    its own sum) and ``LSE_s`` in base 2 (log2 of the sum of exp of its scaled scores). A split
+    without a visible key gives O_s = 0 and LSE_s = -inf. Returns ``(o_part, lse_part)`` of shapes
+    ``(B, H_q, N_q, num_splits, D)`` and ``(B, H_q, N_q, num_splits)``, in the inputs' dtype."""
+    scale = default_scale(q.shape[-1], scale)
+    batch, n_heads, n_q, head_dim = q.shape
+    group = n_heads // k_cache.shape[1]
+    o_part = torch.zeros(batch, n_heads, n_q, num_splits, head_dim, dtype=q.dtype, device=q.device)
+    lse_part = torch.full((batch, n_heads, n_q, num_splits), float("-inf"), dtype=q.dtype,
+                          device=q.device)
+    for b, length in enumerate(cache_seqlens.tolist()):
+        position = length - n_q + torch.arange(n_q, device=q.device)[:, None]  # token t's place
+        for split, (lo, hi) in enumerate(decode_split_bounds(length, n_q, num_splits, block_kv)):
+            if lo == hi:
+                continue
+            k = k_cache[b, :, lo:hi].repeat_interleave(group, dim=0)   # (H_q, hi - lo, D)
+            v = v_cache[b, :, lo:hi].repeat_interleave(group, dim=0)
+            s = (q[b] @ k.transpose(-2, -1)) * scale                    # (H_q, N_q, hi - lo)
+            seen = torch.arange(lo, hi, device=q.device)[None, :] <= position
+            s = s.masked_fill(~seen, float("-inf"))
+            lse_part[b, :, :, split] = torch.logsumexp(s, dim=-1) * LOG2E
+            o_part[b, :, :, split] = torch.softmax(s, dim=-1) @ v
+    return o_part, lse_part

@@ -11,7 +11,8 @@ import torch
 
 import flashattn
 from flashattn.decode import MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits, decode_forward
-from flashattn.reference import decode_reference, naive_attention
+from flashattn.reference import decode_reference, decode_split_partials, naive_attention
+from flashattn.traversal import decode_split_bounds
 from flashattn.testing import judge
 
 DEVICE = flashattn.DEVICE
@@ -88,6 +89,43 @@ def test_every_split_count(num_splits, n_q):
     """More splits than tiles leave splits without keys; each must merge as nothing."""
     q, k, v, lengths = make_cache([0, n_q, 16, 49, 131], 131, 4, 2, n_q, 16, torch.float32, seed=1)
     assert_rule(check(q, k, v, lengths, num_splits=num_splits))
+
+
+@pytest.mark.parametrize("n_kv", [0, 1, 3, 16, 17, 64, 113])
+@pytest.mark.parametrize("n_q", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_split_bounds_cut_the_cache_in_order(n_kv, n_q, num_splits):
+    """traversal.decode_split_bounds: the splits cover [0, L) in order without overlap, start on
+    whole tiles, and each split with keys starts with a key that every new token sees."""
+    if 0 < n_kv < n_q:
+        pytest.skip("not a valid length")
+    bounds = decode_split_bounds(n_kv, n_q, num_splits, 16)
+    assert len(bounds) == num_splits
+    keys = [j for lo, hi in bounds for j in range(lo, hi)]
+    assert keys == list(range(n_kv))
+    for lo, hi in bounds:
+        assert lo % 16 == 0 and lo <= hi
+        assert lo == hi or lo <= n_kv - n_q          # token 0 sits at L - N_q and sees key lo
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 9])
+@pytest.mark.parametrize("n_q", [1, 3])
+def test_partial_states_match_the_split_bounds(num_splits, n_q):
+    """The split kernel's partial states (O_s, LSE_s in base 2) before the merge, against the
+    formula applied to the keys traversal.decode_split_bounds gives each split."""
+    q, k, v, lengths = make_cache(ragged(n_q), 113, 4, 2, n_q, 24, torch.float32, seed=6)
+    config = dict(BLOCK_KV=16, num_warps=4, num_stages=2)
+    o_part, lse_part = decode_forward(q, k, v, lengths.to(DEVICE), 113, 0.3, num_splits, config,
+                                      partials=True)
+    ref_o, ref_lse = decode_split_partials(q.double(), k.double(), v.double(), lengths, num_splits,
+                                           16, scale=0.3)
+    assert o_part.shape == ref_o.shape and lse_part.shape == ref_lse.shape
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse_part.cpu() == float("-inf"), empty.cpu())
+    assert (o_part[empty] == 0).all()
+    torch.testing.assert_close(o_part.double(), ref_o, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_part.double().nan_to_num(neginf=0.0), ref_lse.nan_to_num(neginf=0.0),
+                               atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

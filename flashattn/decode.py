@@ -38,6 +38,7 @@ LENGTH_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
 MAX_GRID_DIM = 65535      # CUDA's limit on grid axes 1 and 2 (KV heads, batch)
 MAX_BLOCK_R = 64          # query rows per tile; more rows (many heads per group) take more tiles
+MAX_BLOCK_R_FP32 = 32     # float32 tiles of 64 rows spill (IEEE) or overflow shared memory (TF32)
 LN2 = tl.constexpr(math.log(2.0))  # LSE in base 2 x ln 2 = natural log
 
 #: The split heuristic. A memory-bound kernel needs many loads in flight on every SM: aim for
@@ -146,6 +147,12 @@ def _decode_merge(O_PART, LSE_PART, O, LSE, num_splits,
     tl.store(LSE + row, lse * LN2)
 
 
+def max_block_r(dtype) -> int:
+    """The most query rows of one tile for inputs of ``dtype`` (at head dims up to 256, compiled
+    for sm_90 without spilling: ``tests/test_decode_compile.py``)."""
+    return MAX_BLOCK_R_FP32 if dtype == torch.float32 else MAX_BLOCK_R
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device) -> int:
     """Streaming multiprocessors of ``device`` (INTERPRETER_SMS on the interpreter)."""
@@ -193,9 +200,9 @@ def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None
 
     group = n_heads // kv_heads
     n_rows = group * n_q
-    block_r = min(max(16, triton.next_power_of_2(n_rows)), MAX_BLOCK_R)  # tl.dot needs >= 16
+    block_r = min(max(16, triton.next_power_of_2(n_rows)), max_block_r(out_dtype))  # tl.dot: >= 16
     row_blocks = triton.cdiv(n_rows, block_r)
-    precision = tuning.dot_precision(q.dtype)
+    precision = tuning.decode_precision(q.dtype)
     block_d = tuning.block_d(head_dim)
     config = dict(config or tuning.decode_config(q.dtype, precision, block_r, block_d))
     if num_splits is None:

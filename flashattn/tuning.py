@@ -255,6 +255,16 @@ DECODE_FMA_CONFIG = (16, 8, 2)
 DECODE_INTERPRETER_CONFIG = dict(BLOCK_KV=16)
 
 
+def decode_precision(dtype):
+    """How the decode kernel multiplies: as :func:`dot_precision`, except that float32 asked to
+    keep float32's accuracy ('highest') is multiplied in IEEE float32 rather than 3xTF32. A
+    decoding step is bound by reading the cache, and 3xTF32's split operands cost more registers
+    and shared memory than a decode tile can spare (compiled for sm_90: spills from head dim 128
+    on, and 256 KB of shared memory for 64 rows at head dim 128, past the 227 KB of a block)."""
+    precision = dot_precision(dtype)
+    return "ieee" if precision == "tf32x3" else precision
+
+
 def decode_config(dtype, dot_precision, block_r, block_d, candidate=None):
     """The decode kernel's configuration as a dict (BLOCK_KV, num_warps, num_stages): the
     interpreter's, DECODE_FMA_CONFIG for IEEE float32, else ``candidate`` (default: the first of
@@ -269,6 +279,8 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None):
     block_kv, warps, stages = candidate or DECODE_CANDIDATES[0]
     block_kv = max(16, min(block_kv, 32 * 128 // block_r))
     warps = max(warps, block_r // 8)
+    if dtype == torch.float32 and block_d >= 256:  # TF32 tiles of 32 rows spill at 4 warps
+        warps = max(warps, 8)
     stage_bytes = 2 * block_kv * block_d * dtype.itemsize
     while stages > 2 and (stages - 1) * stage_bytes > 160 * 1024:
         stages -= 1

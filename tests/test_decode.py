@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashattn
-from flashattn.decode import MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits, decode_forward
+from flashattn.decode import MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits, decode_forward, max_block_r
 from flashattn.reference import decode_reference, decode_split_partials, naive_attention
 from flashattn.traversal import decode_split_bounds
 from flashattn.testing import judge
@@ -145,9 +145,12 @@ def test_long_garbage_past_short_lengths():
     assert_rule(check(q, k, v, lengths, num_splits=4))
 
 
-def test_many_query_rows_take_several_tiles():
-    """24 query heads on one KV head x 3 new tokens = 72 rows: two row tiles of 64."""
-    q, k, v, lengths = make_cache([3, 50], 50, 24, 1, 3, 16, torch.float32, seed=4)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_many_query_rows_take_several_tiles(dtype):
+    """24 query heads on one KV head x 3 new tokens = 72 rows: two row tiles of 64 (three of 32
+    in float32)."""
+    assert max_block_r(dtype) == (32 if dtype == torch.float32 else 64)
+    q, k, v, lengths = make_cache([3, 50], 50, 24, 1, 3, 16, dtype, seed=4)
     assert_rule(check(q, k, v, lengths))
     assert_rule(check(q, k, v, lengths, num_splits=2))
 
@@ -210,6 +213,16 @@ def test_split_heuristic():
     assert choose_num_splits(8, 64 * MIN_TILES_PER_SPLIT * 3, 64, 132) == 3
     assert choose_num_splits(8, 200, 64, 132) == 1
     assert choose_num_splits(8, 0, 64, 132) == 1
+
+
+@pytest.mark.parametrize("asked, used", [("tf32x3", "ieee"), ("ieee", "ieee"), ("tf32", "tf32")])
+def test_float32_decoding_never_takes_3xtf32(monkeypatch, asked, used):
+    """'highest' float32 is 3xTF32 for the attention kernels on a GPU, IEEE float32 for decode
+    (3xTF32 decode tiles spill and overflow shared memory: tests/test_decode_compile.py)."""
+    from flashattn import tuning
+
+    monkeypatch.setattr(tuning, "dot_precision", lambda dtype: asked)
+    assert tuning.decode_precision(torch.float32) == used
 
 
 def test_inputs_that_require_grad():

@@ -22,11 +22,13 @@ SKIP = 77  # the child's exit status when this machine cannot compile for sm_90 
 ROOT = Path(__file__).resolve().parent.parent
 
 # (dtype, head dim, dot precision, query rows per tile): 16 rows is 4 query heads per KV head and
-# one new token; 32 and 64 rows take more heads or tokens; IEEE float32 multiplies without tensor
-# cores (its own small configuration), TF32 with them.
+# one new token; 32 and 64 rows take more heads or tokens (float32 tiles stop at 32 rows,
+# decode.max_block_r); IEEE float32 multiplies without tensor cores (its own small
+# configuration), TF32 with them; decode never uses 3xTF32 (tuning.decode_precision).
 CASES = [("bf16", 128, "ieee", 16), ("fp16", 128, "ieee", 16), ("bf16", 64, "ieee", 16),
          ("bf16", 256, "ieee", 16), ("bf16", 128, "ieee", 32), ("bf16", 128, "ieee", 64),
-         ("fp32", 128, "ieee", 16), ("fp32", 256, "ieee", 16), ("fp32", 128, "tf32", 16)]
+         ("bf16", 256, "ieee", 64), ("fp32", 128, "ieee", 16), ("fp32", 256, "ieee", 32),
+         ("fp32", 128, "tf32", 32), ("fp32", 256, "tf32", 16), ("fp32", 256, "tf32", 32)]
 MERGES = [(128, 2), (128, 64), (256, 2), (256, 64)]  # (head dim, splits): MAX_SPLITS is 64
 
 
@@ -47,9 +49,12 @@ def test_decode_configurations_compile_without_spills():
 # --- The child ----------------------------------------------------------------------------------------
 
 def check_decode(compiled):
-    from flashattn.decode import MAX_SPLITS
+    import torch
+
+    from flashattn.decode import MAX_SPLITS, max_block_r
 
     assert max(splits for _, splits in MERGES) == MAX_SPLITS
+    assert max_block_r(torch.float32) == 32 and max_block_r(torch.bfloat16) == 64
     launches = [(f"{dtype} D={d} {precision} {rows} rows", dtype, launch)
                 for dtype, d, precision, rows in CASES
                 for launch in compiled.decode_launches(dtype, d, precision, rows)]

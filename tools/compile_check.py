@@ -23,9 +23,9 @@ torch.cuda.is_available = lambda: True
 torch.cuda.get_device_name = lambda *args: "sm_90, compile only"
 
 from flashattn import tuning  # noqa: E402
-from flashattn.compiled import (DECODE_KERNELS, KERNELS, SMEM_PER_BLOCK, compile_kernel,  # noqa: E402
-                                decode_launches, decode_merge_launch, resources)
-from flashattn.decode import MAX_SPLITS  # noqa: E402
+from flashattn.compiled import (DECODE_KERNELS, KERNELS, SMEM_PER_BLOCK, TORCH_DTYPES,  # noqa: E402
+                                compile_kernel, decode_launches, decode_merge_launch, resources)
+from flashattn.decode import MAX_SPLITS, max_block_r  # noqa: E402
 
 
 def main():
@@ -70,7 +70,8 @@ def check_decode(kernels, dtype, head_dim, everything):
     launches = []
     for precision in ["ieee", "tf32"] if dtype == "fp32" else ["ieee"]:
         fma = dtype == "fp32" and precision == "ieee"  # one configuration, whatever the candidate
-        for block_r, candidate in itertools.product((16, 32, 64), tuning.DECODE_CANDIDATES
+        rows = [r for r in (16, 32, 64) if r <= max_block_r(TORCH_DTYPES[dtype])]
+        for block_r, candidate in itertools.product(rows, tuning.DECODE_CANDIDATES
                                                     if everything and not fma else [None]):
             launches += [(f"{precision} BLOCK_R={block_r}", launch)
                          for launch in decode_launches(dtype, head_dim, precision, block_r, candidate)]

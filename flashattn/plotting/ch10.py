@@ -98,14 +98,18 @@ def decode_bandwidth(rows, ax=None, title=None, providers=("decode", "sdpa-gqa",
             if np.isfinite(v):
                 ax.text(rect.get_x() + rect.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
     copies = [float(r["cache_tbps"]) / float(r["of_copy"]) for r in rows if float(r["of_copy"]) > 0]
+    top = max(float(r["cache_tbps"]) for r in rows)
     if copies:
         copy = float(np.median(copies))
+        top = max(top, copy)
         ax.axhline(copy, color="black", ls="--", lw=1.2)
-        ax.text(len(lengths) - 0.5, copy, f" copy bandwidth {copy:.2f} TB/s", va="bottom", ha="right", fontsize=8)
+        ax.text(-0.45, copy * 0.98, f"copy bandwidth {copy:.2f} TB/s", va="top", ha="left", fontsize=8)
+    ax.set_ylim(0, top * 1.3)
     ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
     ax.set_xlabel("cache length L (tokens)")
     ax.set_ylabel("K/V cache read per second (TB/s)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(handles=[Patch(color=f"C{i}", label=p) for i, p in enumerate(shown)], fontsize=8, loc="lower right")
+    ax.legend(handles=[Patch(color=f"C{i}", label=p) for i, p in enumerate(shown)], fontsize=8, loc="upper left",
+              ncol=len(shown))
     return ax

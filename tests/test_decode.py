@@ -331,7 +331,7 @@ def test_gpu_every_split_count_the_heuristic_can_choose(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("candidate", range(8))
 def test_gpu_every_candidate_configuration(candidate):
-    """The configurations the decode benchmark times, on the issue's shapes and ragged lengths."""
+    """The configurations the decode benchmark times, on the benchmark's shapes and ragged lengths."""
     from flashattn import tuning
 
     c = tuning.DECODE_CANDIDATES[candidate]

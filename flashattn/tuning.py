@@ -12,6 +12,7 @@ tile costs Python time), so each kernel gets one fixed configuration. Setting th
 variable ``FLASHATTN_AUTOTUNE=0`` does the same on a GPU: each kernel then runs the first
 candidate that fits (no timing runs, fewer compilations), which is handy for quick checks.
 """
+import importlib
 import os
 
 import torch
@@ -204,6 +205,19 @@ def _first_that_runs(name, kernel, grid, args, constexprs, configs):
         except triton.runtime.errors.OutOfResources:
             if i == len(configs) - 1:
                 raise
+
+
+def gluon_module(name):
+    """``flashattn.<name>``, a Gluon kernel module for Hopper (``"hopper"``: the forward,
+    ``"hopper_backward"``: dK/dV), where it may run; else None: on the interpreter (Gluon kernels
+    are compiled only, they cannot be defined for it), with FLASHATTN_GLUON=0, or with a Triton
+    that has no Gluon or another Gluon API. Imported on first use."""
+    if INTERPRET or os.environ.get("FLASHATTN_GLUON", "1") == "0":
+        return None
+    try:
+        return importlib.import_module(f"flashattn.{name}")
+    except ImportError:
+        return None
 
 
 def block_d(head_dim: int) -> int:

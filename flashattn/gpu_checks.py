@@ -183,13 +183,15 @@ def child_gluon(args):
 
 
 def _references(q, k, v, do, causal, scale=None):
-    """(float64, PyTorch in q's dtype) references of out, lse, dq, dk, dv, for judge()."""
+    """(float64, PyTorch in q's dtype) references of out, lse, dq, dk, dv, for judge(); the
+    second on testing.baseline_inputs (rounded to TF32 where the kernels use TF32)."""
     import torch
     from . import reference
+    from .testing import baseline_inputs
 
     refs = []
-    for dtype in (torch.float64, q.dtype):
-        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    for dtype, inputs in ((torch.float64, (q, k, v)), (q.dtype, baseline_inputs(q, k, v))):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in inputs]
         out, lse = reference.naive_attention(*leaves, is_causal=causal, scale=scale)
         grads = torch.autograd.grad(out, leaves, do.to(dtype))
         refs.append(dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2]))

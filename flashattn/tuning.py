@@ -128,7 +128,24 @@ def fits(name, config, block_d, element_size, dot_precision=None) -> bool:
     smem = (resident_tiles * resident + config.num_stages * 2 * streamed) * block_d * element_size
     if smem > 227 * 1024:
         return False
+    if dot_precision == "tf32x3" and not tf32x3_warps_fit(resident, config.num_warps):
+        return False
     return name != "bwd_dkdv" or dkdv_steps_fit(bq, bkv)
+
+
+def tf32x3_warps_fit(rows, num_warps) -> bool:
+    """Whether 3xTF32 products with ``rows`` rows (the resident tile) may run on ``num_warps``.
+
+    A compiler fault, excluded by this rule: on an H200 (triton 3.6, 2026-12-01) the dK/dV
+    candidate of 16 x 64 tiles with 8 warps returned dK and dV wrong by up to 30 at head dims 24
+    and 32 (the worst case of the float32 grid, 782749 times the rule's bound) and hit an illegal
+    memory access at head dims 40 and 64; it was right at 1-16. Compiled for sm_90 (triton 3.6 and
+    3.7.1), it is the only float32 candidate whose wgmma products (64 rows and more) have fewer
+    rows than 16 per warp: the compiler puts both warpgroups on the same 64 rows for two of the
+    three TF32 products of each 3xTF32 dot (warpsPerCTA [8, 1]) and splits the columns for the
+    third ([4, 2]), so every accumulator changes layout between them; 16-bit and TF32 dots keep
+    one layout per product. Smaller tiles multiply with mma.sync instead and are not concerned."""
+    return rows < 64 or rows >= 16 * num_warps
 
 
 def dkdv_steps_fit(block_q, block_kv) -> bool:

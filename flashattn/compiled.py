@@ -202,6 +202,12 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
     return rows
 
 
+def gluon_reports(jobs):
+    """:func:`gluon_report` for each dict of arguments in ``jobs``, one list of rows: several
+    reports from one child process."""
+    return [row for job in jobs for row in gluon_report(**job)]
+
+
 # ---------------------------------------------------------------------------- in a child process
 
 #: The exit status of a child that cannot compile for sm_90 on this machine.

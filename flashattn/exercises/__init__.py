@@ -3,7 +3,7 @@
     from flashattn import exercises
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
-One module per group of chapters (``ch00_02``, ``ch03_04``, ``ch05_07``, ``ch08``), and ``common``
+One module per group of chapters (``ch00_02``, ``ch03_04``, ``ch05_07``, ``ch08``, ``ch11``), and ``common``
 for what they share; every checker, and the kernels that run a learner's Triton code, are
 available from here.
 """
@@ -15,6 +15,7 @@ from .ch03_04 import (check_classify_tiles, check_fwd_inner, check_kv_stage_boun
 from .ch05_07 import (check_attention_backward, check_delta_kernel, check_dq_inner, check_row_lse_kernel,
                       check_rule_test, check_softmax_backward, dq_exercise_kernel, run_dq_inner)
 from .ch08 import check_attention_cost, check_choose_config, check_estimate_resources
+from .ch11 import check_ring_slot
 from .common import ExerciseError, attempt, expect_close
 
 __all__ = [
@@ -31,4 +32,6 @@ __all__ = [
     "dq_exercise_kernel", "run_dq_inner", "check_rule_test", "check_row_lse_kernel",
     # chapter 08
     "check_attention_cost", "check_estimate_resources", "check_choose_config",
+    # chapter 11
+    "check_ring_slot",
 ]

@@ -10,6 +10,7 @@ from .ch03_04 import (TILE_COLORS, TILE_NAMES, error_heatmap, error_heatmaps, ga
                       tile_kinds_map, tile_map, visibility_map, work_fraction_curve)
 from .ch05_07 import backward_ownership, backward_tile_maps, rule_ratios
 from .ch08 import config_bars, ladder_bars, roofline, tflops_curves
+from .ch11 import provider_bars
 
 __all__ = [
     "matrix_panels", "capacity_ladder", "memory_curve", "softmax_trace", "partial_outputs", "exp_range",
@@ -17,4 +18,5 @@ __all__ = [
     "launch_strips", "gantt", "int_table", "error_heatmap", "error_heatmaps",
     "backward_ownership", "backward_tile_maps", "rule_ratios",
     "roofline", "tflops_curves", "ladder_bars", "config_bars",
+    "provider_bars",
 ]

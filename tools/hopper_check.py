@@ -364,11 +364,10 @@ def main():
             say(f"== {label}: {tally['ok']} ok, {tally['FAIL']} FAIL, {tally['HANG']} HANG{missing}{worst} "
                 f"({time.time() - start:.0f} s)")
             shown = 0
-            for line in lines:  # everything to the log; failures (a few), configs and infos to the screen
+            for line in lines:  # everything to the log, the first few failures and the infos to the screen
                 failed = line.startswith(("FAIL", "HANG"))
                 shown += failed
-                say("   " + line[:300], also_stdout=(failed and shown <= 4) or line.startswith("info")
-                    or " configs " in label)
+                say("   " + line[:300], also_stdout=(failed and shown <= 4) or line.startswith("info"))
                 if failed:
                     problems.append(f"{label}: {line}")
             for word in status.values():

@@ -46,12 +46,20 @@ def test_gluon_kernels_compile_for_sm90(kernel):
 
 
 def test_the_interpreter_never_imports_gluon():
-    """On the CPU the hooks in the forward and backward launchers must leave Gluon alone."""
-    import torch
+    """On the CPU the hooks in the forward and backward launchers must leave Gluon alone (checked in
+    a fresh process: other tests, and the chapters' code, import the Gluon modules to read them)."""
+    import os
+    import subprocess
 
     import flashattn
     if not flashattn.runtime.INTERPRET:
         pytest.skip("a GPU runtime imports the Gluon kernels where they apply")
-    q = torch.randn(1, 1, 20, 64, dtype=torch.float16, requires_grad=True)
-    flashattn.attention(q, q, q, is_causal=True).sum().backward()
-    assert "flashattn.hopper" not in sys.modules and "flashattn.hopper_backward" not in sys.modules
+    code = ("import sys, torch, flashattn\n"
+            "q = torch.randn(1, 1, 20, 64, dtype=torch.float16, requires_grad=True)\n"
+            "flashattn.attention(q, q, q, is_causal=True).sum().backward()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('flashattn.hopper')))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        os.path.dirname(os.path.dirname(flashattn.__file__)), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout

@@ -227,9 +227,9 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     n_kv = k.shape[2]
     dtypes = q.dtype, k.dtype, v.dtype
     q, k, v, o, do = kernel_dtype(q, k, v, o, do)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
     if n_q == 0 or n_kv == 0:
-        return tuple(t.zero_().to(d) for t, d in zip((dq, dk, dv), dtypes))
+        return tuple(torch.zeros_like(t, dtype=d) for t, d in zip((q, k, v), dtypes))
     common = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
     masking = dict(common, IS_CAUSAL=bool(is_causal), DOT_PRECISION=tuning.dot_precision(q.dtype))
     seq_len = max(n_q, n_kv)
@@ -243,12 +243,20 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     if dlse is not None:
         delta -= dlse
 
-    tuning.launch(
-        "bwd_dkdv", _attn_bwd_dkdv,
-        lambda meta: (triton.cdiv(n_kv, meta["BLOCK_KV"]), heads, batch),
-        (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-         *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
-        masking, seq_len, _checked_dkdv(configs.get("bwd_dkdv")))
+    # On an H100/H200, 16-bit inputs at head dims 64 and 128 get dK/dV from flashattn.hopper_backward
+    # (the same result, scheduled by hand in Gluon) unless a configuration is given or
+    # FLASHATTN_GLUON=0 is set; dQ stays with the Triton kernel below.
+    hopper = None if configs.get("bwd_dkdv") is not None else tuning.gluon_module("hopper_backward")
+    if hopper is not None and hopper.supports(q, k, v):
+        dk, dv = hopper.attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale)
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        tuning.launch(
+            "bwd_dkdv", _attn_bwd_dkdv,
+            lambda meta: (triton.cdiv(n_kv, meta["BLOCK_KV"]), heads, batch),
+            (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+             *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
+            masking, seq_len, _checked_dkdv(configs.get("bwd_dkdv")))
     tuning.launch(
         "bwd_dq", _attn_bwd_dq,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),

@@ -8,11 +8,18 @@ the compiled-kernel tests look inside the compiled code and check the decode ker
 
 flashattn must have defined its kernels for the compiler, not for the interpreter: the process
 must make ``torch.cuda.is_available()`` answer True before it imports flashattn (nothing here
-launches a kernel).
+launches a kernel). :func:`in_child` does that in a child process, so that a test or a notebook
+running on the interpreter can ask for a compiled kernel's facts.
+
+The Gluon kernels for Hopper (``flashattn.hopper``, ``flashattn.hopper_backward``) have no
+interpreter at all: :func:`compile_gluon` and :func:`gluon_report` compile them, and
+:func:`facts` reads what the compiler made (wgmma, TMA copies, mbarrier waits, register budgets).
 """
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -113,3 +120,160 @@ def decode_merge_launch(head_dim, num_splits):
     default warps and stages): ``(kernel name, compile-time arguments, options)``."""
     return ("decode_merge", dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim),
                                  BLOCK_S=triton.next_power_of_2(num_splits)), dict(num_warps=4, num_stages=3))
+def facts(compiled):
+    """What a compiled kernel holds, as a dict: registers per thread at launch, spilled bytes,
+    shared memory bytes, and counts read from its PTX: wgmma instructions (``wgmma``) and waits
+    for them (``wgmma_waits``), TMA copies into and out of shared memory (``tma_loads``,
+    ``tma_stores``), mbarrier waits (``mbarrier_waits``), and the register budgets the warps set
+    themselves (``setmaxnreg``, sorted)."""
+    regs, spill, smem = resources(compiled)
+    ptx = compiled.asm["ptx"]
+    return dict(regs=regs, spill=spill, smem=smem,
+                wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
+                wgmma_waits=len(re.findall(r"\bwgmma\.wait_group", ptx)),
+                tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx)),
+                tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
+                mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
+                setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
+
+
+# ---------------------------------------------------------------------------- Gluon kernels
+
+
+class CannotCompile(RuntimeError):
+    """This machine's Triton cannot compile for sm_90 (no CUDA backend, no ptxas, no Gluon)."""
+
+
+def _gluon(module):
+    """``flashattn.<module>``, a Gluon kernel module; CannotCompile where Triton has no Gluon."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"flashattn.{module}")
+    except ImportError as error:
+        raise CannotCompile(f"no Gluon compiler here: {error}") from error
+
+
+def compile_gluon(fn, signature, constexprs, aligned=(), **options):
+    """Compile the @gluon.jit ``fn`` for sm_90: ``signature`` maps each run-time argument to its
+    type ("*fp32", "i32", "fp32", "tensordesc<...>"), ``constexprs`` gives the compile-time ones;
+    ``aligned`` names the arguments Triton may assume divisible by 16."""
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource
+    except ImportError as error:
+        raise CannotCompile(f"no Gluon compiler here: {error}") from error
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=SM90, options=options)
+
+
+def _descriptor_type(module, dtype, rows, head_dim):
+    """The signature type of a TMA descriptor argument, as ``module.descriptor`` builds it."""
+    block = [1, 1, rows, head_dim]
+    layout = module.block_layout(block, TORCH_DTYPES[dtype])
+    return f"tensordesc<{dtype}{block},{layout!r}>"
+
+
+def compile_hopper_forward(head_dim, dtype, causal, config=None):
+    """The Gluon forward (``flashattn.hopper``) compiled for ``dtype`` ("fp16", "bf16"), head dim,
+    masking and ``config`` (overrides of ``hopper.tile_config``) as a launch compiles it."""
+    hopper = _gluon("hopper")
+    cfg = hopper.tile_config(head_dim, causal, config)
+    regs, options = hopper.launch_options(cfg)
+    q, kv = (_descriptor_type(hopper, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
+    signature = dict(desc_q=q, desc_k=kv, desc_v=kv, desc_o=q, LSE="*fp32", n_heads="i32",
+                     n_q="i32", n_kv="i32", qk_scale="fp32")
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), PINGPONG=bool(cfg["PINGPONG"]),
+                      CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], **regs)
+    return compile_gluon(hopper._attn_fwd_sm90, signature, constexprs, aligned=["LSE"], **options)
+
+
+def compile_hopper_backward(head_dim, dtype, causal, config=None):
+    """The Gluon dK/dV kernel (``flashattn.hopper_backward``) compiled as a launch compiles it."""
+    bwd = _gluon("hopper_backward")
+    cfg = bwd.tile_config(head_dim, config)
+    regs, options = bwd.launch_options(cfg)
+    q, kv = (_descriptor_type(bwd, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
+    signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv,
+                     LSE="*fp32", Delta="*fp32", n_heads="i32", n_q="i32", n_kv="i32",
+                     scale="fp32", qk_scale="fp32")
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), **regs)
+    return compile_gluon(bwd._attn_bwd_dkdv_sm90, signature, constexprs, aligned=["LSE", "Delta"],
+                         **options)
+
+
+def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), causal=(False, True),
+                 configs=(None,)):
+    """Compile a Gluon kernel ("fwd" or "bwd") for every combination and return one dict per
+    compilation: its settings and :func:`facts`, or ``error``. CannotCompile when the first one
+    fails in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
+    compile_one = {"fwd": compile_hopper_forward, "bwd": compile_hopper_backward}[kernel]
+    rows = []
+    for head_dim in head_dims:
+        for dtype in dtypes:
+            for is_causal in causal:
+                for config in configs:
+                    row = dict(kernel=kernel, head_dim=head_dim, dtype=dtype, causal=bool(is_causal),
+                               config=config or {})
+                    try:
+                        row.update(facts(compile_one(head_dim, dtype, is_causal, config)))
+                    except CannotCompile:
+                        raise
+                    except Exception as error:  # report and go on: one configuration cannot hide others
+                        if not rows and "ptxas" in str(error).lower():
+                            raise CannotCompile(f"cannot compile for sm_90 here: {str(error)[:200]}")
+                        row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+                    rows.append(row)
+    return rows
+
+
+def gluon_reports(jobs):
+    """:func:`gluon_report` for each dict of arguments in ``jobs``, one list of rows: several
+    reports from one child process."""
+    return [row for job in jobs for row in gluon_report(**job)]
+
+
+# ---------------------------------------------------------------------------- in a child process
+
+#: The exit status of a child that cannot compile for sm_90 on this machine.
+SKIP = 77
+_RESULT = "flashattn.compiled result: "
+_CHILD = f"""
+import importlib, json, sys
+import torch
+torch.cuda.is_available = lambda: True  # flashattn then defines its kernels for the compiler
+torch.cuda.get_device_name = lambda *args: "sm_90, compile only"
+from flashattn.compiled import CannotCompile
+module, name = sys.argv[1].split(":")
+try:
+    result = getattr(importlib.import_module(module), name)(**json.loads(sys.argv[2]))
+except CannotCompile as error:
+    print(error)
+    sys.exit({SKIP})
+print({_RESULT!r} + json.dumps(result))
+"""
+
+
+def in_child(target, timeout=600, **kwargs):
+    """Call ``target`` ("module:function", e.g. "flashattn.compiled:gluon_report") with the
+    JSON-able ``kwargs`` in a child process whose flashattn defines its kernels for the compiler,
+    and return what it returns (through JSON). Works from any process, the interpreter's included.
+    Raises CannotCompile where this machine cannot compile for sm_90, RuntimeError with the
+    child's output if it fails otherwise."""
+    import flashattn
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # set by flashattn on a CPU
+    # the child imports the flashattn this process uses, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(flashattn.__file__)),
+                                                      env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", _CHILD, target, json.dumps(kwargs)], env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    if result.returncode == SKIP:
+        raise CannotCompile(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "cannot compile")
+    lines = [line for line in result.stdout.splitlines() if line.startswith(_RESULT)]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"{target} failed in the child (status {result.returncode}):\n"
+                           + result.stdout[-3000:] + result.stderr[-3000:])
+    return json.loads(lines[-1][len(_RESULT):])

@@ -12,6 +12,7 @@ tile costs Python time), so each kernel gets one fixed configuration. Setting th
 variable ``FLASHATTN_AUTOTUNE=0`` does the same on a GPU: each kernel then runs the first
 candidate that fits (no timing runs, fewer compilations), which is handy for quick checks.
 """
+import importlib
 import os
 
 import torch
@@ -127,7 +128,24 @@ def fits(name, config, block_d, element_size, dot_precision=None) -> bool:
     smem = (resident_tiles * resident + config.num_stages * 2 * streamed) * block_d * element_size
     if smem > 227 * 1024:
         return False
+    if dot_precision == "tf32x3" and not tf32x3_warps_fit(resident, config.num_warps):
+        return False
     return name != "bwd_dkdv" or dkdv_steps_fit(bq, bkv)
+
+
+def tf32x3_warps_fit(rows, num_warps) -> bool:
+    """Whether 3xTF32 products with ``rows`` rows (the resident tile) may run on ``num_warps``.
+
+    A compiler fault, excluded by this rule: on an H200 (triton 3.6, 2026-12-01) the dK/dV
+    candidate of 16 x 64 tiles with 8 warps returned dK and dV wrong by up to 30 at head dims 24
+    and 32 (the worst case of the float32 grid, 782749 times the rule's bound) and hit an illegal
+    memory access at head dims 40 and 64; it was right at 1-16. Compiled for sm_90 (triton 3.6 and
+    3.7.1), it is the only float32 candidate whose wgmma products (64 rows and more) have fewer
+    rows than 16 per warp: the compiler puts both warpgroups on the same 64 rows for two of the
+    three TF32 products of each 3xTF32 dot (warpsPerCTA [8, 1]) and splits the columns for the
+    third ([4, 2]), so every accumulator changes layout between them; 16-bit and TF32 dots keep
+    one layout per product. Smaller tiles multiply with mma.sync instead and are not concerned."""
+    return rows < 64 or rows >= 16 * num_warps
 
 
 def dkdv_steps_fit(block_q, block_kv) -> bool:
@@ -204,6 +222,19 @@ def _first_that_runs(name, kernel, grid, args, constexprs, configs):
         except triton.runtime.errors.OutOfResources:
             if i == len(configs) - 1:
                 raise
+
+
+def gluon_module(name):
+    """``flashattn.<name>``, a Gluon kernel module for Hopper (``"hopper"``: the forward,
+    ``"hopper_backward"``: dK/dV), where it may run; else None: on the interpreter (Gluon kernels
+    are compiled only, they cannot be defined for it), with FLASHATTN_GLUON=0, or with a Triton
+    that has no Gluon or another Gluon API. Imported on first use."""
+    if INTERPRET or os.environ.get("FLASHATTN_GLUON", "1") == "0":
+        return None
+    try:
+        return importlib.import_module(f"flashattn.{name}")
+    except ImportError:
+        return None
 
 
 def block_d(head_dim: int) -> int:

@@ -184,3 +184,62 @@ def test_the_rule_rejects_a_slightly_wrong_kernel(dtype):
 
     checks = compare_with_reference(q, k, v, is_causal=True, impl=off_by_one_percent)
     assert not any(c.ok for c in checks), "\n".join(map(str, checks))
+
+
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_the_tf32_rule_passes_tf32_and_rejects_a_slightly_wrong_kernel(precision):
+    """With TF32 matmuls allowed, the baseline is PyTorch on TF32-rounded inputs and the floor is
+    at TF32's unit roundoff: a kernel that rounds its operands to TF32 passes, one whose scale is
+    off by 1% still fails every quantity."""
+    from flashattn.testing import round_to_tf32, unit_roundoff
+
+    q, k, v = make_qkv(69, 69, 64, torch.float32)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        assert unit_roundoff(torch.float32) == 2.0 ** -11
+
+        def tf32_inputs(q, k, v, is_causal, scale, return_lse):  # the roundings of a TF32 kernel
+            rounded = [t + (round_to_tf32(t.detach()) - t.detach()) for t in (q, k, v)]  # gradients pass
+            return flashattn.attention(*rounded, is_causal, scale, return_lse)
+
+        assert_rule(compare_with_reference(q, k, v, is_causal=True, impl=tf32_inputs))
+
+        def off_by_one_percent(q, k, v, is_causal, scale, return_lse):
+            return tf32_inputs(q, k, v, is_causal, 1.01 / 8.0, return_lse)
+
+        checks = compare_with_reference(q, k, v, is_causal=True, impl=off_by_one_percent)
+        assert not any(c.ok for c in checks), "\n".join(map(str, checks))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_round_to_tf32():
+    from flashattn.testing import round_to_tf32
+
+    x = torch.tensor([1.0, 1.0 + 2.0 ** -10, 1.0 + 2.0 ** -11, 1.0 + 2.0 ** -12, -(1.0 + 2.0 ** -11), 3.0e38,
+                      float("inf"), 0.0])
+    want = torch.tensor([1.0, 1.0 + 2.0 ** -10, 1.0 + 2.0 ** -10, 1.0, -(1.0 + 2.0 ** -10), 3.0e38, float("inf"), 0.0])
+    assert torch.equal(round_to_tf32(x)[:5], want[:5]) and torch.equal(round_to_tf32(x)[6:], want[6:])
+    assert round_to_tf32(x)[5].item() == pytest.approx(3.0e38, rel=2.0 ** -11)
+
+
+def test_tf32x3_candidates_avoid_the_compiler_fault():
+    """tuning.fits excludes the 3xTF32 tiles that the compiler got wrong on an H200 (a 64-row
+    wgmma spread over 8 warps) and keeps every other 3xTF32 candidate it would keep anyway."""
+    from flashattn import tuning
+
+    bad = triton_config(16, 64, 8, 2)
+    for block_d in (32, 64):
+        assert not tuning.fits("bwd_dkdv", bad, block_d, 4, "tf32x3")
+        assert tuning.fits("bwd_dkdv", bad, block_d, 4, "tf32")  # the rule is 3xTF32's alone
+    for name in ("fwd", "bwd_dkdv", "bwd_dq"):
+        for c in tuning.TF32X3_CONFIGS[name]:
+            resident = c.kwargs["BLOCK_KV" if name == "bwd_dkdv" else "BLOCK_Q"]
+            faulty = 64 <= resident < 16 * c.num_warps
+            assert faulty == (c.kwargs == bad.kwargs and c.num_warps == 8), (name, c)
+
+
+def triton_config(block_q, block_kv, warps, stages):
+    import triton
+    return triton.Config({"BLOCK_Q": block_q, "BLOCK_KV": block_kv}, num_warps=warps, num_stages=stages)

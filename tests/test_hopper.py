@@ -1,29 +1,25 @@
-"""The Gluon forward for Hopper (flashattn.hopper) on an H100/H200, against float64 under the rule.
+"""The Gluon kernels for Hopper (flashattn.hopper, flashattn.hopper_backward) on an H100/H200,
+against float64 under the rule.
 
-A wrong mbarrier phase does not raise an error, it deadlocks the GPU. So the Gluon kernel never
-runs in the test process: tools/hopper_check.py runs each (dtype, head dim, causal) group in a child
+A wrong mbarrier phase does not raise an error, it deadlocks the GPU. So the Gluon kernels never
+run in the test process: flashattn.gpu_checks runs each (dtype, head dim, causal) group in a child
 process that is killed when it stops making progress, and each test here reads its case's verdict.
-A case runs through flashattn.attention (the hook in attention_forward, checked to call the Gluon
-kernel), forward and, for most cases, the backward through it: fp16/bf16, head dims 64 and 128,
-causal or not, N in {1, 17, 128, 1000, 4103}, N_q != N_kv, (B, N, H, D)-transposed inputs.
+A case runs through flashattn.attention (the hooks in the forward and backward launchers, checked
+to call the Gluon kernels), forward and, for most cases, the backward through it: fp16/bf16, head
+dims 64 and 128, causal or not, N in {1, 17, 128, 1000, 4103}, N_q != N_kv, (B, N, H, D)-transposed
+inputs, large magnitudes. The watchdog itself is tested without a GPU.
 """
 import concurrent.futures
-import os
-import sys
 import time
 
 import pytest
 import torch
 
-from sm90_child import ROOT
+from flashattn import gpu_checks
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import hopper_check  # noqa: E402  (tools/hopper_check.py)
-
-pytestmark = pytest.mark.gpu
-GROUPS = [(dtype, d, causal) for dtype in hopper_check.DTYPES for d in hopper_check.HEAD_DIMS
+GROUPS = [(dtype, d, causal) for dtype in gpu_checks.DTYPES for d in gpu_checks.HEAD_DIMS
           for causal in (False, True)]
-CASES = [case for group in GROUPS for case in hopper_check.gluon_cases(*group)]
+CASES = [case for group in GROUPS for case in gpu_checks.gluon_cases(*group)]
 
 
 def _hopper_gpu():
@@ -33,13 +29,13 @@ def _hopper_gpu():
 @pytest.fixture(scope="module")
 def verdicts():
     if not _hopper_gpu():
-        pytest.skip("the Gluon kernel is for compute capability 9.x (H100/H200)")
+        pytest.skip("the Gluon kernels are for compute capability 9.x (H100/H200)")
     deadline = time.time() + 900
 
     def group(g):
         dtype, d, causal = g
-        return hopper_check.run_job("gluon", ["--dtype", dtype, "--head-dim", str(d),
-                                              "--causal", str(int(causal))], 120, deadline)
+        cmd = gpu_checks.command("gluon", dtype=dtype, head_dim=d, causal=int(causal))
+        return gpu_checks.run_job(cmd, 120, deadline)
 
     lines, status = [], {}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -49,17 +45,19 @@ def verdicts():
     return lines, status
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
-def test_gluon_forward(verdicts, case):
+def test_gluon_kernels(verdicts, case):
     lines, status = verdicts
     said = "\n".join(line for line in lines if case in line or line.startswith("FAIL gluon"))
     assert status.get(case) == "ok", said or f"{case} did not run"
 
 
+@pytest.mark.gpu
 def test_layouts_tma_cannot_load_fall_back():
-    """Strides TMA refuses, other dtypes and head dims go to the Triton kernel, and stay right."""
+    """Strides TMA refuses, other dtypes and head dims go to the Triton kernels, and stay right."""
     if not _hopper_gpu():
-        pytest.skip("the Gluon kernel is for compute capability 9.x (H100/H200)")
+        pytest.skip("the Gluon kernels are for compute capability 9.x (H100/H200)")
     from flashattn import hopper
     from flashattn.testing import compare_with_reference
 
@@ -76,3 +74,46 @@ def test_layouts_tma_cannot_load_fall_back():
     assert hopper.supports(t, t, t)
     odd = t.as_strided((1, 1, 50, 64), (3, 5, 64, 1))  # size-1 dims: their strides do not matter
     assert hopper.supports(odd, odd, odd)
+    assert not hopper.tma_ok(t[:, :1].expand(1, 2, 50, 64))  # a repeated head: stride 0
+
+
+@pytest.mark.gpu
+def test_expanded_upstream_gradient():
+    """dO from ``out.sum()`` is expanded (stride 0): the Gluon dK/dV copies it for TMA."""
+    if not _hopper_gpu():
+        pytest.skip("the Gluon kernels are for compute capability 9.x (H100/H200)")
+    import flashattn
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    flashattn.attention(q, k, v, is_causal=True).sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True).sum().backward()
+    for ours, ref in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert (ours.double() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+
+
+def test_the_watchdog_reports_a_crash_and_a_hang_and_goes_on():
+    """run_job (no GPU needed): a child that crashes or hangs in a case is reported with that case
+    as FAIL or HANG, and started again after it, so that the cases after it still run."""
+    import sys
+    import textwrap
+
+    child = textwrap.dedent("""
+        import os, sys, time
+        skip = sys.argv[sys.argv.index("--skip") + 1].split(",") if "--skip" in sys.argv else []
+        for case in ("a", "crash", "hang", "d"):
+            if case in skip:
+                continue
+            print("START", case, flush=True)
+            if case == "crash":
+                os._exit(3)
+            if case == "hang":
+                time.sleep(60)
+            print("ok", case + ": fine", flush=True)
+    """)
+    lines, status = gpu_checks.run_job([sys.executable, "-c", child], idle_timeout=3,
+                                       deadline=time.time() + 50)
+    assert status == {"a": "ok", "crash": "FAIL", "hang": "HANG", "d": "ok"}, lines
+    assert any(line.startswith("HANG hang") for line in lines), lines

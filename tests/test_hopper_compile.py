@@ -1,75 +1,65 @@
-"""The Gluon forward for Hopper (flashattn.hopper), compiled for sm_90 on any machine.
+"""The Gluon kernels for Hopper (flashattn.hopper, flashattn.hopper_backward), compiled for sm_90.
 
-Gluon has no interpreter, so on a machine without a GPU compiling is all this kernel gets. A child
-process (which believes it has a GPU; nothing is launched) compiles every configuration the package
-ships, for both 16-bit dtypes and both masking modes, and checks what the compiler made of it:
-no spills, shared memory within the 227 KB an H100/H200 block may use, the warps split into
-partitions with their own register budgets (setmaxnreg), asynchronous wgmma and TMA copies.
-Skipped where Triton cannot compile Gluon for CUDA.
+Gluon has no interpreter, so on a machine without a GPU compiling is all these kernels get. A
+child process (flashattn.compiled.in_child: it believes it has a GPU, nothing is launched)
+compiles every configuration the package ships, for both 16-bit dtypes and both masking modes,
+and the test checks what the compiler made of it: no spills, shared memory within the 227 KB an
+H100/H200 block may use, the warps split into partitions with their own register budgets
+(setmaxnreg), asynchronous wgmma, TMA copies and mbarrier waits. Skipped where Triton cannot
+compile Gluon for CUDA.
 """
-import os
-import re
 import sys
 
-from sm90_child import ROOT, SKIP, run_as_child
+import pytest
+
+from flashattn import compiled
 
 SMEM_LIMIT = 227 * 1024
 
 
-def test_gluon_forward_compiles_for_sm90():
-    run_as_child(__file__)
+def _report(kernel):
+    try:
+        return compiled.in_child("flashattn.compiled:gluon_report", kernel=kernel)
+    except compiled.CannotCompile as reason:
+        pytest.skip(str(reason))
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+def test_gluon_kernels_compile_for_sm90(kernel):
+    rows = _report(kernel)
+    assert len(rows) == 8  # head dims 64 and 128, fp16 and bf16, causal or not
+    problems = []
+    for r in rows:
+        label = f"{kernel} D={r['head_dim']} {r['dtype']} causal={r['causal']}"
+        if "error" in r:
+            problems.append(f"{label}: {r['error']}")
+            continue
+        if r["spill"]:
+            problems.append(f"{label}: {r['spill']} bytes of stack (spills)")
+        if r["smem"] > SMEM_LIMIT:
+            problems.append(f"{label}: {r['smem']} bytes of shared memory")
+        if 240 not in r["setmaxnreg"] or 24 not in r["setmaxnreg"]:
+            problems.append(f"{label}: no setmaxnreg 240 (consumers) and 24 (producer): {r['setmaxnreg']}")
+        if not (r["wgmma"] and r["wgmma_waits"] and r["tma_loads"] and r["tma_stores"] and r["mbarrier_waits"]):
+            problems.append(f"{label}: wgmma, its waits, TMA loads and stores, mbarrier waits expected: {r}")
+    assert not problems, "\n".join(problems)
 
 
 def test_the_interpreter_never_imports_gluon():
-    """On the CPU the hook in attention_forward must leave the Gluon module alone."""
-    import torch
+    """On the CPU the hooks in the forward and backward launchers must leave Gluon alone (checked in
+    a fresh process: other tests, and the chapters' code, import the Gluon modules to read them)."""
+    import os
+    import subprocess
 
     import flashattn
     if not flashattn.runtime.INTERPRET:
-        return
-    q = torch.randn(1, 1, 20, 64, dtype=torch.float16)
-    flashattn.attention(q, q, q, is_causal=True)
-    assert "flashattn.hopper" not in sys.modules
-
-
-def _child():
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
-    try:
-        import compile_hopper  # tools/compile_hopper.py
-        hopper = compile_hopper._hopper()
-    except ImportError as error:
-        print(f"no Gluon compiler here: {error}")
-        sys.exit(SKIP)
-    import torch
-
-    problems = []
-    for head_dim in hopper.HEAD_DIMS:
-        for dtype in (torch.float16, torch.bfloat16):
-            for causal in (False, True):
-                label = f"D={head_dim} {dtype} causal={causal} {hopper.CONFIGS[head_dim]}"
-                try:
-                    compiled = compile_hopper.compile_forward(head_dim, dtype, causal)
-                except Exception as error:
-                    if head_dim == hopper.HEAD_DIMS[0] and dtype == torch.float16 and not causal \
-                            and "ptxas" in str(error).lower():
-                        print(f"cannot compile for sm_90 here: {str(error)[:200]}")
-                        sys.exit(SKIP)
-                    problems.append(f"{label}: {type(error).__name__}: {str(error)[:300]}")
-                    continue
-                r = compile_hopper.resources(compiled)
-                ptx = compiled.asm["ptx"]
-                if r["stack"]:
-                    problems.append(f"{label}: {r['stack']} bytes of stack (spills)")
-                if r["smem"] > SMEM_LIMIT:
-                    problems.append(f"{label}: {r['smem']} bytes of shared memory")
-                if str(hopper.CONSUMER_REGS.value) not in r["setmaxnreg"]:
-                    problems.append(f"{label}: no setmaxnreg {hopper.CONSUMER_REGS.value}: {r['setmaxnreg']}")
-                if not re.search(r"wgmma\.mma_async", ptx) or "cp.async.bulk.tensor" not in ptx:
-                    problems.append(f"{label}: no wgmma or no TMA copy in the PTX")
-                print(f"{label}: {r}")
-    print("\n".join(problems) or "ok")
-    sys.exit(1 if problems else 0)
-
-
-if __name__ == "__main__":
-    _child()
+        pytest.skip("a GPU runtime imports the Gluon kernels where they apply")
+    code = ("import sys, torch, flashattn\n"
+            "q = torch.randn(1, 1, 20, 64, dtype=torch.float16, requires_grad=True)\n"
+            "flashattn.attention(q, q, q, is_causal=True).sum().backward()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('flashattn.hopper')))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        os.path.dirname(os.path.dirname(flashattn.__file__)), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout

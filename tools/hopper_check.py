@@ -1,223 +1,84 @@
-"""One GPU run that checks and times the Hopper paths: the Gluon forward and float32 on tensor cores.
+"""One GPU run that checks and times the Hopper paths: the Gluon kernels and float32 on tensor cores.
 
-    python tools/hopper_check.py OUT_DIR [--parts gluon,variants,fp32,bench,fp32bench] [--quick]
+    python tools/hopper_check.py OUT_DIR [--parts checks,fp32,bench,fp32bench] [--full] [--budget 285]
 
-Every part runs in child processes, so that an error, a crash or a hang in one (a wrong mbarrier
-phase deadlocks the GPU) does not stop the others. A child that prints nothing for a while is
-killed, the case it was running is reported as HANG and the child is started again after it.
+Every part runs in child processes (flashattn.gpu_checks.run_job), so that an error, a crash or a
+hang in one does not stop the others: a child that prints nothing for a while is killed, the case
+it was running is reported as HANG, and the child is started again after it.
 
-  gluon      the Gluon forward through flashattn.attention (and the backward through it) against
-             float64 under flashattn.testing's rule: fp16/bf16, head dims 64/128, causal or not,
-             N in {1, 17, 128, 1000, 4103}, N_q != N_kv, (B, N, H, D)-transposed inputs.
-  variants   every tile/ping-pong variant of the Gluon kernel on two shapes (correctness only).
-  fp32       float32 over the test grid of tests/test_attention.py (and longer sequences),
-             forward and backward: 'highest' (3xTF32) and 'high' (TF32), under the rule.
-  bench      forward TFLOPS at B=4, H=32, N in {4096, 8192, 16384}: the Gluon kernel, the Triton
-             kernel (autotuned, Gluon disabled) and SDPA's default, side by side; then each
-             Gluon variant at N=8192. Writes OUT_DIR/hopper_bench.csv.
-  fp32bench  float32 forward and backward TFLOPS at N in {4096, 8192}: 'highest' (3xTF32),
-             'high' (TF32) and SDPA's float32. Writes OUT_DIR/fp32_bench.csv.
+  checks     the Gluon forward and dK/dV through flashattn.attention against float64, per (dtype,
+             head dim, causal) group, and each Gluon forward variant (flashattn.gpu_checks).
+  fp32       float32 under the rule, in separate children per precision ('highest' = 3xTF32,
+             'high' = TF32): the test grid through flashattn.attention, and every candidate tile
+             configuration of every kernel at head dims 32, 64 and 128 launched explicitly, plus
+             the configurations excluded for a compiler fault (expected to fail).
+  bench      16-bit TFLOPS at B=4, H=32, N in {4096, 8192} (and 16384 with --full), side by side
+             and interleaved (3 rounds, median): the forward (Gluon, Triton autotuned with Gluon
+             off, SDPA's default), the backward (flashattn with the Gluon dK/dV, flashattn with
+             the Triton one, SDPA's default) and the Gluon dK/dV kernel alone; then every Gluon
+             variant (forward and dK/dV) at N = 8192. Writes OUT_DIR/hopper_bench.csv.
+  fp32bench  float32 forward and backward TFLOPS, causal, N = 4096 (and 8192 with --full):
+             flashattn at 'highest' (3xTF32) and 'high' (TF32), SDPA at 'highest' and 'high',
+             each in its own child. Writes OUT_DIR/fp32_bench.csv.
 
-Lines start with ok / FAIL / HANG / SKIP; everything printed is also written to OUT_DIR/log.txt.
+Lines start with ok / FAIL / HANG / SKIP / info; everything printed is also in OUT_DIR/log.txt.
 """
 import argparse
 import concurrent.futures
 import csv
 import os
-import queue
 import re
-import signal
-import subprocess
+import statistics
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-DTYPES = ("fp16", "bf16")
-HEAD_DIMS = (64, 128)
-#: (name, B, H, N_q, N_kv, layout, backward, magnitude): the Gluon forward's correctness grid.
-SHAPES = [
-    ("1x1", 1, 2, 1, 1, "bhnd", False, 1.0),
-    ("17x17", 2, 3, 17, 17, "bhnd", True, 1.0),
-    ("128x128", 2, 3, 128, 128, "bhnd", True, 1.0),
-    ("1000x1000", 2, 3, 1000, 1000, "bhnd", True, 1.0),
-    ("4103x4103", 1, 2, 4103, 4103, "bhnd", True, 1.0),
-    ("17x1000", 2, 3, 17, 1000, "bhnd", True, 1.0),
-    ("1000x17", 2, 3, 1000, 17, "bhnd", True, 1.0),
-    ("4103x1000", 1, 2, 4103, 1000, "bhnd", False, 1.0),
-    ("1000x4103", 1, 2, 1000, 4103, "bhnd", False, 1.0),
-    ("1000x1000-bnhd", 2, 3, 1000, 1000, "bnhd", True, 1.0),
-    ("200x333-bnhd", 2, 3, 200, 333, "bnhd", False, 1.0),
-    ("1000x1000-big", 1, 2, 1000, 1000, "bhnd", False, 6.0),
-]
-#: Gluon tile variants (besides the default of each head dim) checked and timed.
-VARIANTS = {
-    64: [dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, PINGPONG=False), dict(BLOCK_M=128, BLOCK_N=64, STAGES=4),
-         dict(BLOCK_M=64, BLOCK_N=64, STAGES=4), dict(BLOCK_M=64, BLOCK_N=128, STAGES=2)],
-    128: [dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, PINGPONG=False), dict(BLOCK_M=64, BLOCK_N=128, STAGES=3),
-          dict(BLOCK_M=64, BLOCK_N=64, STAGES=4)],
-}
+from flashattn.gpu_checks import (BWD_VARIANTS, DTYPES, HEAD_DIMS, SHAPES, VARIANTS,  # noqa: E402
+                                  command, run_job)
+#: Candidates the Triton kernels are tuned over in the timings (the first of each list, which won
+#: the full sweep on an H200: figures/data/h200_tile_configs.csv), so that tuning compiles few.
+TUNED = {"fwd": 3, "bwd_dkdv": 4, "bwd_dq": 4}
+FP32_PROVIDERS = [("flashattn", "highest"), ("flashattn", "high"), ("sdpa", "highest"), ("sdpa", "high")]
+META_FIELDS = ["gpu", "torch", "triton"]
 
 
-def gluon_cases(dtype, head_dim, causal):
-    return [f"gluon-{dtype}-d{head_dim}-{'causal' if causal else 'full'}-{s[0]}" for s in SHAPES]
+# ---------------------------------------------------------------------------- timing children
 
 
-# ---------------------------------------------------------------------------- children
-
-
-def _make(b, h, n, d, layout, dtype, magnitude, gen, device="cuda"):
+def _meta():
     import torch
-    if layout == "bnhd":  # a (B, N, H, D) tensor seen as (B, H, N, D): no copy, strided
-        t = torch.randn(b, n, h, d, generator=gen, device=device).transpose(1, 2)
-    else:
-        t = torch.randn(b, h, n, d, generator=gen, device=device)
-    return (t * magnitude).to(dtype)
+    import triton
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
 
 
-def _verdict(cid, checks, extra=""):
-    """One line for a case: ok/FAIL, the worst error/bound ratio, each quantity's error/bound."""
-    ok = all(c.ok for c in checks)
-    worst = max(c.error / c.bound for c in checks)
-    detail = "; ".join(f"{c.name} {c.error:.2e}/{c.bound:.2e}" for c in checks)
-    print(f"{'ok' if ok else 'FAIL'} {cid}: worst={worst:.2f} error/bound {detail}{extra}", flush=True)
+def _tflops(ms, b, h, n, d, causal, mode):
+    from flashattn.bench import attention_flops
+    return attention_flops(b, h, n, n, d, causal, "bwd" if mode == "dkdv" else mode) / ms * 1e-9
 
 
-def child_gluon(args):
-    """Check each case of one (dtype, head dim, causal) group through flashattn.attention, with a
-    counter proving the Gluon kernel ran, and compare with the Triton forward too."""
-    import torch
-    from flashattn import forward, hopper
-    from flashattn.testing import compare_with_reference
-
-    os.environ["FLASHATTN_AUTOTUNE"] = "0"  # the backward's first candidate: fewer compilations
-    dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[args.dtype])
-    calls = []
-    launch = hopper.attention_forward
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return launch(*a, **kw)
-
-    hopper.attention_forward = counted
-    skip = set(filter(None, (args.skip or "").split(",")))
-    causal = bool(args.causal)
-    for cid, (name, b, h, n_q, n_kv, layout, bwd, mag) in zip(
-            gluon_cases(args.dtype, args.head_dim, causal), SHAPES):
-        if cid in skip:
-            continue
-        print(f"START {cid}", flush=True)
-        try:
-            g = torch.Generator(device="cuda").manual_seed(0)
-            q = _make(b, h, n_q, args.head_dim, layout, dtype, mag, g)
-            k = _make(b, h, n_kv, args.head_dim, layout, dtype, mag, g)
-            v = _make(b, h, n_kv, args.head_dim, layout, dtype, 1.0, g)
-            assert hopper.supports(q, k, v), "hopper.supports refused these inputs"
-            assert (layout == "bnhd") != q.is_contiguous()
-            calls.clear()
-            checks = compare_with_reference(q, k, v, is_causal=causal, backward=bwd)
-            torch.cuda.synchronize()
-            assert calls, "flashattn.attention did not call the Gluon kernel"
-            os.environ["FLASHATTN_GLUON"] = "0"
-            o_triton, _ = forward.attention_forward(q, k, v, causal, args.head_dim ** -0.5)
-            os.environ.pop("FLASHATTN_GLUON")
-            o_gluon, _ = launch(q, k, v, causal, args.head_dim ** -0.5)
-            diff = (o_gluon.float() - o_triton.float()).abs().max().item()
-            _verdict(cid, checks, f"; |gluon-triton| {diff:.2e}")
-        except Exception as e:
-            _fail(cid, e)
+def _interleaved(fns, rounds=3):
+    """Median milliseconds of each function in ``fns`` (name -> callable), timed in turn, round
+    after round, so that a drift of the GPU's clocks touches them all alike. A function that
+    raises gets its exception's name instead of a time."""
+    import triton
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if isinstance(times[name], str):
+                continue
+            try:
+                times[name].append(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
+            except Exception as e:
+                times[name] = f"{type(e).__name__}: {str(e)[:100]}"
+    return {name: t if isinstance(t, str) else statistics.median(t) for name, t in times.items()}
 
 
-def child_variants(args):
-    """Each Gluon variant of one head dim, forward only, against float64 under the rule."""
-    import torch
-    from flashattn import hopper
-    from flashattn.autograd import LN2
-    from flashattn.testing import compare_with_reference
-
-    skip = set(filter(None, (args.skip or "").split(",")))
-    for i, cfg in enumerate(VARIANTS[args.head_dim]):
-        for dtype in (torch.float16, torch.bfloat16):
-            for causal in (False, True):
-                for n_q, n_kv in ((1000, 1000), (4103, 777)):
-                    cid = f"variant-d{args.head_dim}-{i}-{str(dtype)[6:]}-{int(causal)}-{n_q}x{n_kv}"
-                    if cid in skip:
-                        continue
-                    print(f"START {cid} {cfg}", flush=True)
-                    try:
-                        g = torch.Generator(device="cuda").manual_seed(1)
-                        q = _make(2, 3, n_q, args.head_dim, "bhnd", dtype, 1.0, g)
-                        k = _make(2, 3, n_kv, args.head_dim, "bnhd", dtype, 1.0, g)
-                        v = _make(2, 3, n_kv, args.head_dim, "bhnd", dtype, 1.0, g)
-
-                        def impl(q, k, v, is_causal, scale, return_lse):
-                            o, lse2 = hopper.attention_forward(q, k, v, is_causal, args.head_dim ** -0.5, cfg)
-                            return o, lse2 * LN2
-
-                        checks = compare_with_reference(q, k, v, is_causal=causal, backward=False, impl=impl)
-                        _verdict(cid, checks, f" {cfg}")
-                    except Exception as e:
-                        _fail(f"{cid} {cfg}", e)
-
-
-def fp32_cases():
-    """(name, n_q, n_kv, head_dim, causal, magnitude, scale, layout): the float32 calls of
-    tests/test_attention.py, plus longer sequences."""
-    from test_attention import LENGTHS  # noqa: the grid the CPU tests use
-    cases = []
-    for n_q, n_kv in LENGTHS:
-        for causal in (False, True):
-            cases.append((f"len{n_q}x{n_kv}", n_q, n_kv, 64, causal, 1.0, None, "bhnd"))
-    for d in (16, 40, 128):
-        for causal in (False, True):
-            cases.append((f"hd{d}", 69, 69, d, causal, 1.0, None, "bhnd"))
-    for d in (1, 3, 24, 96, 200, 256):
-        cases.append((f"hd{d}", 33, 40, d, True, 1.0, None, "bhnd"))
-    for causal in (False, True):
-        cases.append(("113x69", 113, 69, 64, causal, 1.0, None, "bhnd"))
-        cases.append(("big", 113, 113, 64, causal, 6.0, None, "bhnd"))
-    for scale in (0.05, 1.0, 3.0):
-        cases.append((f"scale{scale}", 69, 50, 32, True, 1.0, scale, "bhnd"))
-    cases.append(("bnhd", 69, 69, 40, True, 1.0, None, "bnhd"))
-    for n in (1000, 2048):
-        for d in (64, 128):
-            cases.append((f"long{n}-hd{d}", n, n, d, True, 1.0, None, "bhnd"))
-    return cases
-
-
-def child_fp32(args):
-    """float32 at one matmul precision over the test grid, forward and backward, under the rule."""
-    import torch
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+def _restrict_tuning():
     from flashattn import tuning
-    from flashattn.testing import compare_with_reference
-
-    os.environ["FLASHATTN_AUTOTUNE"] = "0"
-    torch.set_float32_matmul_precision(args.precision)
-    print(f"info precision {args.precision!r}: tl.dot input_precision "
-          f"{tuning.dot_precision(torch.float32)!r}", flush=True)
-    skip = set(filter(None, (args.skip or "").split(",")))
-    # The grid is split between children: by causal, then in chunks of neighbouring head dims
-    # (each head dim compiles its own kernels).
-    cases = sorted((c for c in fp32_cases() if int(c[4]) == args.causal), key=lambda c: c[3])
-    part, parts = map(int, args.part.split("/"))
-    size = -(-len(cases) // parts)
-    for name, n_q, n_kv, d, causal, mag, scale, layout in cases[part * size:(part + 1) * size]:
-        cid = f"fp32-{args.precision}-{name}-{'causal' if causal else 'full'}"
-        if cid in skip:
-            continue
-        print(f"START {cid}", flush=True)
-        try:
-            g = torch.Generator(device="cuda").manual_seed(0)
-            q = _make(1, 2, n_q, d, layout, torch.float32, mag, g)
-            k = _make(1, 2, n_kv, d, layout, torch.float32, mag, g)
-            v = _make(1, 2, n_kv, d, layout, torch.float32, 1.0, g)
-            checks = compare_with_reference(q, k, v, is_causal=causal, scale=scale)
-            _verdict(cid, checks)
-        except Exception as e:
-            _fail(cid, e)
+    for name, n in TUNED.items():
+        tuning.GPU_CONFIGS[name] = tuning.GPU_CONFIGS[name][:n]
 
 
 def child_warm(args):
@@ -226,9 +87,9 @@ def child_warm(args):
     import torch
     from flashattn import bench, tuning
 
-    if args.precision == "fwd16":
-        jobs = [("fwd", c, dtype, args.head_dim, causal) for dtype in DTYPES for causal in (False, True)
-                for c in tuning.GPU_CONFIGS["fwd"][:3]]
+    if args.precision == "16bit":
+        jobs = [(name, c, dtype, args.head_dim, causal) for dtype in DTYPES for causal in (False, True)
+                for name in TUNED for c in tuning.GPU_CONFIGS[name][:TUNED[name]]]
     else:  # the float32 candidates of one precision, causal (what fp32bench times)
         dtype = "fp32" if args.precision == "highest" else "tf32"
         torch.set_float32_matmul_precision(args.precision)
@@ -238,258 +99,205 @@ def child_warm(args):
                 if tuning.fits(name, c, tuning.block_d(args.head_dim), 4, precision)]
     for name, c, dtype, d, causal in jobs:
         config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-        cid = f"warm-{dtype}-{name}-d{d}-{int(causal)}-{config}"
+        cid = f"warm-{dtype}-{name}-d{d}-{int(causal)}-{c.kwargs['BLOCK_Q']}x{c.kwargs['BLOCK_KV']}w{c.num_warps}s{c.num_stages}"
         print(f"START {cid}", flush=True)
         problem = bench._compile_one((name, config, dtype, d, causal))
         print(f"ok {cid}" if problem is None else f"FAIL {cid}: {problem}", flush=True)
 
 
-def _fail(cid, e):
-    """Report a failed case; after a CUDA error the context is unusable, so exit and let the
-    parent start a fresh child after this case."""
-    print(f"FAIL {cid}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    if "CUDA" in str(e) or "cuda" in type(e).__name__.lower():
-        sys.stdout.flush()
-        os._exit(3)
-
-
-def _tflops(ms, b, h, n, d, causal, mode="fwd"):
-    from flashattn.bench import attention_flops
-    return attention_flops(b, h, n, n, d, causal, mode) / ms * 1e-9
-
-
 def child_bench(args):
-    """Forward TFLOPS side by side: Gluon, Triton (Gluon disabled, autotuned), SDPA's default."""
+    """16-bit forward and backward TFLOPS side by side, then the Gluon variants."""
     import torch
-    import triton
     from torch.nn.functional import scaled_dot_product_attention as sdpa
-    from flashattn import forward, hopper, tuning
+    from flashattn import backward, forward, hopper, hopper_backward
 
-    # The Triton forward is tuned over the three candidates that won the full sweep on an H200
-    # (figures/data/h200_tile_configs.csv), so that tuning compiles 3 kernels, not 10.
-    tuning.GPU_CONFIGS["fwd"] = tuning.GPU_CONFIGS["fwd"][:3]
+    _restrict_tuning()
     bad = set(filter(None, (args.skip or "").split(",")))
     b, h = 4, 32
-    seq_lens = (4096, 8192) if args.quick else (4096, 8192, 16384)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    fields = ["gpu", "torch", "triton", "dtype", "head_dim", "causal", "batch", "heads", "seq_len",
-              "provider", "config", "ms", "tflops"]
+    seq_lens = (8192, 4096, 16384) if args.full else (8192, 4096)
+    meta = _meta()
     out = open(os.path.join(args.out, "hopper_bench.csv"), "w", newline="")
-    writer = csv.DictWriter(out, fieldnames=fields)
+    writer = csv.DictWriter(out, fieldnames=META_FIELDS + ["dtype", "head_dim", "causal", "batch", "heads",
+                                                          "seq_len", "mode", "provider", "config", "ms", "tflops"])
     writer.writeheader()
 
-    def record(dtype, d, causal, n, provider, config, ms):
-        tf = _tflops(ms, b, h, n, d, causal)
-        writer.writerow(dict(meta, dtype=dtype, head_dim=d, causal=int(causal), batch=b, heads=h,
-                             seq_len=n, provider=provider, config=config, ms=f"{ms:.4f}", tflops=f"{tf:.1f}"))
+    def record(dtype, d, causal, n, mode, results, configs=None):
+        row = {}
+        for name, ms in results.items():
+            if isinstance(ms, str):
+                row[name] = ms
+                continue
+            tf = _tflops(ms, b, h, n, d, causal, mode)
+            writer.writerow(dict(meta, dtype=dtype, head_dim=d, causal=int(causal), batch=b, heads=h, seq_len=n,
+                                 mode=mode, provider=name, config=(configs or {}).get(name, ""),
+                                 ms=f"{ms:.4f}", tflops=f"{tf:.1f}"))
+            row[name] = tf
         out.flush()
-        return tf
+        return row
 
-    def triton_fwd(q, k, v, causal):
-        os.environ["FLASHATTN_GLUON"] = "0"
-        try:
-            return forward.attention_forward(q, k, v, causal, q.shape[-1] ** -0.5)
-        finally:
-            os.environ.pop("FLASHATTN_GLUON")
+    def gluon_off(fn):
+        def run():
+            os.environ["FLASHATTN_GLUON"] = "0"
+            try:
+                return fn()
+            finally:
+                os.environ.pop("FLASHATTN_GLUON")
+        return run
 
-    print(f"info {meta}", flush=True)
-    for dtype_name in DTYPES:
+    def line(prefix, row, base):
+        ref = row.get(base)
+        cols = []
+        for name, tf in row.items():
+            if isinstance(tf, str):
+                cols.append(f"{name} {tf}")
+            else:
+                cols.append(f"{name} {tf:5.1f}" + (f" ({tf / ref:4.2f}x)" if isinstance(ref, float) else ""))
+        return f"ok {prefix}: TFLOPS (x {base}) " + "  ".join(cols)
+
+    print(f"info {meta}; interleaved, 3 rounds, median", flush=True)
+    settings = [(n, dt, d, c) for n in seq_lens for dt in DTYPES for d in HEAD_DIMS for c in (False, True)]
+    for n, dtype_name, d, causal in settings:
+        group = f"{dtype_name}-d{d}-{'causal' if causal else 'full'}"
         dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype_name])
-        for d in HEAD_DIMS:
-            for causal in (False, True):
-                group = f"{dtype_name}-d{d}-{'causal' if causal else 'full'}"
-                for n in seq_lens:
-                    print(f"START bench-{group}-{n}", flush=True)
-                    g = torch.Generator(device="cuda").manual_seed(0)
-                    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g) for _ in range(3))
-                    res = {}
-                    providers = [("triton", lambda: triton_fwd(q, k, v, causal)),
-                                 ("sdpa", lambda: sdpa(q, k, v, is_causal=causal))]
-                    if group not in bad:
-                        providers.insert(0, ("gluon", lambda: hopper.attention_forward(q, k, v, causal, d ** -0.5)))
-                    for name, fn in providers:
-                        try:
-                            fn()
-                            ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-                            res[name] = record(dtype_name, d, causal, n, name, "", ms)
-                        except Exception as e:
-                            print(f"FAIL bench-{group}-{n} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    sd = res.get("sdpa", float("nan"))
-                    cols = "  ".join(f"{p} {t:5.1f} ({t / sd:4.2f}x)" for p, t in res.items())
-                    if "gluon" in res and "triton" in res:
-                        cols += f"  gluon/triton {res['gluon'] / res['triton']:4.2f}"
-                    print(f"ok bench-{group}-{n}: TFLOPS (x sdpa) {cols}", flush=True)
-                    q = k = v = None  # free the memory before the next setting
-                    torch.cuda.empty_cache()
-    # Each Gluon variant at one length, to choose the defaults.
+        print(f"START bench-{group}-{n}", flush=True)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+        scale = d ** -0.5
+        fwd = {"gluon": lambda: hopper.attention_forward(q, k, v, causal, scale),
+               "triton": gluon_off(lambda: forward.attention_forward(q, k, v, causal, scale)),
+               "sdpa": lambda: sdpa(q, k, v, is_causal=causal)}
+        if group in bad:
+            fwd.pop("gluon")
+        for fn in fwd.values():
+            fn()  # compile and tune outside the timings
+        print(line(f"fwd-{group}-{n}", record(dtype_name, d, causal, n, "fwd", _interleaved(fwd)), "sdpa"), flush=True)
+        o, lse2 = forward.attention_forward(q, k, v, causal, scale)
+        delta = (o.float() * do.float()).sum(-1)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out_s = sdpa(*leaves, is_causal=causal)
+        bwd = {"gluon": lambda: backward.attention_backward(q, k, v, o, lse2, do, causal, scale),
+               "triton": gluon_off(lambda: backward.attention_backward(q, k, v, o, lse2, do, causal, scale)),
+               "sdpa": lambda: torch.autograd.grad(out_s, leaves, do, retain_graph=True),
+               "gluon-dkdv": lambda: hopper_backward.attention_backward_dkdv(q, k, v, do, lse2, delta, causal, scale)}
+        if group in bad:
+            for name in ("gluon", "gluon-dkdv"):
+                bwd.pop(name)
+        for fn in bwd.values():
+            fn()
+        print(line(f"bwd-{group}-{n}", record(dtype_name, d, causal, n, "bwd", _interleaved(bwd)), "sdpa"), flush=True)
+        q = k = v = do = o = lse2 = delta = leaves = out_s = None  # free before the next setting
+        torch.cuda.empty_cache()
+
+    # Each variant at one length, interleaved with the default it would replace.
     n = 8192
     for d in HEAD_DIMS:
-        print(f"info variants D={d}: " + ", ".join(f"v{i} {cfg}" for i, cfg in
-                                                   enumerate([hopper.CONFIGS[d]] + VARIANTS[d])), flush=True)
-        for dtype_name in DTYPES:
-            dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype_name])
-            for causal in (False, True):
+        for causal in (False, True):
+            fwd_cfgs = [{}] + VARIANTS[d]
+            bwd_cfgs = [{}] + BWD_VARIANTS[d]
+            print(f"info variants D={d} causal={int(causal)}: fwd " + ", ".join(
+                f"v{i} {hopper.tile_config(d, causal, c)}" for i, c in enumerate(fwd_cfgs)) + "; dkdv " + ", ".join(
+                f"w{i} {hopper_backward.tile_config(d, c)}" for i, c in enumerate(bwd_cfgs)), flush=True)
+            for dtype_name in DTYPES:
                 group = f"{dtype_name}-d{d}-{'causal' if causal else 'full'}"
                 if group in bad:
                     continue
+                dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype_name])
+                print(f"START variants-{group}-{n}", flush=True)
                 g = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g) for _ in range(3))
-                cols = []
-                for i, cfg in enumerate([hopper.CONFIGS[d]] + VARIANTS[d]):
-                    if f"variant-d{d}-{i - 1}" in bad:
+                q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+                fns, configs = {}, {}
+                for i, c in enumerate(fwd_cfgs):
+                    if f"variant-d{d}-{i - 1}-{dtype_name}" not in bad:
+                        fns[f"v{i}"] = (lambda c=c: hopper.attention_forward(q, k, v, causal, d ** -0.5, c))
+                        configs[f"v{i}"] = str(hopper.tile_config(d, causal, c))
+                for fn in fns.values():
+                    fn()
+                print(line(f"variants-fwd-{group}-{n}", record(dtype_name, d, causal, n, "fwd",
+                                                               _interleaved(fns), configs), "v0"), flush=True)
+                o, lse2 = hopper.attention_forward(q, k, v, causal, d ** -0.5)
+                delta = (o.float() * do.float()).sum(-1)
+                fns, configs = {}, {}
+                for i, c in enumerate(bwd_cfgs):
+                    if f"dkdv-variant-d{d}-{i - 1}-{dtype_name}" in bad:
                         continue
-                    print(f"START variant-bench-{group}-{i}", flush=True)
-                    try:
-                        def fn():
-                            return hopper.attention_forward(q, k, v, causal, d ** -0.5, cfg)
-                        fn()
-                        ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-                        tf = record(dtype_name, d, causal, n, f"gluon-v{i}", str(cfg), ms)
-                        cols.append(f"v{i} {tf:.1f}")
-                    except Exception as e:
-                        cols.append(f"v{i} {type(e).__name__}")
-                print(f"ok variants-{group}-{n}: TFLOPS " + " | ".join(cols), flush=True)
-                q = k = v = None  # free the memory before the next setting
+                    fns[f"w{i}"] = (lambda c=c: hopper_backward.attention_backward_dkdv(
+                        q, k, v, do, lse2, delta, causal, d ** -0.5, c))
+                    configs[f"w{i}"] = str(hopper_backward.tile_config(d, c))
+                for fn in fns.values():
+                    fn()
+                print(line(f"variants-dkdv-{group}-{n}", record(dtype_name, d, causal, n, "dkdv",
+                                                                _interleaved(fns), configs), "w0"), flush=True)
+                q = k = v = do = o = lse2 = delta = None
                 torch.cuda.empty_cache()
     out.close()
 
 
 def child_fp32bench(args):
-    """float32 forward and backward TFLOPS: 'highest' (3xTF32), 'high' (TF32), SDPA float32."""
+    """float32 forward and backward TFLOPS of one provider at one precision, causal."""
     import torch
-    import triton
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     import flashattn
     from flashattn import tuning
 
+    provider, precision = args.provider.split(":")
+    torch.set_float32_matmul_precision(precision)
     b, h = 4, 32
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    fields = ["gpu", "torch", "triton", "precision", "head_dim", "causal", "batch", "heads", "seq_len",
-              "provider", "mode", "ms", "tflops"]
-    out = open(os.path.join(args.out, "fp32_bench.csv"), "w", newline="")
-    writer = csv.DictWriter(out, fieldnames=fields)
+    meta = _meta()
+    path = os.path.join(args.out, f"fp32_bench-{provider}-{precision}.csv")
+    out = open(path, "w", newline="")
+    writer = csv.DictWriter(out, fieldnames=META_FIELDS + ["precision", "dot", "head_dim", "causal", "batch",
+                                                          "heads", "seq_len", "provider", "mode", "ms", "tflops"])
     writer.writeheader()
-    seq_lens = (4096,) if args.quick else (4096, 8192)
+    dot = tuning.dot_precision(torch.float32) if provider == "flashattn" else "cuBLAS/cuDNN"
     for d in HEAD_DIMS:
-        for causal in (True,):
-            for n in seq_lens:
-                cid = f"fp32bench-d{d}-{'causal' if causal else 'full'}-{n}"
-                print(f"START {cid}", flush=True)
-                g = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g).requires_grad_() for _ in range(3))
-                do = torch.randn(b, h, n, d, device="cuda", generator=g)
-                cols = []
-                for provider, precision in (("flashattn", "highest"), ("flashattn", "high"), ("sdpa", "highest")):
-                    torch.set_float32_matmul_precision(precision)
-                    label = f"{provider}-{precision}"
-                    try:
-                        fn = (lambda: flashattn.attention(q, k, v, is_causal=causal)) if provider == "flashattn" \
-                            else (lambda: sdpa(q, k, v, is_causal=causal))
-                        fn().backward(do)  # compile and tune
-                        for mode in ("fwd", "bwd"):
-                            if mode == "fwd":
-                                ms = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
-                            else:
-                                o = fn()
-                                ms = triton.testing.do_bench(lambda: o.backward(do, retain_graph=True), warmup=5,
-                                                             rep=30, grad_to_none=[q, k, v], return_mode="median")
-                            tf = _tflops(ms, b, h, n, d, causal, mode)
-                            writer.writerow(dict(meta, precision=precision, head_dim=d, causal=int(causal), batch=b,
-                                                 heads=h, seq_len=n, provider=provider, mode=mode,
-                                                 ms=f"{ms:.4f}", tflops=f"{tf:.1f}"))
-                            cols.append(f"{label} {mode} {tf:.1f}")
-                        out.flush()
-                    except Exception as e:
-                        cols.append(f"{label}: {type(e).__name__}: {str(e)[:120]}")
-                    q.grad = k.grad = v.grad = None
-                print(f"ok {cid}: " + " | ".join(cols) + f"  (3xTF32 as {tuning.dot_precision(torch.float32)} "
-                      "under 'highest')", flush=True)
-                torch.set_float32_matmul_precision("highest")
-                q = k = v = do = None  # free the memory before the next setting
-                torch.cuda.empty_cache()
+        for n in ((4096, 8192) if args.full else (4096,)):
+            cid = f"fp32bench-{provider}-{precision}-d{d}-causal-{n}"
+            print(f"START {cid}", flush=True)
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g).requires_grad_() for _ in range(3))
+            do = torch.randn(b, h, n, d, device="cuda", generator=g)
+            fn = (lambda: flashattn.attention(q, k, v, is_causal=True)) if provider == "flashattn" \
+                else (lambda: sdpa(q, k, v, is_causal=True))
+            o = fn()
+            torch.autograd.grad(o, (q, k, v), do, retain_graph=True)  # compile and tune
+            times = _interleaved({"fwd": fn, "bwd": lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)})
+            cols = []
+            for mode, ms in times.items():
+                tf = _tflops(ms, b, h, n, d, True, mode)
+                writer.writerow(dict(meta, precision=precision, dot=dot, head_dim=d, causal=1, batch=b, heads=h,
+                                     seq_len=n, provider=provider, mode=mode, ms=f"{ms:.4f}", tflops=f"{tf:.1f}"))
+                cols.append(f"{mode} {tf:.1f}")
+            out.flush()
+            print(f"ok {cid}: TFLOPS {' '.join(cols)} ({dot})", flush=True)
+            q = k = v = do = o = None
+            torch.cuda.empty_cache()
     out.close()
 
 
-CHILDREN = {"gluon": child_gluon, "variants": child_variants, "fp32": child_fp32, "warm": child_warm,
-            "bench": child_bench, "fp32bench": child_fp32bench}
+CHILDREN = {"warm": child_warm, "bench": child_bench, "fp32bench": child_fp32bench}
 
 
 # ---------------------------------------------------------------------------- the parent
 
 
-def run_job(job, argv, idle_timeout, deadline, max_restarts=3):
-    """Run ``--child job argv``. A child that prints nothing for ``idle_timeout`` seconds is
-    killed and its current case reported as HANG; a child that dies is reported with its exit
-    status. Either way it is started again, skipping the cases already reported (at most
-    ``max_restarts`` times). Returns (lines, {case id: 'ok' | 'FAIL' | 'HANG'})."""
-    lines, status = [], {}
-    for attempt in range(max_restarts + 1):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", job, *argv]
-        if status:
-            cmd += ["--skip", ",".join(status)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=ROOT, start_new_session=True)
-        out = queue.Queue()
-
-        def read(stream=proc.stdout, out=out):
-            for line in stream:
-                out.put(line)
-            out.put(None)
-
-        threading.Thread(target=read, daemon=True).start()
-        current, hung = None, False
-        while True:
-            try:
-                line = out.get(timeout=max(1.0, min(idle_timeout, deadline - time.time())))
-            except queue.Empty:
-                hung = True
-                break
-            if line is None:
-                break
-            line = line.rstrip()
-            if line.startswith("START "):
-                current = line.split()[1]
-                continue
-            if line.startswith("info") and line in lines:
-                continue
-            lines.append(line)
-            word, _, rest = line.partition(" ")
-            if word in ("ok", "FAIL") and rest:
-                status[rest.split(":")[0].split()[0]] = word
-        if hung:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child's own process group, started above
-            proc.wait()
-            late = time.time() >= deadline
-            lines.append(f"HANG {current or job}: " + ("out of time" if late else
-                                                        f"no output for {idle_timeout:.0f} s") + "; killed")
-            if current is None or late:
-                break
-            status.setdefault(current, "HANG")
-            continue
-        code = proc.wait()
-        if code == 0:
-            break
-        if current not in status:  # died without a verdict (a crash, or an error before any case)
-            lines.append(f"FAIL {job} {' '.join(argv)}: child exited with status {code}"
-                         + (f" during {current}" if current else ""))
-        if current is None or time.time() >= deadline:
-            break
-        status.setdefault(current, "FAIL")
-    return lines, status
+def _own(child, **options):
+    argv = [sys.executable, os.path.abspath(__file__), "--child", child]
+    for name, value in options.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", nargs="?", default=".")
-    p.add_argument("--parts", default="gluon,variants,fp32,bench,fp32bench")
-    p.add_argument("--quick", action="store_true", help="fewer lengths in the timings")
-    p.add_argument("--workers", type=int, default=12, help="checking children run at once")
+    p.add_argument("--parts", default="checks,fp32,bench,fp32bench")
+    p.add_argument("--full", action="store_true", help="longer sequences in the timings (more than 5 minutes)")
+    p.add_argument("--workers", type=int, default=14, help="checking children run at once")
     p.add_argument("--budget", type=float, default=285, help="seconds for the whole run")
     p.add_argument("--child", choices=list(CHILDREN), help=argparse.SUPPRESS)
-    for name in ("--dtype", "--precision", "--skip", "--part"):
+    for name in ("--precision", "--skip", "--provider"):
         p.add_argument(name, help=argparse.SUPPRESS)
-    for name in ("--head-dim", "--causal"):
-        p.add_argument(name, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--head-dim", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return CHILDREN[args.child](args)
@@ -513,34 +321,37 @@ def main():
         say("FAIL no CUDA GPU")
         return 1
     parts = args.parts.split(",")
-    jobs = []  # (label, job, argv, idle timeout), the most important first
-    if "gluon" in parts:
+    jobs = []  # (label, command, idle timeout), the most important first
+    if "checks" in parts:
         for dtype in DTYPES:
             for d in HEAD_DIMS:
                 for causal in (0, 1):
-                    jobs.append((f"gluon {dtype} D={d} causal={causal}", "gluon",
-                                 ["--dtype", dtype, "--head-dim", str(d), "--causal", str(causal)], 60))
+                    jobs.append((f"gluon {dtype} D={d} causal={causal}",
+                                 command("gluon", dtype=dtype, head_dim=d, causal=causal), 60))
     for d in HEAD_DIMS:  # compile what the timings use while the checks run
         if "bench" in parts:
-            jobs.append((f"warm triton fwd D={d}", "warm", ["--precision", "fwd16", "--head-dim", str(d)], 90))
+            jobs.append((f"warm triton 16-bit D={d}", _own("warm", precision="16bit", head_dim=d), 90))
         if "fp32bench" in parts:
             for precision in ("highest", "high"):
-                jobs.append((f"warm fp32 {precision} D={d}", "warm",
-                             ["--precision", precision, "--head-dim", str(d)], 90))
-    if "variants" in parts:
+                jobs.append((f"warm fp32 {precision} D={d}", _own("warm", precision=precision, head_dim=d), 90))
+    if "checks" in parts:
         for d in HEAD_DIMS:
-            jobs.append((f"variants D={d}", "variants", ["--head-dim", str(d)], 60))
+            for dtype in DTYPES:
+                jobs.append((f"variants {dtype} D={d}", command("variants", dtype=dtype, head_dim=d), 90))
     if "fp32" in parts:
         for precision in ("highest", "high"):
+            for d in (32, 64, 128):
+                jobs.append((f"fp32 configs {precision} D={d}", command("configs", precision=precision, head_dim=d), 60))
             for causal, chunks in ((1, 3), (0, 2)):
                 for i in range(chunks):
-                    jobs.append((f"fp32 {precision} causal={causal} part {i + 1}/{chunks}", "fp32",
-                                 ["--precision", precision, "--causal", str(causal), "--part", f"{i}/{chunks}"], 90))
+                    jobs.append((f"fp32 grid {precision} causal={causal} part {i + 1}/{chunks}",
+                                 command("fp32", precision=precision, causal=causal, part=f"{i}/{chunks}"), 90))
     counts, bad, problems = {}, set(), []
-    check_deadline = start + 0.42 * args.budget if {"bench", "fp32bench"} & set(parts) else deadline
+    timing = {"bench", "fp32bench"} & set(parts)
+    check_deadline = start + 0.4 * args.budget if timing else deadline
     with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
-        futures = {pool.submit(run_job, job, argv, idle, check_deadline): label
-                   for label, job, argv, idle in jobs}
+        futures = {pool.submit(run_job, cmd, idle, check_deadline, 8 if " configs " in label else 3, ROOT): label
+                   for label, cmd, idle in jobs}
         for fut in concurrent.futures.as_completed(futures):
             label = futures[fut]
             lines, status = fut.result()
@@ -553,38 +364,56 @@ def main():
             say(f"== {label}: {tally['ok']} ok, {tally['FAIL']} FAIL, {tally['HANG']} HANG{missing}{worst} "
                 f"({time.time() - start:.0f} s)")
             shown = 0
-            for line in lines:  # everything to the log, the first few failures to the screen too
+            for line in lines:  # everything to the log, the first few failures and the infos to the screen
                 failed = line.startswith(("FAIL", "HANG"))
                 shown += failed
-                say("   " + line, also_stdout=(failed and shown <= 4) or line.startswith("info"))
+                say("   " + line[:300], also_stdout=(failed and shown <= 4) or line.startswith("info"))
                 if failed:
                     problems.append(f"{label}: {line}")
-            for case, word in status.items():
+            for word in status.values():
                 counts[word] = counts.get(word, 0) + 1
             if label.startswith("gluon") and (tally["FAIL"] or tally["HANG"] or not status):
                 dtype, d, c = label.split()[1:4]
                 bad.add(f"{dtype}-d{d[2:]}-{'causal' if c.endswith('1') else 'full'}")
-            for case, word in status.items():
-                if word != "ok" and case.startswith("variant-"):
-                    bad.add("-".join(case.split("-")[:3]))
+            for case, word in status.items():  # a variant that failed is not timed
+                if word != "ok" and case.startswith(("variant-", "dkdv-variant-")):
+                    bad.add(case.rsplit("-", 1)[0])
     say(f"== checks: {counts} ({time.time() - start:.0f} s); left out of the timings: {sorted(bad) or 'none'}")
-    for part, idle in (("bench", 120), ("fp32bench", 150)):
-        if part not in parts:
-            continue
+
+    timings = []
+    if "bench" in parts:
+        argv = [args.out] + (["--full"] if args.full else []) + (["--skip", ",".join(sorted(bad))] if bad else [])
+        timings.append(("bench", _own("bench") + argv, 0.7))
+    if "fp32bench" in parts:
+        for provider, precision in FP32_PROVIDERS:
+            timings.append((f"fp32bench {provider} {precision}",
+                            _own("fp32bench", provider=f"{provider}:{precision}") + [args.out]
+                            + (["--full"] if args.full else []), 0.3 / len(FP32_PROVIDERS)))
+    for i, (label, cmd, share) in enumerate(timings):
         left = deadline - time.time()
-        if left < 20:
-            say(f"SKIP {part}: out of time")
+        if left < 15:
+            say(f"SKIP {label}: out of time")
             continue
-        argv = [args.out] + (["--quick"] if args.quick else [])
-        if bad and part == "bench":
-            argv += ["--skip", ",".join(sorted(bad))]
-        share = 0.5 if part == "bench" and "fp32bench" in parts else 1.0
-        lines, _ = run_job(part, argv, idle, time.time() + share * left, max_restarts=0)
-        say(f"== {part} ({time.time() - start:.0f} s)")
+        # the bench gets its share of what is left; each fp32 provider an equal share of the rest
+        rest = sum(s for _, _, s in timings[i:])
+        lines, _ = run_job(cmd, 150, time.time() + left * share / rest, max_restarts=0, cwd=ROOT)
+        say(f"== {label} ({time.time() - start:.0f} s)")
         for line in lines:
             say("   " + line[:400])
             if line.startswith(("FAIL", "HANG")):
-                problems.append(f"{part}: {line}")
+                problems.append(f"{label}: {line}")
+    if "fp32bench" in parts:  # one CSV from the providers' own
+        rows = []
+        for provider, precision in FP32_PROVIDERS:
+            path = os.path.join(args.out, f"fp32_bench-{provider}-{precision}.csv")
+            if os.path.exists(path):
+                rows += list(csv.DictReader(open(path)))
+                os.remove(path)
+        if rows:
+            with open(os.path.join(args.out, "fp32_bench.csv"), "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
     say(f"== {len(problems)} problems (all in log.txt)" + "".join(f"\n   {p[:200]}" for p in problems[:25]))
     say(f"done in {time.time() - start:.0f} s; log and CSVs in {os.path.abspath(args.out)}")
     log.close()

@@ -3,7 +3,7 @@
     from flashattn import exercises
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
-One module per group of chapters (``ch00_02``, ``ch03_04``, ``ch05_07``, ``ch08``, ``ch10``), and ``common``
+One module per group of chapters (``ch00_02``, ``ch03_04``, ``ch05_07``, ``ch08``, ``ch10``, ``ch11``), and ``common``
 for what they share; every checker, and the kernels that run a learner's Triton code, are
 available from here.
 """
@@ -16,6 +16,7 @@ from .ch05_07 import (check_attention_backward, check_delta_kernel, check_dq_inn
                       check_rule_test, check_softmax_backward, dq_exercise_kernel, run_dq_inner)
 from .ch08 import check_attention_cost, check_choose_config, check_estimate_resources
 from .ch10 import check_merge_split_partials
+from .ch11 import check_ring_slot
 from .common import ExerciseError, attempt, expect_close
 
 __all__ = [
@@ -34,4 +35,6 @@ __all__ = [
     "check_attention_cost", "check_estimate_resources", "check_choose_config",
     # chapter 10
     "check_merge_split_partials",
+    # chapter 11
+    "check_ring_slot",
 ]

@@ -11,6 +11,7 @@ from .ch03_04 import (TILE_COLORS, TILE_NAMES, error_heatmap, error_heatmaps, ga
 from .ch05_07 import backward_ownership, backward_tile_maps, rule_ratios
 from .ch08 import config_bars, ladder_bars, roofline, tflops_curves
 from .ch10 import decode_bandwidth, place_programs, sm_map, tile_rows
+from .ch11 import provider_bars
 
 __all__ = [
     "matrix_panels", "capacity_ladder", "memory_curve", "softmax_trace", "partial_outputs", "exp_range",
@@ -19,4 +20,5 @@ __all__ = [
     "backward_ownership", "backward_tile_maps", "rule_ratios",
     "roofline", "tflops_curves", "ladder_bars", "config_bars",
     "place_programs", "sm_map", "tile_rows", "decode_bandwidth",
+    "provider_bars",
 ]

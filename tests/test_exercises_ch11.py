@@ -1,0 +1,36 @@
+"""The checker of chapter 11 passes the notebook's solution, and fails the student stub and
+plausible mistakes (each one the solution with a named edit) with a message that names the
+mistake."""
+import re
+
+import pytest
+
+from flashattn import exercises as ex
+
+
+def test_stub_is_not_implemented(solutions):
+    with pytest.raises(ex.ExerciseError, match="not implemented yet"):
+        ex.check_ring_slot(solutions("11", stub="ch11-ring-slot").ring_slot)
+
+
+def test_ring_slot_solution_passes(solutions, capsys):
+    ex.check_ring_slot(solutions("11").ring_slot)
+    assert "PASSED" in capsys.readouterr().out
+
+
+RETURN = "return j % stages, ready_parity, ready_parity ^ 1"
+
+
+@pytest.mark.parametrize("edits, message", [
+    pytest.param([(RETURN, "return j % stages, ready_parity, ready_parity")], "deadlock", id="producer waits for parity 0"),
+    pytest.param([("ready_parity = rounds & 1", "ready_parity = j & 1")], "before the tile had landed",
+                 id="parity flips every tile"),
+    pytest.param([(RETURN, "return j % stages, ready_parity ^ 1, ready_parity")], "before the tile had landed",
+                 id="parities swapped"),
+    pytest.param([(RETURN, "return rounds % stages, ready_parity, ready_parity ^ 1")], "consecutive slots",
+                 id="slot by round"),
+    pytest.param([(RETURN, "return j % stages, ready_parity")], "should return a tuple", id="two values"),
+])
+def test_ring_slot_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_ring_slot(solutions("11", edits).ring_slot)

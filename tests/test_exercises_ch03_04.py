@@ -70,6 +70,9 @@ def test_classify_catches(solutions, edits, message):
                                 ("if kinds[b, c] == MASKED and is_causal:", "if kinds[b, c] != FULL and is_causal:")],
      "n_tiles is"),
     ("LSE in base 2", [("lse[rows] = m + torch.log(l)", "lse[rows] = (m + torch.log(l)) / math.log(2)")], "lse"),
+    ("the course's own", [("    return out, lse, n_tiles", "    out, lse = reference.tiled_forward(q, k, v, is_causal, "
+                           "block_q=block_q, block_kv=block_kv)\n    return out, lse, n_tiles")],
+     "uses flashattn.reference.tiled_forward"),
 )
 def test_tiled_attention_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
@@ -101,6 +104,8 @@ def test_kv_stage_bounds_catches(solutions, edits, message):
     ("no alpha", [("acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(")], "not rescaled by alpha"),
     ("keys past the end not hidden", [("visible = offs_kv[None, :] < n_kv", "visible = offs_kv[None, :] >= 0")],
      "past the end"),
+    ("the course's own loader", [("k = tl.load(k_ptrs)\n", "k = tiles.load_tile(k_ptrs)\n")], "uses flashattn.tiles.load_tile"),
+    ("tl.softmax", [("p = tl.exp2(s - m_new[:, None])", "p = tl.softmax(s)")], "calls triton.language.softmax"),
     ("no causal mask", [("visible = visible & (offs_q[:, None] >= offs_kv[None, :])", "visible = visible")],
      "causal mask is missing"),
 )

@@ -14,7 +14,8 @@ from ..reference import naive_attention
 from ..runtime import DEVICE
 from ..tiles import LN2, LOG2E, kv_stage_bounds
 from ..traversal import FULL, MASKED, SKIPPED, cdiv, classify_blocks, kv_ranges
-from .common import ExerciseError, attempt, close, expect_close, launch_learner_kernel, passed
+from .common import (ExerciseError, attempt, check_references, close, expect_close, is_stub,
+                     launch_learner_kernel, passed)
 
 
 def _tile_kinds_by_definition(n_q, n_kv, block_q, block_kv, is_causal):
@@ -76,7 +77,7 @@ def check_classify_tiles(classify):
     for n_q, n_kv, block_q, block_kv, causal in cases:
         call = f"classify({n_q}, {n_kv}, {block_q}, {block_kv}, is_causal={causal})"
         want, exists = _tile_kinds_by_definition(n_q, n_kv, block_q, block_kv, causal)
-        got = attempt(classify, n_q, n_kv, block_q, block_kv, causal, name="classify")
+        got = attempt(classify, n_q, n_kv, block_q, block_kv, causal, name="classify", forbid=("flashattn",))
         try:
             got = np.asarray(got)
         except Exception:
@@ -198,7 +199,9 @@ def check_tiled_attention(tiled_attention):
         what = (f" (N_q={n_q}, N_kv={n_kv}, D={d}, block_q={block_q}, block_kv={block_kv}, "
                 f"is_causal={causal})")
         result = attempt(tiled_attention, q.clone(), k.clone(), v.clone(), causal, block_q, block_kv,
-                         name="tiled_attention")
+                         name="tiled_attention", forbid=("softmax", "sdpa", "flashattn"),
+                         allow=("flashattn.traversal.classify_blocks", "flashattn.traversal.cdiv",
+                                "flashattn.traversal.kv_ranges"))
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             raise ExerciseError("tiled_attention should return a tuple (out, lse, n_tiles), got "
                                 f"{type(result).__name__}")
@@ -240,7 +243,7 @@ def check_kv_stage_bounds(kv_stage_bounds):
                         call = (f"kv_stage_bounds(q_start={q_start}, block_q={block_q}, "
                                 f"block_kv={block_kv}, n_kv={n_kv}, is_causal={causal})")
                         got = attempt(kv_stage_bounds, q_start, block_q, block_kv, n_kv, causal,
-                                      name="kv_stage_bounds")
+                                      name="kv_stage_bounds", forbid=("flashattn",))
                         try:
                             full_end, end = (int(x) for x in got)
                         except Exception:
@@ -332,7 +335,10 @@ def run_fwd_inner(fwd_inner, q, k, v, is_causal=False, scale=None, block_q=32, b
 def check_fwd_inner(fwd_inner):
     """Chapter 04: the forward kernel's inner loop in Triton, run inside flashattn's kernel (given
     in this module) through the interpreter on tiny inputs: aligned and ragged lengths, causal and
-    not, N_q != N_kv, strided keys and values, float16; output and LSE against float64."""
+    not, N_q != N_kv, strided keys and values, float16; output and LSE against float64. It may not
+    call flashattn's own functions, nor tl.softmax."""
+    if not is_stub(fwd_inner):
+        check_references(fwd_inner, "fwd_inner", forbid=("flashattn", "softmax"))
     # (heads, n_q, n_kv, D, causal, dtype, layout, block_q, block_kv)
     cases = [(2, 64, 64, 32, False, torch.float32, "contiguous", 32, 16),
              (2, 69, 69, 32, False, torch.float32, "contiguous", 32, 16),

@@ -114,20 +114,22 @@ def check_classify_tiles(classify):
            "BLOCK_Q != BLOCK_KV, causal and not)")
 
 
-def _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake=None):
+def tiled_forward_with_mistake(q, k, v, is_causal, block_q, block_kv, scale=None, mistake=None):
     """The forward kernel's tile loop in float64, exactly as flashattn runs it (keys padded to
-    whole tiles), optionally with one classic mistake. Returns (out, natural lse, tiles computed).
-
-    mistake: None, "alpha_acc" (acc not rescaled), "alpha_l" (L not rescaled), "causal" (no causal
-    mask), "ragged" (keys past the end not hidden: they score 0), "exp" (exp where exp2 belongs),
-    "per_tile" (each tile's P normalised on its own)."""
+    whole tiles), optionally with one classic mistake, named as in :data:`FORWARD_MISTAKES`.
+    Returns ``(out, natural lse, tiles computed)``. The checkers recognise a learner's mistake by
+    running these very variants on the same inputs; chapter 04 draws their error heatmaps."""
+    if mistake is not None and mistake not in FORWARD_MISTAKES:
+        raise ValueError(f"mistake must be one of {sorted(FORWARD_MISTAKES)} or None, got {mistake!r}")
     q, k, v = q.double(), k.double(), v.double()
     n_q, n_kv = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     pad = cdiv(n_kv, block_kv) * block_kv - n_kv
     kp = torch.cat([k, k.new_zeros(*k.shape[:-2], pad, k.shape[-1])], -2)
     vp = torch.cat([v, v.new_zeros(*v.shape[:-2], pad, v.shape[-1])], -2)
-    qk_scale = scale * LOG2E
+    qk_scale = {"no_scale": 1.0, "scale_one": LOG2E}.get(mistake, scale * LOG2E)
     exp = torch.exp if mistake == "exp" else torch.exp2
+    no_alpha_l, no_alpha_acc = mistake in ("alpha_l", "alpha"), mistake in ("alpha_acc", "alpha")
     out = torch.zeros_like(q)
     lse = q.new_zeros(q.shape[:-1])
     tiles = 0
@@ -137,6 +139,8 @@ def _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake=None):
         l = q.new_zeros(m.shape)
         acc = q.new_zeros((*m.shape, q.shape[-1]))
         full_end, end = kv_ranges(q_start, block_q, block_kv, n_kv, is_causal)
+        if mistake == "drop_tail":
+            end = n_kv // block_kv * block_kv
         for kv_start in range(0, end, block_kv):
             tiles += 1
             cols = torch.arange(kv_start, kv_start + block_kv)
@@ -144,7 +148,9 @@ def _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake=None):
             visible = torch.ones(len(rows), block_kv, dtype=torch.bool)
             if mistake != "ragged":
                 visible &= cols[None, :] < n_kv
-            if is_causal and mistake != "causal":
+            if is_causal and mistake == "causal_off_by_one":
+                visible &= cols[None, :] <= rows[:, None] + 1
+            elif is_causal and mistake != "causal":
                 visible &= cols[None, :] <= rows[:, None]
             s = s.masked_fill(~visible, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1) * qk_scale)
@@ -152,33 +158,46 @@ def _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake=None):
             alpha = exp(m - m_new).nan_to_num(0.0)
             if mistake == "per_tile":
                 p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
-            l = (l if mistake == "alpha_l" else l * alpha) + p.sum(-1)
-            acc = (acc if mistake == "alpha_acc" else acc * alpha[..., None]) + p @ vp[..., cols, :]
+            l = (l if no_alpha_l else l * alpha) + p.sum(-1)
+            acc = (acc if no_alpha_acc else acc * alpha[..., None]) + p @ vp[..., cols, :]
             m = m_new
         out[..., rows, :] = acc / l[..., None]
         lse[..., rows] = (m + torch.log2(l)) / LOG2E
     return out, lse, tiles
 
 
-_FWD_MISTAKES = {
+#: The classic mistakes of the forward loop, and what a checker tells a learner whose output equals
+#: the loop with that mistake.
+FORWARD_MISTAKES = {
+    "alpha": "alpha is missing on both L and the accumulator: when the running max grows, both must "
+             "be rescaled by alpha = 2^(M_old - M_new) (e^(M_old - M_new) in natural base): "
+             "L = L * alpha + rowsum(P) and acc = acc * alpha + P V",
     "alpha_acc": "the accumulated output is not rescaled by alpha = exp(M_old - M_new) (2**(M_old - "
                  "M_new) in base 2) when the running max grows: acc = acc * alpha + P V",
     "alpha_l": "the running sum L is not rescaled by alpha when the running max grows "
                "(L = L * alpha + rowsum(P))",
     "causal": "the causal mask is missing on the diagonal tiles: query i must not see keys j > i",
+    "causal_off_by_one": "the causal mask is off by one: query i also sees key i + 1 (keep key j "
+                         "where j <= i)",
     "ragged": "keys past the end of the sequence are not hidden: they score 0 instead of -inf, "
               "so they still get probability",
     "exp": "exp is used where exp2 belongs (the scores were multiplied by log2(e): use exp2, or "
            "leave out the log2(e))",
+    "no_scale": "the scores were not multiplied by qk_scale (= scale * log2e, the softmax scale in base 2)",
+    "scale_one": "the softmax scale is missing: the scores are q . k * scale, with scale = 1/sqrt(D)",
     "per_tile": "each tile's probabilities are normalised on their own; divide by L once, at the end",
+    "drop_tail": "the last, shorter tile of keys was left out: loop over range(0, n_kv, BLOCK_KV), "
+                 "masking the keys past n_kv",
 }
 
 
-def _name_fwd_mistake(got, q, k, v, is_causal, block_q, block_kv, scale, want, atol, rtol):
-    for mistake, hint in _FWD_MISTAKES.items():
-        wrong = _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake)[0]
+def name_forward_mistake(got, q, k, v, is_causal, block_q, block_kv, scale, want, atol, rtol,
+                         mistakes=FORWARD_MISTAKES):
+    """The hint of the first of ``mistakes`` whose loop gives ``got`` (and not ``want``), or None."""
+    for mistake in mistakes:
+        wrong = tiled_forward_with_mistake(q, k, v, is_causal, block_q, block_kv, scale, mistake)[0]
         if not close(wrong, want, atol, rtol) and close(got, wrong, atol, rtol):
-            return hint
+            return FORWARD_MISTAKES[mistake]
     return None
 
 
@@ -208,7 +227,7 @@ def check_tiled_attention(tiled_attention):
         out, lse, n_tiles = result
         out_ref, lse_ref = naive_attention(q, k, v, is_causal=causal)
         scale = 1.0 / d ** 0.5
-        hint = None if close(out, out_ref, 1e-9, 1e-9) else _name_fwd_mistake(
+        hint = None if close(out, out_ref, 1e-9, 1e-9) else name_forward_mistake(
             out, q, k, v, causal, block_q, block_kv, scale, out_ref, 1e-9, 1e-9)
         if hint:
             raise ExerciseError(f"out is wrong{what}: it equals what you get when {hint}.")
@@ -367,7 +386,7 @@ def check_fwd_inner(fwd_inner):
         else:  # on a GPU, tl.dot multiplies float32 tiles in TF32 unless told input_precision="ieee"
             atol = pick(cpu=2e-5, gpu=5e-3)
         if not close(o, o_ref, atol, atol):
-            hint = _name_fwd_mistake(o.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, block_q, block_kv, scale,
+            hint = name_forward_mistake(o.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, block_q, block_kv, scale,
                                      o_ref.cpu(), atol, atol)
             if hint:
                 raise ExerciseError(f"the output O is wrong{what}: it equals what you get when {hint}.")

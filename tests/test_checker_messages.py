@@ -88,11 +88,11 @@ def test_a_kernel_shows_each_failing_check_as_one_line(tmp_path, monkeypatch):
     answered wrongly goes on to the end, and each check records only its own mistake."""
     from nbclient import NotebookClient
 
-    nb = student(scratch_notebook(MISTAKES))
-    for cell in nb.cells:  # the learner's (wrong) answers in place of the stubs
-        gid = _meta(cell).get("grade_id")
-        if gid in MISTAKES:
-            cell.source = next(c.source for c in scratch_notebook(MISTAKES).cells if _meta(c).get("grade_id") == gid)
+    answered = scratch_notebook(MISTAKES)
+    nb = student(answered)                 # the check cells tagged, as the learner has them...
+    for mine, theirs in zip(nb.cells, answered.cells):
+        if _meta(mine).get("solution"):     # ...with the learner's (wrong) answers in place of the stubs
+            mine.source = theirs.source
     monkeypatch.setenv("PYTHONPATH", env_with_flashattn()["PYTHONPATH"])  # the kernel is a child of this process
     NotebookClient(nb, timeout=120, allow_errors=False, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
@@ -147,14 +147,10 @@ def test_nbgrader_scores_a_stub_0_and_the_solution_full_marks(course):
     submissions = {"stub": student(scratch_notebook()),       # what the learner got, untouched
                    "wrong": student(scratch_notebook()),      # one exercise answered wrongly
                    "solved": scratch_notebook()}              # the chapter's solutions
-    wrong_gid = "ch01-merge-states"
-    for cell in submissions["wrong"].cells:
-        if _meta(cell).get("grade_id") == wrong_gid:
-            cell.source = next(c.source for c in scratch_notebook({wrong_gid}).cells
-                               if _meta(c).get("grade_id") == wrong_gid)
-        elif _meta(cell).get("solution"):  # the others answered right
-            cell.source = next(c.source for c in scratch_notebook().cells
-                               if _meta(c).get("grade_id") == _meta(cell).get("grade_id"))
+    wrong_gid = "ch01-merge-states"         # answered wrongly; the other two right
+    for mine, theirs in zip(submissions["wrong"].cells, scratch_notebook({wrong_gid}).cells):
+        if _meta(mine).get("solution"):
+            mine.source = theirs.source
     assert [c.source for c in release.cells] == [c.source for c in submissions["stub"].cells]
     from nbgrader.api import Gradebook
 

@@ -14,7 +14,12 @@ running on the interpreter can ask for a compiled kernel's facts.
 The Gluon kernels for Hopper (``flashattn.hopper``, ``flashattn.hopper_backward``) have no
 interpreter at all: :func:`compile_gluon` and :func:`gluon_report` compile them, and
 :func:`facts` reads what the compiler made (wgmma, TMA copies, mbarrier waits, register budgets).
+
+A notebook asks for the PTX of a kernel (one of the package's, or one it defines) compiled for any
+NVIDIA architecture with :func:`ptx_of`, which runs the compiler through :func:`in_child`.
 """
+import importlib.util
+import inspect
 import json
 import os
 import re
@@ -51,8 +56,8 @@ DECODE_KERNELS = ("decode_split", "decode_final", "decode_merge")
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), **options):
-    """Compile the @triton.jit ``fn`` for sm_90 and return Triton's compiled kernel.
+def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), arch=90, **options):
+    """Compile the @triton.jit ``fn`` for sm_90 (or sm_``arch``) and return Triton's compiled kernel.
 
     ``pointers`` maps each pointer argument to its element type ("fp16", "bf16", "fp32", ...),
     ``constexprs`` gives the compile-time arguments, ``floats`` names the float32 scalars; every
@@ -70,10 +75,11 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), **options):
             signature[name] = "fp32" if name in floats else "i32"
         if name in aligned and name not in constexprs:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=SM90, options=options)
+    target = SM90 if arch == 90 else GPUTarget("cuda", arch, 32)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
 
 
-def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2):
+def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, arch=90):
     """Compile one of the package's kernels (a key of :data:`KERNELS`) for contiguous inputs of
     ``dtype`` ("fp16", "bf16", "fp32"), as a launch would: the head-dim strides equal 1 (Triton
     turns such ints into constants), the pointers and other strides are divisible by 16."""
@@ -83,7 +89,7 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2):
     pointers = {**{arg: dtype for arg in tensors}, **fixed}
     aligned = set(pointers) | {arg for arg in fn.arg_names if arg.startswith("stride_")}
     return compile_sm90(fn, pointers, constexprs, floats=("scale", "qk_scale"), aligned=aligned,
-                        num_warps=num_warps, num_stages=num_stages)
+                        arch=arch, num_warps=num_warps, num_stages=num_stages)
 
 
 def resources(compiled):
@@ -277,3 +283,68 @@ def in_child(target, timeout=600, **kwargs):
         raise RuntimeError(f"{target} failed in the child (status {result.returncode}):\n"
                            + result.stdout[-3000:] + result.stderr[-3000:])
     return json.loads(lines[-1][len(_RESULT):])
+# --- PTX for a notebook: compiled in a child process ------------------------------------------------
+
+#: The imports a notebook kernel compiled by the child may use.
+_HEADER = "import math\n\nimport triton\nimport triton.language as tl\n\nfrom flashattn import tiles\n\n\n"
+
+
+def ptx_of(kernel, pointers=None, constexprs=None, floats=(), arch=90, dtype="fp16", num_warps=4,
+           num_stages=None):
+    """The PTX of ``kernel`` compiled for sm_``arch`` (80: A100, 90: H100/H200), on any machine.
+
+    ``kernel`` is a @triton.jit function, which the child compiles from its source (it may use
+    ``triton``, ``tl``, ``math`` and flashattn's ``tiles``), with ``pointers`` mapping each pointer
+    argument to its element type ("fp16", "fp32", ...), ``constexprs`` its compile-time arguments
+    and ``floats`` its float32 scalars (every other argument is an int32); or the name of one of
+    the package's kernels (a key of :data:`KERNELS`), compiled as :func:`compile_kernel` does for
+    contiguous ``dtype`` inputs. See :func:`ptx_of_many` to compile several in one child."""
+    return ptx_of_many([dict(kernel=kernel, pointers=pointers, constexprs=constexprs, floats=floats,
+                             arch=arch, dtype=dtype, num_warps=num_warps, num_stages=num_stages)])[0]
+
+
+def ptx_of_many(jobs, timeout=300):
+    """:func:`ptx_of` for several kernels (``jobs``: dicts of its arguments), compiled by one child
+    process (starting one costs a few seconds: torch and Triton are imported afresh)."""
+    specs = []
+    for job in jobs:
+        kernel = job["kernel"]
+        spec = {key: job.get(key) for key in ("constexprs", "arch", "dtype", "num_warps", "num_stages")}
+        spec["floats"] = list(job.get("floats") or ())
+        spec["pointers"] = job.get("pointers") or {}
+        spec["arch"] = spec["arch"] or 90
+        if isinstance(kernel, str):
+            spec["package"] = kernel
+        else:
+            fn = getattr(kernel, "fn", kernel)
+            lines = inspect.getsource(fn).splitlines()
+            indent = min(len(line) - len(line.lstrip()) for line in lines if line.strip())
+            source = "\n".join(line[indent:] for line in lines)
+            # the source of a @triton.jit function starts at its decorator; compile it as a kernel
+            spec["source"] = source if source.lstrip().startswith("@") else "@triton.jit\n" + source
+            spec["name"] = fn.__name__
+        specs.append(spec)
+    return in_child("flashattn.compiled:_ptx_jobs", timeout=timeout, specs=specs)
+
+
+def _ptx_jobs(specs):
+    """In the child of :func:`ptx_of_many`: compile each job, return the PTX of each."""
+    out = []
+    with tempfile.TemporaryDirectory() as folder:
+        for n, spec in enumerate(specs):
+            options = {k: spec[k] for k in ("num_warps", "num_stages") if spec.get(k) is not None}
+            constexprs = spec.get("constexprs") or {}
+            if "package" in spec:
+                compiled = compile_kernel(spec["package"], spec["dtype"], constexprs, arch=spec["arch"], **options)
+            else:
+                path = os.path.join(folder, f"kernel_{n}.py")
+                with open(path, "w", encoding="utf8") as f:
+                    f.write(_HEADER + spec["source"] + "\n")
+                module_spec = importlib.util.spec_from_file_location(f"kernel_{n}", path)
+                module = importlib.util.module_from_spec(module_spec)
+                module_spec.loader.exec_module(module)
+                compiled = compile_sm90(getattr(module, spec["name"]), spec["pointers"], constexprs,
+                                        floats=spec["floats"], aligned=tuple(spec["pointers"]),
+                                        arch=spec["arch"], **options)
+            out.append(compiled.asm["ptx"])
+    return out

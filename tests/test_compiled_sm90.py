@@ -9,7 +9,8 @@ kernels. A GPU *compiles* them, and that differs in ways the interpreter never s
   ``acc + tl.dot(a, b)`` back into ``tl.dot(a, b, acc)``. The test looks for the separate
   additions in the compiled IR (one per accumulator and loop stage); 16-bit inputs must keep the
   fused form.
-- The Triton exercises. The compiler refuses a stub's ``raise NotImplementedError()`` outright, and
+- The Triton exercises (chapter 04's ladder included). The compiler refuses a stub's
+  ``raise NotImplementedError()`` outright, and
   when the stub is a function the exercise's kernel calls, the error the launch reports only shows
   the calling line (the refusal is its cause). The test compiles the exercise kernels around the
   notebooks' solutions and stubs with the checkers' compile-time arguments, and checks that a
@@ -118,8 +119,24 @@ def check_exercises(compiled):
     def row_lse(kernel, block_rows, block_cols):  # as check_row_lse_kernel launches it
         return kernel, dict(X="fp32", LSE="fp32"), dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), ()
 
+    def ladder(kernel, tensors, constexprs, floats=()):  # chapter 04's ladder, float32 tensors
+        return kernel, {name: "fp32" for name in tensors}, constexprs, floats
+
     # (what, expected outcome, name the checker uses, (kernel, pointers, constexprs, float args))
     cases = [
+        ("block_shift_kernel", "compiles", "block_shift_kernel", ladder(ch04.block_shift_kernel, "XY", dict(BLOCK=16))),
+        ("row_softmax_kernel, BLOCK=64", "compiles", "row_softmax_kernel",
+         ladder(ch04.row_softmax_kernel, "XY", dict(BLOCK=64))),
+        ("row_softmax_kernel, BLOCK=1", "compiles", "row_softmax_kernel",
+         ladder(ch04.row_softmax_kernel, "XY", dict(BLOCK=1))),
+        ("attention_tile_kernel, 16x16, D=16", "compiles", "attention_tile_kernel",
+         ladder(ch04.attention_tile_kernel, "QKVO", dict(BLOCK_Q=16, BLOCK_KV=16, D=16), ("qk_scale",))),
+        ("attention_tile_kernel, 32x64, D=32", "compiles", "attention_tile_kernel",
+         ladder(ch04.attention_tile_kernel, "QKVO", dict(BLOCK_Q=32, BLOCK_KV=64, D=32), ("qk_scale",))),
+        ("stream_kv_kernel, 32x16, D=16", "compiles", "stream_kv_kernel",
+         ladder(ch04.stream_kv_kernel, "QKVO", dict(BLOCK_Q=32, BLOCK_KV=16, D=16), ("qk_scale",))),
+        ("block_shift_kernel stub", "not implemented", "block_shift_kernel",
+         ladder(notebook("04", stub="ch04-block-shift").block_shift_kernel, "XY", dict(BLOCK=16))),
         ("fwd_inner, fp32, D=32, not causal, 32x16", "compiles", "fwd_inner", fwd(ch04.fwd_inner, 32, False, "fp32", 32, 16)),
         ("fwd_inner, fp32, D=16, causal, 16x32", "compiles", "fwd_inner", fwd(ch04.fwd_inner, 16, True, "fp32", 16, 32)),
         ("fwd_inner, fp16, D=32, causal, 32x16", "compiles", "fwd_inner", fwd(ch04.fwd_inner, 32, True, "fp16", 32, 16)),

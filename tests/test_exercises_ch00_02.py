@@ -45,6 +45,8 @@ def mistakes(*cases):
      "-inf before the softmax, not 0"),
     ("strict mask", [("[None, :] > torch.arange(n_q", "[None, :] >= torch.arange(n_q")], "NaN in query row 0"),
     ("a tuple", [("return p @ v", "return p @ v, None")], "return only the output"),
+    ("SDPA", [("return p @ v", "return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, "
+                               "scale=scale)")], "calls torch.nn.functional.scaled_dot_product_attention"),
 )
 def test_naive_causal_attention_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
@@ -71,8 +73,29 @@ def test_score_bytes_catches(solutions, edits, message):
 
 @mistakes(
     ("L not rescaled", [("l = l * torch.exp(m - m_new) + ", "l = l + ")], "never rescaled"),
-    ("no max subtracted", [("return torch.exp(x - m[:, None]) / l[:, None]",
-                            "return torch.exp(x) / torch.exp(x).sum(-1, keepdim=True)")], "inf or NaN"),
+    ("no max subtracted", [("l = l * torch.exp(m - m_new) + torch.exp(xb - m_new[:, None])",
+                            "l = l + torch.exp(xb)"),
+                           ("return torch.exp(x - m[:, None]) / l[:, None]",
+                            "return torch.exp(x) / l[:, None]")], "inf or NaN"),
+    # the shortcuts the exercise rules out
+    ("torch.softmax", [("return torch.exp(x - m[:, None]) / l[:, None]", "return torch.softmax(x, dim=-1)")],
+     "calls torch.softmax"),
+    ("Tensor.softmax", [("return torch.exp(x - m[:, None]) / l[:, None]", "return x.softmax(-1)")],
+     "calls Tensor.softmax"),
+    ("F.softmax", [("return torch.exp(x - m[:, None]) / l[:, None]",
+                    "return torch.nn.functional.softmax(x, dim=-1)")], "calls torch.nn.functional.softmax"),
+    ("an alias of torch.softmax", [("def online_softmax(x, block):", "from torch import softmax as sm\n\n\n"
+                                    "def online_softmax(x, block):"),
+                                   ("return torch.exp(x - m[:, None]) / l[:, None]", "return sm(x, -1)")],
+     "calls torch.softmax"),
+    ("flashattn's own", [("return torch.exp(x - m[:, None]) / l[:, None]",
+                          "import flashattn.reference as r\n    return r.online_softmax(x, block)")],
+     "flashattn.reference.online_softmax"),
+    ("two passes", [("for start in range(0, x.shape[-1], block):",
+                     "m = x.max(dim=-1).values\n    for start in range(0, 0, block):"),
+                    ("return torch.exp(x - m[:, None]) / l[:, None]",
+                     "return torch.exp(x - m[:, None]) / torch.exp(x - m[:, None]).sum(-1, keepdim=True)")],
+     "columns at once"),
     ("last block dropped", [("for start in range(0, x.shape[-1], block):",
                              "for start in range(0, x.shape[-1] - x.shape[-1] % block if x.shape[-1] > block "
                              "else x.shape[-1], block):"),
@@ -111,6 +134,10 @@ def test_merge_softmax_states_catches(solutions, edits, message):
     ("L not rescaled", [("l = l * alpha + p.sum(dim=-1)", "l = l + p.sum(dim=-1)")], "L was not rescaled"),
     ("neither rescaled", [("acc = acc * alpha[:, None] + p @ vb", "acc = acc + p @ vb"),
                           ("l = l * alpha + p.sum(dim=-1)", "l = l + p.sum(dim=-1)")], "neither L nor O"),
+    ("softmax of the whole row", [("return acc / l[:, None]", "return torch.softmax(s, -1) @ v")],
+     "calls torch.softmax"),
+    ("P V of the whole row", [("return acc / l[:, None]", "return torch.exp(s - m[:, None]) / l[:, None] @ v")],
+     "multiplied"),
     ("no max subtracted", [("m_new = torch.maximum(m, sb.max(dim=-1).values)", "m_new = torch.zeros_like(m)")],
      "inf or NaN"),
 )
@@ -144,3 +171,15 @@ def test_lse_from_state_catches(solutions, edits, message):
 def test_softmax_exp2_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
         ex.check_softmax_exp2(solutions("02", edits).softmax_exp2)
+
+
+def test_shortcuts_are_put_back(solutions):
+    """The shortcuts a checker forbids while the learner's code runs work again afterwards."""
+    import torch
+
+    with pytest.raises(ex.ExerciseError, match="calls Tensor.softmax"):
+        ex.check_online_softmax(solutions("01", [("return torch.exp(x - m[:, None]) / l[:, None]",
+                                                  "return x.softmax(-1)")]).online_softmax)
+    x = torch.randn(3, 5)
+    assert torch.allclose(x.softmax(-1), torch.softmax(x, -1)) and torch.allclose((x @ x.T).sum(-1), x @ x.sum(0), atol=1e-5)
+    assert torch.max(x, -1).values.shape == (3,)

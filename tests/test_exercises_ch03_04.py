@@ -11,6 +11,10 @@ from flashattn.exercises import ch03_04
 EXERCISES = [  # chapter, grade_id, the learner's function, its checker
     ("03", "ch03-classify", "classify", ex.check_classify_tiles),
     ("03", "ch03-tiled-attention", "tiled_attention", ex.check_tiled_attention),
+    ("04", "ch04-block-shift", "block_shift_kernel", ex.check_block_shift_kernel),
+    ("04", "ch04-row-softmax", "row_softmax_kernel", ex.check_row_softmax_kernel),
+    ("04", "ch04-attention-tile", "attention_tile_kernel", ex.check_attention_tile_kernel),
+    ("04", "ch04-stream-kv", "stream_kv_kernel", ex.check_stream_kv_kernel),
     ("04", "ch04-kv-stage-bounds", "kv_stage_bounds", ex.check_kv_stage_bounds),
     ("04", "ch04-fwd-inner", "fwd_inner", ex.check_fwd_inner),
 ]
@@ -65,11 +69,20 @@ def test_classify_catches(solutions, edits, message):
 @mistakes(
     ("no alpha", [("acc = acc * alpha[:, None] + p @ v[cols]", "acc = acc + p @ v[cols]")],
      "not rescaled by alpha"),
+    ("alpha on neither", [("acc = acc * alpha[:, None] + p @ v[cols]", "acc = acc + p @ v[cols]"),
+                          ("l = l * alpha + p.sum(dim=1)", "l = l + p.sum(dim=1)")],
+     "alpha is missing on both L and the accumulator"),
+    ("causal off by one", [("s = s.masked_fill(cols[None, :] > rows[:, None], float(\"-inf\"))",
+                            "s = s.masked_fill(cols[None, :] > rows[:, None] + 1, float(\"-inf\"))")],
+     "off by one"),
     ("no mask", [("if kinds[b, c] == MASKED and is_causal:", "if False:")], "causal mask is missing"),
     ("skipped tiles computed", [("if kinds[b, c] == SKIPPED:", "if False:"),
                                 ("if kinds[b, c] == MASKED and is_causal:", "if kinds[b, c] != FULL and is_causal:")],
      "n_tiles is"),
     ("LSE in base 2", [("lse[rows] = m + torch.log(l)", "lse[rows] = (m + torch.log(l)) / math.log(2)")], "lse"),
+    ("the course's own", [("    return out, lse, n_tiles", "    out, lse = reference.tiled_forward(q, k, v, is_causal, "
+                           "block_q=block_q, block_kv=block_kv)\n    return out, lse, n_tiles")],
+     "uses flashattn.reference.tiled_forward"),
 )
 def test_tiled_attention_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
@@ -77,6 +90,97 @@ def test_tiled_attention_catches(solutions, edits, message):
 
 
 # --- Chapter 04 -------------------------------------------------------------------------------------
+
+# --- Chapter 04's Triton ladder --------------------------------------------------------------------
+
+SHIFT_LOAD = 'x = tl.load(X + offs, mask=offs < n, other=float("-inf"))'
+SHIFT_STORE = "tl.store(Y + offs, x - tl.max(x, axis=0), mask=offs < n)"
+
+
+@mistakes(
+    ("load without a mask", [(SHIFT_LOAD, "x = tl.load(X + offs)")], "read past the end of X"),
+    ("other=0", [('other=float("-inf"))   # -inf', "other=0.0)   # -inf")], "read as 0"),
+    ("store without a mask", [(SHIFT_STORE, "tl.store(Y + offs, x - tl.max(x, axis=0))")], "wrote past the end of Y"),
+    ("off by one", [(SHIFT_LOAD, 'x = tl.load(X + offs, mask=offs <= n, other=float("-inf"))'),
+                    (SHIFT_STORE, "tl.store(Y + offs, x - tl.max(x, axis=0), mask=offs <= n)")], "wrote past the end of Y"),
+    ("every program on block 0", [("offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK)")],
+     "left Y\\[16\\] unwritten"),
+    ("nothing subtracted", [(SHIFT_STORE, "tl.store(Y + offs, x, mask=offs < n)")], "y equals x"),
+    ("the course's own code", [(SHIFT_STORE, SHIFT_STORE + "\n    tiles.store_tile")], "uses flashattn.tiles.store_tile"),
+)
+def test_block_shift_kernel_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_block_shift_kernel(solutions("04", edits).block_shift_kernel)
+
+
+SOFTMAX_LOAD = 'x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))'
+SOFTMAX_STORE = "tl.store(Y + row * stride_y + cols, p / tl.sum(p, axis=0), mask=cols < n_cols)"
+
+
+@mistakes(
+    ("load without a mask", [(SOFTMAX_LOAD, "x = tl.load(X + row * stride_x + cols)")], "read past its end"),
+    ("other=0", [(SOFTMAX_LOAD, SOFTMAX_LOAD.replace('float("-inf")', "0.0"))], "read as 0"),
+    ("max not subtracted", [("p = tl.exp(x - tl.max(x, axis=0))", "p = tl.exp(x)")], "inf or NaN"),
+    ("not divided", [(SOFTMAX_STORE, SOFTMAX_STORE.replace("p / tl.sum(p, axis=0)", "p"))], "not divided"),
+    ("store without a mask", [(SOFTMAX_STORE, SOFTMAX_STORE.replace(", mask=cols < n_cols", ""))], "wrote past the end"),
+    ("rows n_cols apart", [(SOFTMAX_LOAD, SOFTMAX_LOAD.replace("row * stride_x", "row * n_cols"))], "stride_x"),
+    ("tl.softmax", [("p = tl.exp(x - tl.max(x, axis=0))", "p = tl.softmax(x)")], "calls triton.language.softmax"),
+)
+def test_row_softmax_kernel_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_row_softmax_kernel(solutions("04", edits).row_softmax_kernel)
+
+
+TILE_HIDE = 's = tl.where(keys[None, :] < n_kv, s, float("-inf"))    # padding keys'
+TILE_P = "p = tl.exp2(s - tl.max(s, axis=1)[:, None])             # along each row: axis 1"
+TILE_O = "o = tl.dot(p, v) / tl.sum(p, axis=1)[:, None]"
+TILE_STORE = "tl.store(O + rows[:, None] * D + cols[None, :], o, mask=rows[:, None] < n_q)"
+
+
+@mistakes(
+    ("padding keys not hidden", [(TILE_HIDE, "# " + TILE_HIDE)], "keys past N_kv were not hidden"),
+    ("wrong axis", [(TILE_P, "p = tl.exp2(s - tl.max(s, axis=0)[None, :])"),
+                    (TILE_O, "o = tl.dot(p / tl.sum(p, axis=0)[None, :], v)")], "axis 0"),
+    ("no scale", [("s = tl.dot(q, tl.trans(k)) * qk_scale                   #", "s = tl.dot(q, tl.trans(k))   #")],
+     "not multiplied by qk_scale"),
+    ("exp for exp2", [(TILE_P, TILE_P.replace("tl.exp2", "tl.exp"))], "tl.exp was used"),
+    ("not divided", [(TILE_O, "o = tl.dot(p, v)")], "not divided"),
+    ("max not subtracted", [(TILE_P, "p = tl.exp2(s)")], "inf or NaN"),
+    ("V without a mask", [("    v = tl.load(V + keys[:, None] * D + cols[None, :], mask=keys[:, None] < n_kv, other=0.0)\n    s",
+                           "    v = tl.load(V + keys[:, None] * D + cols[None, :])\n    s")], "V's rows past N_kv"),
+    ("store without a mask", [(TILE_STORE, "tl.store(O + rows[:, None] * D + cols[None, :], o)")], "rows past N_q"),
+)
+def test_attention_tile_kernel_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_attention_tile_kernel(solutions("04", edits).attention_tile_kernel)
+
+
+STREAM_ACC = "acc = acc * alpha[:, None] + tl.dot(p, v)\n        m_i = m_new\n    tl.store"
+STREAM_L = "l_i = l_i * alpha + tl.sum(p, axis=1)"
+
+
+@mistakes(
+    ("no alpha on acc", [(STREAM_ACC, STREAM_ACC.replace("acc * alpha[:, None] + ", "acc + "))], "accumulated output"),
+    ("no alpha on L", [(STREAM_L, STREAM_L.replace("l_i * alpha + ", "l_i + "))], "running sum L is not rescaled"),
+    ("no alpha at all", [(STREAM_ACC, STREAM_ACC.replace("acc * alpha[:, None] + ", "acc + ")),
+                         (STREAM_L, STREAM_L.replace("l_i * alpha + ", "l_i + "))], "missing on both"),
+    ("padding keys not hidden", [('        s = tl.where(keys[None, :] < n_kv, s, float("-inf"))\n        m_new', "        m_new")],
+     "not hidden"),
+    ("state not carried", [("        m_i = m_new\n    tl.store", "    tl.store")], "only the last block"),
+    ("no scale", [("s = tl.dot(q, tl.trans(k)) * qk_scale\n", "s = tl.dot(q, tl.trans(k))\n")], "not multiplied by qk_scale"),
+    ("normalised per tile", [("acc = acc * alpha[:, None] + tl.dot(p, v)", "acc = acc * alpha[:, None] + tl.dot(p / tl.sum(p, axis=1)[:, None], v)"),
+                             (STREAM_L, "l_i = l_i * alpha + 1.0")], "normalised on their own"),
+    ("last tile dropped", [("for start in range(0, n_kv, BLOCK_KV):", "for start in range(0, n_kv // BLOCK_KV * BLOCK_KV, BLOCK_KV):")],
+     "last, shorter tile"),
+    ("V without a mask", [("v = tl.load(V + keys[:, None] * D + cols[None, :], mask=keys[:, None] < n_kv, other=0.0)\n        s = tl.dot",
+                           "v = tl.load(V + keys[:, None] * D + cols[None, :])\n        s = tl.dot")], "V's rows past N_kv"),
+    ("max not subtracted", [("p = tl.exp2(s - m_new[:, None])\n        alpha = tl.exp2(m_i - m_new)\n        " + STREAM_L,
+                             "p = tl.exp2(s)\n        alpha = 1.0\n        " + STREAM_L)], "inf or NaN"),
+)
+def test_stream_kv_kernel_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_stream_kv_kernel(solutions("04", edits).stream_kv_kernel)
+
 
 CAUSAL_FULL_END = "kv_full_end = min(q_start, n_kv) // block_kv * block_kv"
 FULL_END = "kv_full_end = n_kv // block_kv * block_kv"
@@ -98,9 +202,13 @@ def test_kv_stage_bounds_catches(solutions, edits, message):
 
 
 @mistakes(
-    ("no alpha", [("acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(")], "not rescaled by alpha"),
+    ("no alpha", [("acc = acc * alpha[:, None] + tl.dot(p.to(", "acc = acc + tl.dot(p.to(")], "not rescaled by alpha"),
     ("keys past the end not hidden", [("visible = offs_kv[None, :] < n_kv", "visible = offs_kv[None, :] >= 0")],
      "past the end"),
+    ("the course's own loader", [("k = tl.load(k_ptrs)\n", "k = tiles.load_tile(k_ptrs)\n")], "uses flashattn.tiles.load_tile"),
+    ("tl.softmax", [("p = tl.exp2(s - m_new[:, None])\n        alpha = tl.exp2(m_i - m_new)\n        l_i = l_i * alpha + tl.sum(p, 1)",
+                     "p = tl.softmax(s)\n        alpha = tl.exp2(m_i - m_new)\n        l_i = l_i * alpha + tl.sum(p, 1)")],
+     "calls triton.language.softmax"),
     ("no causal mask", [("visible = visible & (offs_q[:, None] >= offs_kv[None, :])", "visible = visible")],
      "causal mask is missing"),
 )

@@ -1,5 +1,7 @@
 """The student notebooks in exercises/: fresh, complete, stubbed where the solutions were, and
-failing exactly at the exercises' check cells (with "not implemented") while everything else runs.
+failing exactly at the exercises' check cells (with "not implemented") while everything else runs:
+Run All goes on past every check cell (they are tagged raises-exception) and each failing check
+records one short line, the learner's message, with no traceback.
 
 The student notebooks are made by tools/make_student.py; these tests read its output with their
 own eyes (they do not trust the tool). Executing the student notebooks is the slow part: each
@@ -134,6 +136,9 @@ def test_student_version_is_stubbed(path):
                     problems.append(f"{where}: a check cell should call flashattn.exercises.check_<name>(...)")
                 if theirs.metadata.get("editable") is not False:
                     problems.append(f"{where}: the check cell should be read-only (nbgrader's LockCells)")
+                if "raises-exception" not in theirs.metadata.get("tags", []):
+                    problems.append(f"{where}: the check cell should be tagged raises-exception, so that "
+                                    "Run All goes on past it")
     if problems:
         pytest.fail(f"exercises/{path.name}:\n  " + "\n  ".join(problems), pytrace=False)
 
@@ -191,7 +196,9 @@ async def _execute_all(paths, workers, timeout):
         nb = nbformat.read(path, as_version=4)
         async with limit:
             start = time.perf_counter()
-            client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
+            # allow_errors=False: only the cells tagged raises-exception (the check cells) may
+            # fail, as in JupyterLab's Run All; any other error stops the run and fails the test
+            client = NotebookClient(nb, timeout=timeout, allow_errors=False, kernel_name="python3",
                                     kernel_manager_class=manager,
                                     resources={"metadata": {"path": str(EXERCISES)}})
             try:
@@ -228,6 +235,42 @@ def _errors(cell):
     return [out for out in cell.get("outputs", []) if out.get("output_type") == "error"]
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def learner_functions(nb):
+    """For each check cell (by index): the names of the functions its exercise asks for, and those
+    of every other exercise of the notebook."""
+    functions, check_of = {}, {}
+    for index, cell in enumerate(nb.cells):
+        if is_solution(cell):
+            functions[meta(cell)["grade_id"]] = set(re.findall(r"^def (\w+)", cell.source, re.M))
+        elif is_check(cell):
+            check_of[index] = meta(cell)["grade_id"].removesuffix("-check")
+    everything = set().union(*functions.values()) if functions else set()
+    own = {index: functions.get(gid, set()) for index, gid in check_of.items()}
+    return own, {index: everything - names for index, names in own.items()}
+
+
+def short_message_problems(error, own, others):
+    """What keeps a check cell's recorded error from being one short message for the learner: a
+    traceback of several lines, checker source, a very long text, another exercise's name."""
+    lines = [ANSI.sub("", line) for line in error.get("traceback", [])]
+    text = "\n".join(lines)
+    problems = []
+    if len(lines) != 1 or "\n" in lines[0]:
+        problems.append(f"the error output should be one line, got {len(text.splitlines())}:\n{text[:1500]}")
+    if re.search(r"Traceback|File \"|Cell In\[|-+>|^\s*\d+ |\bdef \w+\(", text, re.M):
+        problems.append(f"the error output shows a traceback or source lines:\n{text[:1500]}")
+    if len(text) > 600:
+        problems.append(f"the error output is {len(text)} characters long (at most 600): {text[:300]}...")
+    if own and not any(re.search(rf"\b{name}\b", text) for name in own):
+        problems.append(f"the message does not name the exercise's function ({', '.join(sorted(own))}): {text}")
+    if any(re.search(rf"\b{name}\b", text) for name in others):
+        problems.append(f"the message names another exercise's function: {text}")
+    return problems
+
+
 @pytest.mark.parametrize("name", [path.name for path in with_exercises()],
                          ids=lambda name: name.removesuffix(".ipynb"))
 def test_student_notebook_fails_only_at_checks(name, executed):
@@ -237,6 +280,7 @@ def test_student_notebook_fails_only_at_checks(name, executed):
     if isinstance(nb, Exception):
         pytest.fail(f"exercises/{name} did not run to the end: {type(nb).__name__}: {nb}", pytrace=False)
     problems = []
+    own, others = learner_functions(nb)
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
@@ -248,6 +292,8 @@ def test_student_notebook_fails_only_at_checks(name, executed):
             elif errors[0]["ename"] != "ExerciseError" or "not implemented" not in errors[0]["evalue"].lower():
                 problems.append(f"{where}: the check should fail with ExerciseError '... not implemented ...', "
                                 f"got {errors[0]['ename']}: {errors[0]['evalue']}")
+            else:
+                problems += [f"{where}: {p}" for p in short_message_problems(errors[0], own[index], others[index])]
         elif errors:
             problems.append(f"{where}: raised {errors[0]['ename']}: {errors[0]['evalue']}\n"
                             f"    (every cell but the check cells must run on the student version; "

@@ -11,7 +11,8 @@ ClearMarkScheme, ComputeChecksums, CheckCellMetadata. So the code between ``### 
 and ``### END SOLUTION`` becomes the stub below (indented like the markers; the ``def`` line and
 docstring outside the markers stay), outputs and execution counts go, solution and check cells are
 made undeletable (check cells also read-only), and each graded cell carries nbgrader's checksum:
-the cells are the same as those of nbgrader's ``release/`` version of the notebook.
+the cells are the same as those of nbgrader's ``release/`` version of the notebook, except that
+each check cell is also tagged ``raises-exception``, so that Run All goes on past a failing check.
 
 The output is deterministic (nbformat's sorted, indented JSON; no timestamps), so ``--check`` can
 compare byte for byte. Every notebook in notebooks/ gets a student version (one without exercises
@@ -176,12 +177,24 @@ def preprocessors():
                                            ComputeChecksums, CheckCellMetadata)]
 
 
+#: The cell tag that lets Run All go on past a cell that raises: JupyterLab then sends the cell with
+#: ``stop_on_error`` off, so the kernel keeps the cells queued after it, and nbclient (nbconvert,
+#: nbgrader) does not stop there either. A failing check still records its error, so nbgrader's
+#: Validate reports it and autograde scores it 0.
+RAISES = "raises-exception"
+
+
 def student_version(nb):
-    """The student version of a chapter notebook (a new object; ``nb`` is left alone)."""
+    """The student version of a chapter notebook (a new object; ``nb`` is left alone): nbgrader's
+    release version, with every check cell tagged ``raises-exception`` so that Run All shows the
+    state of every exercise, not only of the first one."""
     nb = nbformat.from_dict(nb)  # a deep copy
     resources = {}
     for preprocessor in preprocessors():
         nb, resources = preprocessor.preprocess(nb, resources)
+    for cell in nb.cells:
+        if is_check(cell) and RAISES not in cell.metadata.get("tags", []):
+            cell.metadata["tags"] = [*cell.metadata.get("tags", []), RAISES]
     return nb
 
 

@@ -10,9 +10,10 @@ from ..tiles import LN2, LOG2E
 from .common import ExerciseError, attempt, close, expect_close, passed
 
 
-def _result(fn, *args, name, count=None):
-    """Call the learner's function; check the kind of result before any comparison."""
-    out = attempt(fn, *args, name=name)
+def _result(fn, *args, name, count=None, **rules):
+    """Call the learner's function (``rules``: what it may not call, see ``attempt``); check the
+    kind of result before any comparison."""
+    out = attempt(fn, *args, name=name, **rules)
     if count is not None:
         if not isinstance(out, (tuple, list)) or len(out) != count:
             raise ExerciseError(f"{name} should return a tuple of {count} tensors, got "
@@ -64,7 +65,7 @@ def check_naive_causal_attention(fn):
         q = torch.randn(*lead, n_q, d, generator=g, dtype=torch.float64) * 1.5
         k = torch.randn(*lead, n_kv, d, generator=g, dtype=torch.float64) * 1.5
         v = torch.randn(*lead, n_kv, d, generator=g, dtype=torch.float64)
-        got = _result(fn, q.clone(), k.clone(), v.clone(), scale, name=name)
+        got = _result(fn, q.clone(), k.clone(), v.clone(), scale, name=name, forbid=("sdpa", "flashattn"))
         want = _causal_attention64(q, k, v, scale, top_left)
         where = f" (q, k, v of shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, scale {scale:.3g})"
         got_t = torch.as_tensor(got)
@@ -105,7 +106,7 @@ def check_score_bytes(fn):
              (4, 16, 4096, torch.float32), (3, 5, 17, torch.float64), (1, 1, 131072, torch.float16),
              (7, 3, 100, torch.bfloat16)]
     for b, h, n, dtype in cases:
-        got = attempt(fn, b, h, n, dtype, name=name)
+        got = attempt(fn, b, h, n, dtype, name=name, forbid=("flashattn",))
         size = torch.empty((), dtype=dtype).element_size()
         want = 2 * b * h * n * n * size
         call = f"{name}({b}, {h}, {n}, {dtype})"
@@ -164,7 +165,8 @@ def check_merge_softmax_states(fn):
             m_want, l_want = _state(torch.cat([a, b], -1))
             if n_a + n_b == 0:
                 l_want = torch.zeros_like(l_want)
-            m, l = _result(fn, m_a.clone(), l_a.clone(), m_b.clone(), l_b.clone(), name=name, count=2)
+            m, l = _result(fn, m_a.clone(), l_a.clone(), m_b.clone(), l_b.clone(), name=name, count=2,
+                           forbid=("flashattn",))
             where = f" (case: {stage}; pieces of {n_a} and {n_b} elements, {rows} rows)"
             if n_a + n_b == 0 and torch.isnan(torch.as_tensor(l).double()).any():
                 raise ExerciseError(
@@ -252,7 +254,7 @@ def check_online_softmax(fn):
     g = torch.Generator().manual_seed(2)
     cases = _stream_cases(g)
     for s, _, block, what in cases:
-        got = _result(fn, s.clone(), block, name=name)
+        got = _result(fn, s.clone(), block, name=name, forbid=("softmax", "sdpa", "flashattn"), row_block=block)
         want = torch.softmax(s, -1)
         where = f" (case: {what}; x of shape {tuple(s.shape)}, block {block})"
         got_t = torch.as_tensor(got).double()
@@ -280,7 +282,8 @@ def check_online_softmax_weighted_sum(fn):
     g = torch.Generator().manual_seed(3)
     cases = _stream_cases(g)
     for s, v, block, what in cases:
-        got = _result(fn, s.clone(), v.clone(), block, name=name)
+        got = _result(fn, s.clone(), v.clone(), block, name=name, forbid=("softmax", "sdpa", "flashattn"),
+                      row_block=block)
         want = torch.softmax(s, -1) @ v
         where = f" (case: {what}; s of shape {tuple(s.shape)}, v {tuple(v.shape)}, block {block})"
         got_t = torch.as_tensor(got).double()
@@ -323,7 +326,7 @@ def check_lse_from_state(fn):
         want = torch.logsumexp(x, -1)
         if rows > 2:
             want[-1] = float("-inf")
-        got = _result(fn, m2.clone(), l.clone(), name=name)
+        got = _result(fn, m2.clone(), l.clone(), name=name, forbid=("softmax", "flashattn"))
         where = f" (rows with scores of size about {scale:g} around {shift:g})"
         got_t = torch.as_tensor(got).double()
         if got_t.shape == want.shape and torch.isnan(got_t).any():
@@ -360,7 +363,7 @@ def check_softmax_exp2(fn):
             hide[:, 2] = False  # never a whole row
             s = s.masked_fill(hide, float("-inf"))
         want = torch.softmax(s * scale, -1)
-        got = _result(fn, s.clone(), scale, name=name)
+        got = _result(fn, s.clone(), scale, name=name, forbid=("softmax", "sdpa", "flashattn"))
         where = f" (scores of size about {size:g}, scale {scale:.3g}, shape {tuple(s.shape)})"
         got_t = torch.as_tensor(got).double()
         if got_t.shape == want.shape and not torch.isfinite(got_t).all():

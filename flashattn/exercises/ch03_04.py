@@ -14,7 +14,8 @@ from ..reference import naive_attention
 from ..runtime import DEVICE
 from ..tiles import LN2, LOG2E, kv_stage_bounds
 from ..traversal import FULL, MASKED, SKIPPED, cdiv, classify_blocks, kv_ranges
-from .common import ExerciseError, attempt, close, expect_close, launch_learner_kernel, passed
+from .common import (ExerciseError, attempt, check_references, close, expect_close, is_stub,
+                     launch_learner_kernel, passed)
 
 
 def _tile_kinds_by_definition(n_q, n_kv, block_q, block_kv, is_causal):
@@ -76,7 +77,7 @@ def check_classify_tiles(classify):
     for n_q, n_kv, block_q, block_kv, causal in cases:
         call = f"classify({n_q}, {n_kv}, {block_q}, {block_kv}, is_causal={causal})"
         want, exists = _tile_kinds_by_definition(n_q, n_kv, block_q, block_kv, causal)
-        got = attempt(classify, n_q, n_kv, block_q, block_kv, causal, name="classify")
+        got = attempt(classify, n_q, n_kv, block_q, block_kv, causal, name="classify", forbid=("flashattn",))
         try:
             got = np.asarray(got)
         except Exception:
@@ -113,20 +114,22 @@ def check_classify_tiles(classify):
            "BLOCK_Q != BLOCK_KV, causal and not)")
 
 
-def _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake=None):
+def tiled_forward_with_mistake(q, k, v, is_causal, block_q, block_kv, scale=None, mistake=None):
     """The forward kernel's tile loop in float64, exactly as flashattn runs it (keys padded to
-    whole tiles), optionally with one classic mistake. Returns (out, natural lse, tiles computed).
-
-    mistake: None, "alpha_acc" (acc not rescaled), "alpha_l" (L not rescaled), "causal" (no causal
-    mask), "ragged" (keys past the end not hidden: they score 0), "exp" (exp where exp2 belongs),
-    "per_tile" (each tile's P normalised on its own)."""
+    whole tiles), optionally with one classic mistake, named as in :data:`FORWARD_MISTAKES`.
+    Returns ``(out, natural lse, tiles computed)``. The checkers recognise a learner's mistake by
+    running these very variants on the same inputs; chapter 04 draws their error heatmaps."""
+    if mistake is not None and mistake not in FORWARD_MISTAKES:
+        raise ValueError(f"mistake must be one of {sorted(FORWARD_MISTAKES)} or None, got {mistake!r}")
     q, k, v = q.double(), k.double(), v.double()
     n_q, n_kv = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     pad = cdiv(n_kv, block_kv) * block_kv - n_kv
     kp = torch.cat([k, k.new_zeros(*k.shape[:-2], pad, k.shape[-1])], -2)
     vp = torch.cat([v, v.new_zeros(*v.shape[:-2], pad, v.shape[-1])], -2)
-    qk_scale = scale * LOG2E
+    qk_scale = {"no_scale": 1.0, "scale_one": LOG2E}.get(mistake, scale * LOG2E)
     exp = torch.exp if mistake == "exp" else torch.exp2
+    no_alpha_l, no_alpha_acc = mistake in ("alpha_l", "alpha"), mistake in ("alpha_acc", "alpha")
     out = torch.zeros_like(q)
     lse = q.new_zeros(q.shape[:-1])
     tiles = 0
@@ -136,6 +139,8 @@ def _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake=None):
         l = q.new_zeros(m.shape)
         acc = q.new_zeros((*m.shape, q.shape[-1]))
         full_end, end = kv_ranges(q_start, block_q, block_kv, n_kv, is_causal)
+        if mistake == "drop_tail":
+            end = n_kv // block_kv * block_kv
         for kv_start in range(0, end, block_kv):
             tiles += 1
             cols = torch.arange(kv_start, kv_start + block_kv)
@@ -143,7 +148,9 @@ def _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake=None):
             visible = torch.ones(len(rows), block_kv, dtype=torch.bool)
             if mistake != "ragged":
                 visible &= cols[None, :] < n_kv
-            if is_causal and mistake != "causal":
+            if is_causal and mistake == "causal_off_by_one":
+                visible &= cols[None, :] <= rows[:, None] + 1
+            elif is_causal and mistake != "causal":
                 visible &= cols[None, :] <= rows[:, None]
             s = s.masked_fill(~visible, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1) * qk_scale)
@@ -151,33 +158,46 @@ def _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake=None):
             alpha = exp(m - m_new).nan_to_num(0.0)
             if mistake == "per_tile":
                 p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
-            l = (l if mistake == "alpha_l" else l * alpha) + p.sum(-1)
-            acc = (acc if mistake == "alpha_acc" else acc * alpha[..., None]) + p @ vp[..., cols, :]
+            l = (l if no_alpha_l else l * alpha) + p.sum(-1)
+            acc = (acc if no_alpha_acc else acc * alpha[..., None]) + p @ vp[..., cols, :]
             m = m_new
         out[..., rows, :] = acc / l[..., None]
         lse[..., rows] = (m + torch.log2(l)) / LOG2E
     return out, lse, tiles
 
 
-_FWD_MISTAKES = {
+#: The classic mistakes of the forward loop, and what a checker tells a learner whose output equals
+#: the loop with that mistake.
+FORWARD_MISTAKES = {
+    "alpha": "alpha is missing on both L and the accumulator: when the running max grows, both must "
+             "be rescaled by alpha = 2^(M_old - M_new) (e^(M_old - M_new) in natural base): "
+             "L = L * alpha + rowsum(P) and acc = acc * alpha + P V",
     "alpha_acc": "the accumulated output is not rescaled by alpha = exp(M_old - M_new) (2**(M_old - "
                  "M_new) in base 2) when the running max grows: acc = acc * alpha + P V",
     "alpha_l": "the running sum L is not rescaled by alpha when the running max grows "
                "(L = L * alpha + rowsum(P))",
     "causal": "the causal mask is missing on the diagonal tiles: query i must not see keys j > i",
+    "causal_off_by_one": "the causal mask is off by one: query i also sees key i + 1 (keep key j "
+                         "where j <= i)",
     "ragged": "keys past the end of the sequence are not hidden: they score 0 instead of -inf, "
               "so they still get probability",
     "exp": "exp is used where exp2 belongs (the scores were multiplied by log2(e): use exp2, or "
            "leave out the log2(e))",
+    "no_scale": "the scores were not multiplied by qk_scale (= scale * log2e, the softmax scale in base 2)",
+    "scale_one": "the softmax scale is missing: the scores are q . k * scale, with scale = 1/sqrt(D)",
     "per_tile": "each tile's probabilities are normalised on their own; divide by L once, at the end",
+    "drop_tail": "the last, shorter tile of keys was left out: loop over range(0, n_kv, BLOCK_KV), "
+                 "masking the keys past n_kv",
 }
 
 
-def _name_fwd_mistake(got, q, k, v, is_causal, block_q, block_kv, scale, want, atol, rtol):
-    for mistake, hint in _FWD_MISTAKES.items():
-        wrong = _fwd_simulate(q, k, v, is_causal, block_q, block_kv, scale, mistake)[0]
+def name_forward_mistake(got, q, k, v, is_causal, block_q, block_kv, scale, want, atol, rtol,
+                         mistakes=FORWARD_MISTAKES):
+    """The hint of the first of ``mistakes`` whose loop gives ``got`` (and not ``want``), or None."""
+    for mistake in mistakes:
+        wrong = tiled_forward_with_mistake(q, k, v, is_causal, block_q, block_kv, scale, mistake)[0]
         if not close(wrong, want, atol, rtol) and close(got, wrong, atol, rtol):
-            return hint
+            return FORWARD_MISTAKES[mistake]
     return None
 
 
@@ -198,14 +218,16 @@ def check_tiled_attention(tiled_attention):
         what = (f" (N_q={n_q}, N_kv={n_kv}, D={d}, block_q={block_q}, block_kv={block_kv}, "
                 f"is_causal={causal})")
         result = attempt(tiled_attention, q.clone(), k.clone(), v.clone(), causal, block_q, block_kv,
-                         name="tiled_attention")
+                         name="tiled_attention", forbid=("softmax", "sdpa", "flashattn"),
+                         allow=("flashattn.traversal.classify_blocks", "flashattn.traversal.cdiv",
+                                "flashattn.traversal.kv_ranges"))
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             raise ExerciseError("tiled_attention should return a tuple (out, lse, n_tiles), got "
                                 f"{type(result).__name__}")
         out, lse, n_tiles = result
         out_ref, lse_ref = naive_attention(q, k, v, is_causal=causal)
         scale = 1.0 / d ** 0.5
-        hint = None if close(out, out_ref, 1e-9, 1e-9) else _name_fwd_mistake(
+        hint = None if close(out, out_ref, 1e-9, 1e-9) else name_forward_mistake(
             out, q, k, v, causal, block_q, block_kv, scale, out_ref, 1e-9, 1e-9)
         if hint:
             raise ExerciseError(f"out is wrong{what}: it equals what you get when {hint}.")
@@ -240,7 +262,7 @@ def check_kv_stage_bounds(kv_stage_bounds):
                         call = (f"kv_stage_bounds(q_start={q_start}, block_q={block_q}, "
                                 f"block_kv={block_kv}, n_kv={n_kv}, is_causal={causal})")
                         got = attempt(kv_stage_bounds, q_start, block_q, block_kv, n_kv, causal,
-                                      name="kv_stage_bounds")
+                                      name="kv_stage_bounds", forbid=("flashattn",))
                         try:
                             full_end, end = (int(x) for x in got)
                         except Exception:
@@ -332,7 +354,10 @@ def run_fwd_inner(fwd_inner, q, k, v, is_causal=False, scale=None, block_q=32, b
 def check_fwd_inner(fwd_inner):
     """Chapter 04: the forward kernel's inner loop in Triton, run inside flashattn's kernel (given
     in this module) through the interpreter on tiny inputs: aligned and ragged lengths, causal and
-    not, N_q != N_kv, strided keys and values, float16; output and LSE against float64."""
+    not, N_q != N_kv, strided keys and values, float16; output and LSE against float64. It may not
+    call flashattn's own functions, nor tl.softmax."""
+    if not is_stub(fwd_inner):
+        check_references(fwd_inner, "fwd_inner", forbid=("flashattn", "softmax"))
     # (heads, n_q, n_kv, D, causal, dtype, layout, block_q, block_kv)
     cases = [(2, 64, 64, 32, False, torch.float32, "contiguous", 32, 16),
              (2, 69, 69, 32, False, torch.float32, "contiguous", 32, 16),
@@ -361,7 +386,7 @@ def check_fwd_inner(fwd_inner):
         else:  # on a GPU, tl.dot multiplies float32 tiles in TF32 unless told input_precision="ieee"
             atol = pick(cpu=2e-5, gpu=5e-3)
         if not close(o, o_ref, atol, atol):
-            hint = _name_fwd_mistake(o.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, block_q, block_kv, scale,
+            hint = name_forward_mistake(o.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, block_q, block_kv, scale,
                                      o_ref.cpu(), atol, atol)
             if hint:
                 raise ExerciseError(f"the output O is wrong{what}: it equals what you get when {hint}.")

@@ -1,10 +1,11 @@
 """The course's pictures, by chapter: tile maps, online-softmax traces, error heatmaps, memory and
-TFLOPS curves.
+TFLOPS curves, and animations of one program walking its tiles (``animation``).
 
 Each function draws into a matplotlib Axes (a new figure if none is given) and returns it, so the
 notebooks and ``tools/make_figures.py`` draw the same pictures from the same code. One module per
 group of chapters; every picture is available from here (``plotting.tile_map(...)``).
 """
+from .animation import as_html, dkdv_walk, dq_walk, forward_walk
 from .ch00_02 import capacity_ladder, exp_range, matrix_panels, memory_curve, partial_outputs, softmax_trace
 from .ch03_04 import (TILE_COLORS, TILE_NAMES, error_heatmap, error_heatmaps, gantt, int_table, launch_strips,
                       tile_kinds_map, tile_map, visibility_map, work_fraction_curve)
@@ -21,4 +22,5 @@ __all__ = [
     "roofline", "tflops_curves", "ladder_bars", "config_bars",
     "place_programs", "sm_map", "tile_rows", "decode_bandwidth",
     "provider_bars",
+    "forward_walk", "dkdv_walk", "dq_walk", "as_html",
 ]

@@ -3,7 +3,7 @@
     from flashattn import exercises
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
-One module per group of chapters (``ch00_02``, ``ch03_04``, ``ch05_07``, ``ch08``), and ``common``
+One module per group of chapters (``ch00_02``, ``ch03_04``, ``ch05_07``, ``ch06``, ``ch08``), and ``common``
 for what they share; every checker, and the kernels that run a learner's Triton code, are
 available from here.
 """
@@ -12,8 +12,9 @@ from .ch00_02 import (check_lse_from_state, check_merge_softmax_states, check_na
                       check_softmax_exp2)
 from .ch03_04 import (check_classify_tiles, check_fwd_inner, check_kv_stage_bounds, check_tiled_attention,
                       fwd_exercise_kernel, run_fwd_inner)
-from .ch05_07 import (check_attention_backward, check_delta_kernel, check_dq_inner, check_row_lse_kernel,
-                      check_rule_test, check_softmax_backward, dq_exercise_kernel, run_dq_inner)
+from .ch05_07 import check_attention_backward, check_row_lse_kernel, check_rule_test, check_softmax_backward
+from .ch06 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, dkdv_exercise_kernel, dq_exercise_kernel,
+                   run_dkdv_inner, run_dq_inner)
 from .ch08 import check_attention_cost, check_choose_config, check_estimate_resources
 from .common import ExerciseError, attempt, expect_close
 
@@ -27,8 +28,9 @@ __all__ = [
     "check_classify_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
     "fwd_exercise_kernel", "run_fwd_inner",
     # chapters 05-07
-    "check_softmax_backward", "check_attention_backward", "check_delta_kernel", "check_dq_inner",
-    "dq_exercise_kernel", "run_dq_inner", "check_rule_test", "check_row_lse_kernel",
+    "check_softmax_backward", "check_attention_backward", "check_delta_kernel", "check_dkdv_inner",
+    "dkdv_exercise_kernel", "run_dkdv_inner", "check_dq_inner", "dq_exercise_kernel", "run_dq_inner",
+    "check_rule_test", "check_row_lse_kernel",
     # chapter 08
     "check_attention_cost", "check_estimate_resources", "check_choose_config",
 ]

@@ -113,9 +113,9 @@ def check_exercises(compiled):
 
     def dkdv(inner, d, causal, block_q=16, block_kv=32):  # as run_dkdv_inner launches it
         pointers = {name: "fp32" for name in ("Q", "K", "V", "dO", "LSE", "Delta", "dK", "dV")}
-        return ex.dkdv_exercise_kernel, pointers, dict(INNER=inner, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-                                                       BLOCK_Q=block_q, BLOCK_KV=block_kv, IS_CAUSAL=causal), \
-            ("scale", "qk_scale")
+        constexprs = dict(INNER=inner, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q,
+                          BLOCK_KV=block_kv, IS_CAUSAL=causal)
+        return ex.dkdv_exercise_kernel, pointers, constexprs, ("scale", "qk_scale")
 
     def delta(kernel, dtype, d, block_rows):  # as check_delta_kernel launches it
         return kernel, dict(O=dtype, dO=dtype, Delta="fp32"), dict(HEAD_DIM=d, BLOCK_ROWS=block_rows,

@@ -92,14 +92,19 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, arch=90):
                         arch=arch, num_warps=num_warps, num_stages=num_stages)
 
 
-def resources(compiled):
-    """``(registers per thread, spilled bytes per thread, shared memory bytes)`` of a compiled
-    kernel, read with the cuobjdump that ships with Triton (-1 where it cannot say)."""
+def _cuobjdump(compiled, flag):
+    """What the cuobjdump that ships with Triton prints about a compiled kernel's cubin."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True).stdout
+
+
+def resources(compiled):
+    """``(registers per thread, spilled bytes per thread, shared memory bytes)`` of a compiled
+    kernel, read with the cuobjdump that ships with Triton (-1 where it cannot say)."""
+    out = _cuobjdump(compiled, "-res-usage")
     regs = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
     return (int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1,
@@ -126,6 +131,8 @@ def decode_merge_launch(head_dim, num_splits):
     default warps and stages): ``(kernel name, compile-time arguments, options)``."""
     return ("decode_merge", dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim),
                                  BLOCK_S=triton.next_power_of_2(num_splits)), dict(num_warps=4, num_stages=3))
+
+
 def facts(compiled):
     """What a compiled kernel holds, as a dict: registers per thread at launch, spilled bytes,
     shared memory bytes, and counts read from its PTX: wgmma instructions (``wgmma``) and waits
@@ -348,3 +355,25 @@ def _ptx_jobs(specs):
                                         arch=spec["arch"], **options)
             out.append(compiled.asm["ptx"])
     return out
+
+
+#: SASS opcodes worth counting in an attention loop: Hopper's warpgroup matrix products (HGMMA, PTX
+#: ``wgmma``), the warp-level ones of earlier GPUs (HMMA, PTX ``mma.sync``), float32 fused
+#: multiply-adds (FFMA), the special-function unit (MUFU: ex2, rcp, ...), and the local-memory
+#: stores and loads that spilled registers cost (STL, LDL).
+OPCODES = ("HGMMA", "HMMA", "FFMA", "MUFU", "STL", "LDL")
+
+
+def instructions(compiled):
+    """``{opcode: count}`` of the :data:`OPCODES` in a compiled kernel's machine code (SASS, as
+    cuobjdump disassembles it), and ``"shapes"``: the sorted PTX shapes of its matrix products
+    (``wgmma ... m64n64k16`` gives "wgmma m64n64k16", ``mma.sync ... m16n8k16`` "mma m16n8k16")."""
+    counts = dict.fromkeys(OPCODES, 0)
+    for line in _cuobjdump(compiled, "-sass").splitlines():
+        match = re.match(r"\s+/\*[0-9a-f]+\*/\s+([A-Z0-9_]+)", line)
+        if match and match.group(1) in counts:
+            counts[match.group(1)] += 1
+    ptx = compiled.asm["ptx"]
+    counts["shapes"] = sorted({f"wgmma {m}" for m in re.findall(r"wgmma\.mma_async\.\S*?(m\d+n\d+k\d+)", ptx)}
+                              | {f"mma {m}" for m in re.findall(r"\bmma\.sync\.\S*?(m\d+n\d+k\d+)", ptx)})
+    return counts

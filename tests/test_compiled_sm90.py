@@ -112,6 +112,12 @@ def check_exercises(compiled):
         return ex.dq_exercise_kernel, pointers, dict(INNER=inner, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
                                                      BLOCK_Q=32, BLOCK_KV=16, IS_CAUSAL=causal), ("scale", "qk_scale")
 
+    def dkdv(inner, d, causal, block_q=16, block_kv=32):  # as run_dkdv_inner launches it
+        pointers = {name: "fp32" for name in ("Q", "K", "V", "dO", "LSE", "Delta", "dK", "dV")}
+        constexprs = dict(INNER=inner, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q,
+                          BLOCK_KV=block_kv, IS_CAUSAL=causal)
+        return ex.dkdv_exercise_kernel, pointers, constexprs, ("scale", "qk_scale")
+
     def delta(kernel, dtype, d, block_rows):  # as check_delta_kernel launches it
         return kernel, dict(O=dtype, dO=dtype, Delta="fp32"), dict(HEAD_DIM=d, BLOCK_ROWS=block_rows,
                                                                    BLOCK_D=max(16, triton.next_power_of_2(d))), ()
@@ -142,6 +148,8 @@ def check_exercises(compiled):
         ("fwd_inner, fp16, D=32, causal, 32x16", "compiles", "fwd_inner", fwd(ch04.fwd_inner, 32, True, "fp16", 32, 16)),
         ("dq_inner, D=40 (padded to 64), causal", "compiles", "dq_inner", dq(ch06.dq_inner, 40, True)),
         ("dq_inner, D=16, not causal", "compiles", "dq_inner", dq(ch06.dq_inner, 16, False)),
+        ("dkdv_inner, D=40 (padded to 64), causal", "compiles", "dkdv_inner", dkdv(ch06.dkdv_inner, 40, True)),
+        ("dkdv_inner, D=16, not causal, 16x16", "compiles", "dkdv_inner", dkdv(ch06.dkdv_inner, 16, False, 16, 16)),
         ("delta_kernel, fp32, HEAD_DIM=40", "compiles", "delta_kernel", delta(ch06.delta_kernel, "fp32", 40, 16)),
         ("delta_kernel, fp16, HEAD_DIM=64", "compiles", "delta_kernel", delta(ch06.delta_kernel, "fp16", 64, 16)),
         ("row_lse_kernel", "compiles", "row_lse_kernel", row_lse(ch07.row_lse_kernel, 4, 16)),
@@ -150,6 +158,8 @@ def check_exercises(compiled):
         ("fwd_inner stub", "not implemented", "fwd_inner",
          fwd(notebook("04", stub="ch04-fwd-inner").fwd_inner, 32, True, "fp32", 32, 16)),
         ("dq_inner stub", "not implemented", "dq_inner", dq(notebook("06", stub="ch06-dq-inner").dq_inner, 32, True)),
+        ("dkdv_inner stub", "not implemented", "dkdv_inner",
+         dkdv(notebook("06", stub="ch06-dkdv-inner").dkdv_inner, 32, True)),
         ("delta_kernel stub", "not implemented", "delta_kernel",
          delta(notebook("06", stub="ch06-delta-kernel").delta_kernel, "fp32", 40, 16)),
         ("row_lse_kernel stub", "not implemented", "row_lse_kernel",

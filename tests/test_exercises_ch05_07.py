@@ -1,4 +1,4 @@
-"""The checkers of chapters 05-07 pass the notebooks' solutions, and fail the student stubs and
+"""The checkers of chapters 05 and 07 pass the notebooks' solutions, and fail the student stubs and
 plausible mistakes (each one the solution with a named edit, kernels included) with a message that
 names the mistake."""
 import re
@@ -10,8 +10,6 @@ from flashattn import exercises as ex
 EXERCISES = [  # chapter, grade_id, the learner's function, its checker
     ("05", "ch05-softmax-backward", "softmax_backward", ex.check_softmax_backward),
     ("05", "ch05-attention-backward", "attention_backward", ex.check_attention_backward),
-    ("06", "ch06-delta-kernel", "delta_kernel", ex.check_delta_kernel),
-    ("06", "ch06-dq-inner", "dq_inner", ex.check_dq_inner),
     ("07", "ch07-rule-test", "rule_test", ex.check_rule_test),
     ("07", "ch07-row-lse-kernel", "row_lse_kernel", ex.check_row_lse_kernel),
 ]
@@ -65,32 +63,6 @@ def test_softmax_backward_catches(solutions, edits, message):
 def test_attention_backward_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
         ex.check_attention_backward(solutions("05", edits).attention_backward)
-
-
-# --- Chapter 06 -------------------------------------------------------------------------------------
-
-@mistakes(
-    ("store not masked", [("tl.store(Delta + rows, delta, mask=rows < n_rows)", "tl.store(Delta + rows, delta)")],
-     "wrote past the end of Delta"),
-    ("no column mask", [("inside = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)",
-                         "inside = rows[:, None] < n_rows")], "Delta .*wrong at|NaN"),
-    ("summed in float16", [("tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)", "tl.sum(o * do, axis=1)")],
-     "lost precision|wrong at"),
-)
-def test_delta_kernel_catches(solutions, edits, message):
-    with pytest.raises(ex.ExerciseError, match=message):
-        ex.check_delta_kernel(solutions("06", edits).delta_kernel)
-
-
-@mistakes(
-    ("no Delta", [("ds = p * (dp - delta[:, None])", "ds = p * dp")], "forgot Delta"),
-    ("no mask", [('s = tl.where(keep, s, float("-inf"))', "s = s")], "no causal mask"),
-    ("exp", [("p = tl.exp2(s * qk_scale - lse[:, None])", "p = tl.exp(s * qk_scale - lse[:, None])")],
-     "exp instead of exp2"),
-)
-def test_dq_inner_catches(solutions, edits, message):
-    with pytest.raises(ex.ExerciseError, match=message):
-        ex.check_dq_inner(solutions("06", edits).dq_inner)
 
 
 # --- Chapter 07 -------------------------------------------------------------------------------------

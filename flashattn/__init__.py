@@ -13,7 +13,7 @@ from .runtime import DEVICE, INTERPRET, RUNTIME, describe  # first: it decides T
 from .api import attention  # noqa: E402  (the kernels must be defined after the runtime choice)
 
 __all__ = ["attention", "DEVICE", "INTERPRET", "RUNTIME", "describe"]
-_SUBMODULES = {"api", "autograd", "backward", "bench", "exercises", "forward", "notebook", "plotting",
+_SUBMODULES = {"api", "autograd", "backward", "bench", "course", "exercises", "forward", "notebook", "plotting",
                "reference", "runtime", "testing", "tiles", "traversal", "tuning"}
 
 

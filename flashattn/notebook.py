@@ -1,33 +1,64 @@
 """Small helpers for the chapter notebooks: showing the package's real source, picking sizes."""
+import html
 import inspect
+import os
 
 from .runtime import INTERPRET
+
+
+#: How show_source draws code: Pygments' "default" style, whose colours all reach WCAG's 4.5:1
+#: contrast on its own background, inside a bordered box whose background and text colours are
+#: fixed on every element that holds text. JupyterLab's themes colour <pre> elements themselves
+#: (dark in the dark theme), so a box that left them to the theme showed the style's dark-blue
+#: function names on near-black.
+SOURCE_STYLE = "default"
+SOURCE_TEXT = "#1f2328"    # the text that has no colour of its own (names, operators)
+SOURCE_MUTED = "#57606a"   # the file name and line above the code
+SOURCE_BORDER = "#d0d7de"
+
+
+def source_html(obj) -> str:
+    """The source of a function (or a @triton.jit kernel) as a highlighted HTML box that reads the
+    same in JupyterLab's light and dark themes."""
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+    from pygments.styles import get_style_by_name
+
+    fn = getattr(obj, "fn", obj)  # a @triton.jit function keeps the Python function in .fn
+    lines, first = inspect.getsourcelines(fn)
+    path = os.path.abspath(inspect.getsourcefile(fn))
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    where = os.path.relpath(path, package_parent) if path.startswith(package_parent + os.sep) else os.path.basename(path)
+    background = get_style_by_name(SOURCE_STYLE).background_color
+    code = highlight("".join(lines), PythonLexer(), HtmlFormatter(style=SOURCE_STYLE, noclasses=True, nowrap=True))
+    box = (f"border: 1px solid {SOURCE_BORDER}; border-radius: 4px; background: {background}; "
+           f"color: {SOURCE_TEXT}; margin: 0.4em 0")
+    head = (f"background: {background}; color: {SOURCE_MUTED}; border-bottom: 1px solid {SOURCE_BORDER}; "
+            "padding: 2px 8px; font-family: monospace; font-size: 85%")
+    pre = (f"background: {background}; color: {SOURCE_TEXT}; margin: 0; padding: 6px 8px; border: 0; "
+           "line-height: 125%; overflow-x: auto")
+    return (f'<div style="{box}"><div style="{head}">{html.escape(where.replace(os.sep, "/"))}, line {first}</div>'
+            f'<pre style="{pre}">{code}</pre></div>')
 
 
 def show_source(obj):
     """Display the source of a function (a kernel included) from the package itself, highlighted.
 
     Notebooks never paste kernel code: they show it from here, so what a learner reads is what
-    runs. Falls back to plain text outside Jupyter.
+    runs. Falls back to plain text outside Jupyter (or without Pygments).
     """
-    fn = getattr(obj, "fn", obj)  # a @triton.jit function keeps the Python function in .fn
-    source = inspect.getsource(fn)
+    fn = getattr(obj, "fn", obj)
     try:
         from IPython import get_ipython
         from IPython.display import HTML, display
-        from pygments import highlight
-        from pygments.formatters import HtmlFormatter
-        from pygments.lexers import PythonLexer
+        import pygments  # noqa: F401
     except ImportError:
-        print(source)
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        print(inspect.getsource(fn))
         return
-    if get_ipython() is None:
-        print(source)
-        return
-    formatter = HtmlFormatter(style="friendly", noclasses=True)
-    location = f"{inspect.getsourcefile(fn).split('flashattn')[-1].lstrip('/')}"
-    display(HTML(f"<p><code>flashattn/{location}</code>, line "
-                 f"{inspect.getsourcelines(fn)[1]}</p>" + highlight(source, PythonLexer(), formatter)))
+    display(HTML(source_html(fn)))
 
 
 def pick(cpu, gpu):

@@ -11,6 +11,7 @@ must live on ``flashattn.DEVICE``.
 from .runtime import DEVICE, INTERPRET, RUNTIME, describe  # first: it decides TRITON_INTERPRET
 
 from .api import attention  # noqa: E402  (the kernels must be defined after the runtime choice)
+from .decode import decode  # noqa: E402
 
 __all__ = ["attention", "DEVICE", "INTERPRET", "RUNTIME", "describe"]
 _SUBMODULES = {"api", "autograd", "backward", "bench", "course", "exercises", "forward", "notebook", "plotting",

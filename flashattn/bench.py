@@ -2,6 +2,7 @@
 
     python -m flashattn.bench                      # the full sweep, CSV into figures/data/
     python -m flashattn.bench --dtypes bf16 --head-dims 128 --seq-lens 8192 --causal 1
+    python -m flashattn.bench decode               # decoding with a KV cache (see decode_main)
 
 For every setting it times the forward (``mode=fwd``) and the backward alone (``mode=bwd``) with
 ``triton.testing.do_bench`` (median of repeated runs, after warm-up), counts FLOPs as
@@ -149,10 +150,12 @@ def warm_compile(dtypes, head_dims, causals, workers=None):
     jobs = []
     for dtype in dtypes:
         size = DTYPES[dtype].itemsize
+        torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
+        precision = tuning.dot_precision(DTYPES[dtype])  # as _compile_one will see it
         for head_dim in head_dims:
             for name in ("fwd", "bwd_dkdv", "bwd_dq"):
-                for c in tuning.candidates(name, DTYPES[dtype], "ieee" if dtype == "fp32" else "tf32"):
-                    if tuning.fits(name, c, tuning.block_d(head_dim), size):
+                for c in tuning.candidates(name, DTYPES[dtype], precision):
+                    if tuning.fits(name, c, tuning.block_d(head_dim), size, precision):
                         config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
                         jobs += [(name, config, dtype, head_dim, causal) for causal in causals]
     workers = workers or min(16, os.cpu_count() or 1)
@@ -245,7 +248,162 @@ def plot(rows, out_dir):
     return paths
 
 
+# -- decoding with a KV cache ------------------------------------------------------------------
+
+DECODE_FIELDS = ["gpu", "torch", "triton", "dtype", "batch", "heads", "kv_heads", "n_q", "head_dim",
+                 "cache_len", "provider", "num_splits", "ms", "cache_tbps", "of_copy"]
+
+
+def copy_bandwidth(nbytes=2 * 2**30, device="cuda"):
+    """The device's measured copy bandwidth, TB/s: one large device-to-device copy, bytes read
+    plus bytes written per second (the most a kernel that streams memory can hope for)."""
+    import triton
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * nbytes / ms * 1e-9
+
+
+def decode_providers(q, k, v, lengths):
+    """What a decoding step is compared with, on the same cache: name -> callable."""
+    import flashattn
+    from torch.nn.functional import scaled_dot_product_attention
+
+    group = q.shape[1] // k.shape[1]
+    k_rep, v_rep = (t.repeat_interleave(group, dim=1) for t in (k, v))  # plain attention's shapes
+    on_gpu = lengths.to(q.device)
+    return {
+        "decode": lambda: flashattn.decode(q, k, v, lengths),         # lengths on the CPU
+        "decode-gpu-lengths": lambda: flashattn.decode(q, k, v, on_gpu),  # checked with a sync
+        "sdpa-gqa": lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "attention-repeated": lambda: flashattn.attention(q, k_rep, v_rep),
+    }
+
+
+def decode_sweep(q, k, v, lengths, log=print):
+    """Time every decode configuration (tuning.DECODE_CANDIDATES) with 1, 2, 4 and 8 programs
+    per SM aimed at by the split heuristic. Returns {(candidate, programs_per_sm): (splits, ms)}."""
+    import triton
+
+    from . import tuning
+    from .decode import choose_num_splits, decode_forward, sm_count
+
+    batch, heads, n_q, head_dim = q.shape
+    length = int(lengths.max())
+    on_gpu = lengths.to(q.device)
+    times = {}
+    for candidate in tuning.DECODE_CANDIDATES:
+        config = tuning.decode_config(q.dtype, "ieee", 16, tuning.block_d(head_dim), candidate)
+        for per_sm in (1, 2, 4, 8):
+            splits = choose_num_splits(batch * k.shape[1], length - n_q + 1, config["BLOCK_KV"],
+                                       sm_count(q.device), per_sm)
+            if any(s == splits for (c, _), (s, _) in times.items() if c == candidate):
+                continue  # the same launch as a smaller programs_per_sm
+            ms = triton.testing.do_bench(lambda: decode_forward(q, k, v, on_gpu, length, 0.1, splits, config),
+                                         return_mode="median")
+            times[(candidate, per_sm)] = (splits, ms)
+    return times
+
+
+def decode_run(lengths, batch, heads, kv_heads, head_dim, dtype, out_csv, sweep=True, log=print,
+               device="cuda", copy_bytes=2 * 2**30):
+    """Time a decoding step (N_q = 1) at each cache length, side by side with SDPA and plain
+    attention, against the copy bandwidth; write a CSV and print a table."""
+    import triton
+
+    gpu = torch.cuda.get_device_name() if device == "cuda" else device
+    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__)
+    copy_tbps = copy_bandwidth(copy_bytes, device)
+    log(f"copy bandwidth (device-to-device, read + write): {copy_tbps:.2f} TB/s")
+    rows = []
+    for n in lengths:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(batch, heads, 1, head_dim, device=device, generator=g).to(dtype)
+        k, v = (torch.randn(batch, kv_heads, n, head_dim, device=device, generator=g).to(dtype)
+                for _ in range(2))
+        cache_seqlens = torch.full((batch,), n, dtype=torch.int32)
+        cache_bytes = 2 * batch * kv_heads * n * head_dim * dtype.itemsize  # K and V, read once
+        timed = {}
+        for name, fn in decode_providers(q, k, v, cache_seqlens).items():
+            fn()  # compile / warm up
+            timed[name] = ("", triton.testing.do_bench(fn, return_mode="median"))
+        if sweep:
+            for (candidate, per_sm), (splits, ms) in decode_sweep(q, k, v, cache_seqlens).items():
+                timed[f"decode {candidate} x{per_sm}/SM"] = (splits, ms)
+        for name, (splits, ms) in timed.items():
+            tbps = cache_bytes / ms * 1e-9
+            rows.append(dict(meta, dtype=str(dtype).replace("torch.", ""), batch=batch, heads=heads,
+                             kv_heads=kv_heads, n_q=1, head_dim=head_dim, cache_len=n, provider=name,
+                             num_splits=splits, ms=f"{ms:.4f}", cache_tbps=f"{tbps:.3f}",
+                             of_copy=f"{tbps / copy_tbps:.3f}"))
+        del q, k, v
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(out_csv) or ".", exist_ok=True)
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=DECODE_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows, copy_tbps
+
+
+def decode_summary(rows):
+    """Per cache length: each provider's time, cache TB/s, fraction of the copy bandwidth, and
+    decode's speed-up over it; then the fastest configurations of the sweep."""
+    lines = []
+    for n in sorted({int(r["cache_len"]) for r in rows}):
+        sel = [r for r in rows if int(r["cache_len"]) == n]
+        ours = next(float(r["ms"]) for r in sel if r["provider"] == "decode")
+        lines.append(f"cache {n}:  {'provider':34} {'ms':>8} {'TB/s':>6} {'of copy':>7} {'decode is':>9}")
+        main_rows = [r for r in sel if not r["provider"].startswith("decode ")]
+        swept = sorted((r for r in sel if r["provider"].startswith("decode ")), key=lambda r: float(r["ms"]))
+        for r in main_rows + swept[:3]:
+            ms = float(r["ms"])
+            label = r["provider"] + (f" ({r['num_splits']} splits)" if r["num_splits"] else "")
+            lines.append(f"{'':12} {label:34} {ms:8.4f} {float(r['cache_tbps']):6.2f} "
+                         f"{float(r['of_copy']):7.0%} {ms / ours:8.2f}x")
+    return lines
+
+
+def decode_main(argv):
+    """``python -m flashattn.bench decode``: one decoding step (N_q = 1) against caches of the
+    given lengths, at B = 8, H_q = 32, H_kv = 8, D = 128, bf16 by default. Providers:
+
+    * ``decode``: flashattn.decode, lengths passed on the CPU (its fast path);
+    * ``decode-gpu-lengths``: the same with the lengths on the GPU (checking them synchronises);
+    * ``sdpa-gqa``: scaled_dot_product_attention(q, k, v, enable_gqa=True), its default backend;
+    * ``attention-repeated``: flashattn.attention with K and V repeated to H_q heads;
+    * ``decode (BLOCK_KV, warps, stages) xP/SM``: every candidate configuration, the split
+      heuristic aiming at P programs per SM (the three fastest are printed, all go to the CSV).
+
+    TB/s counts the bytes of the K/V cache (2 x B x H_kv x L x D x 2 bytes), whatever a provider
+    actually reads (plain attention reads H_q / H_kv times more), against the copy bandwidth.
+    """
+    p = argparse.ArgumentParser(prog="python -m flashattn.bench decode", description=decode_main.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 65536])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--no-sweep", action="store_true", help="skip timing every candidate configuration")
+    p.add_argument("--out", default=os.path.join("figures", "data", "decode.csv"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("flashattn.bench decode needs a CUDA GPU.")
+    print(f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows, _ = decode_run(args.lengths, args.batch, args.heads, args.kv_heads, args.head_dim,
+                         DTYPES[args.dtype], args.out, sweep=not args.no_sweep)
+    print("\n".join(decode_summary(rows)))
+    print("wrote", args.out)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["decode"]:
+        return decode_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "tf32", "fp32"], choices=list(DTYPES))
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])

@@ -12,12 +12,14 @@ The keys a query block visits split in two stages (chapter 03, ``tiles.kv_stage_
 2. ``[kv_full_end, kv_end)``: tiles on the causal diagonal or past the end of the sequence; an
    element-wise mask hides the pairs that do not exist. Keys from ``kv_end`` on are never loaded.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import tuning
-from .runtime import kernel_dtype
+from .runtime import INTERPRET, kernel_dtype
 from .tiles import LOG2E, dot_acc, kv_stage_bounds, load_tile, store_tile
 
 
@@ -116,7 +118,13 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
     Returns ``(o, lse2)``: the output, shaped and typed like ``q``, and the base-2 log-sum-exp of
     the scaled scores, float32 of shape (B, H, N_q). ``config`` fixes the tile sizes (a dict such as
     ``{"BLOCK_Q": 64, "BLOCK_KV": 32}``); by default they are tuned on a GPU and fixed on the CPU.
+
+    On an H100/H200, 16-bit inputs at head dims 64 and 128 go to ``flashattn.hopper`` (the same
+    result, scheduled by hand in Gluon) unless ``config`` is given or FLASHATTN_GLUON=0 is set.
     """
+    hopper = None if config is not None else _hopper()
+    if hopper is not None and hopper.supports(q, k, v):
+        return hopper.attention_forward(q, k, v, is_causal, scale)
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
     out_dtype = q.dtype
@@ -139,3 +147,15 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
              DOT_PRECISION=tuning.dot_precision(q.dtype)),
         seq_len=max(n_q, n_kv), config=config)
     return o.to(out_dtype), lse2
+
+
+def _hopper():
+    """``flashattn.hopper`` where it may run, else None. Imported on first use: Gluon kernels are
+    compiled only, they cannot be defined for Triton's interpreter."""
+    if INTERPRET or os.environ.get("FLASHATTN_GLUON", "1") == "0":
+        return None
+    try:
+        from . import hopper
+    except ImportError:  # a Triton without Gluon, or with an API this module does not know
+        return None
+    return hopper

@@ -156,3 +156,26 @@ def attention_backward(q, k, v, o, do, lse, is_causal=False, scale=None):
     dq = scale * (ds @ k)
     dk = scale * (ds.transpose(-2, -1) @ q)
     return dq, dk, dv
+
+
+def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None):
+    """Decoding against a KV cache (``flashattn.decode``) as the formula reads, one sequence at a
+    time: query head ``h`` uses KV head ``h // (H_q / H_kv)``, only the first ``L`` cache entries
+    exist, and new token ``t`` sees keys ``0 .. L - N_q + t`` (bottom-right). A row that sees no
+    key (``L = 0``) gets 0 and lse -inf. Computes in the inputs' dtype; returns ``(out, lse)``."""
+    scale = default_scale(q.shape[-1], scale)
+    n_heads, n_q = q.shape[1], q.shape[2]
+    group = n_heads // k_cache.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=_accumulator_dtype(q.dtype), device=q.device)
+    for b, length in enumerate(cache_seqlens.tolist()):
+        k = k_cache[b, :, :length].repeat_interleave(group, dim=0)   # (H_q, L, D)
+        v = v_cache[b, :, :length].repeat_interleave(group, dim=0)
+        s = (q[b] @ k.transpose(-2, -1)) * scale                     # (H_q, N_q, L)
+        position = length - n_q + torch.arange(n_q, device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(length, device=q.device)[None, :] > position, float("-inf"))
+        lse[b] = torch.logsumexp(s.to(lse.dtype), dim=-1)
+        seen = (lse[b] > float("-inf"))[..., None]
+        p = torch.softmax(s, dim=-1)
+        out[b] = torch.where(seen, p @ v, torch.zeros((), dtype=q.dtype, device=q.device))
+    return out, lse

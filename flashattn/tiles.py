@@ -56,7 +56,9 @@ def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
     In IEEE float32 ``tl.dot`` becomes a chain of fused multiply-adds that continues straight
     through ``acc``, so a sum over N keys or queries is rounded N times in a row and its error
     grows with N. Summing the tile's product from zero and then adding it rounds in two levels,
-    like cuBLAS's blocked sums.
+    like cuBLAS's blocked sums. In 3xTF32 (``"tf32x3"``) Triton already does so: it rewrites the
+    dot into three TF32 dots summed from zero, then adds ``acc`` (tests/test_compiled_sm90.py
+    checks both in the compiled IR).
     """
     if DOT_PRECISION == "ieee" and a.dtype == tl.float32:
         # Triton's compiler rewrites ``acc + tl.dot(a, b)`` (a dot started from the constant 0)

@@ -59,6 +59,35 @@ FMA_CONFIGS = {
     "bwd_dkdv": _configs((16, 16, 4, 2), (16, 32, 8, 2), (16, 16, 4, 3)),
     "bwd_dq": _configs((32, 16, 4, 2), (16, 16, 4, 2), (32, 32, 4, 2), (64, 16, 8, 2)),
 }
+#: float32 on TF32 tensor cores ('high', 'medium'): tiles twice the bytes of 16-bit ones, so half
+#: as many fit in shared memory and registers. Chosen from compiling for sm_90 (no spills at head
+#: dims 64 and 128 for the first of each list that ``fits``).
+TF32_CONFIGS = {
+    "fwd": _configs((128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2),
+                    (64, 64, 4, 2)),
+    "bwd_preprocess": GPU_CONFIGS["bwd_preprocess"],
+    "bwd_dkdv": _configs((32, 64, 4, 3), (32, 128, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
+                         (16, 32, 4, 2)),
+    "bwd_dq": _configs((128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2),
+                       (32, 32, 4, 2)),
+}
+#: float32 in 3xTF32 ('highest' on tensor cores): each product is three TF32 products (the high
+#: parts together, and each high part with the other's low part), so the operands are split in
+#: registers and shared memory and a tile costs about three times the registers of a TF32 one.
+#: Compiled for sm_90: at head dim 128 only tiles of 16-32 rows avoid spilling.
+TF32X3_CONFIGS = {
+    "fwd": _configs((128, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 3), (32, 32, 4, 2),
+                    (32, 16, 4, 2)),
+    "bwd_preprocess": GPU_CONFIGS["bwd_preprocess"],
+    "bwd_dkdv": _configs((16, 64, 8, 2), (32, 32, 4, 2), (16, 32, 8, 2), (16, 16, 4, 2),
+                         (16, 16, 8, 2)),
+    "bwd_dq": _configs((64, 16, 4, 2), (32, 16, 8, 2), (16, 32, 4, 2), (32, 32, 8, 2),
+                       (16, 16, 4, 2)),
+}
+#: Values per thread that fp32 tiles may hold in registers before the compiler spills, by how
+#: the dots multiply (compiled for sm_90: 16-bit tiles spill past ~160; TF32 operands are twice
+#: the size; 3xTF32 also holds each operand's high and low parts).
+REGISTER_BUDGET = {"tf32": 96, "tf32x3": 48}
 #: Small tiles in one stage: what runs when no candidate is judged to fit (float32 at head dim 256).
 FALLBACK_CONFIGS = {
     "fwd": triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 16}, num_warps=4, num_stages=1),
@@ -69,12 +98,14 @@ FALLBACK_CONFIGS = {
 
 
 def candidates(name, dtype, dot_precision):
-    """The candidate list for a kernel: FMA_CONFIGS for IEEE float32, GPU_CONFIGS otherwise."""
-    fma = dtype == torch.float32 and dot_precision == "ieee"
-    return FMA_CONFIGS[name] if fma else GPU_CONFIGS[name]
+    """The candidate list for a kernel: GPU_CONFIGS for 16-bit inputs, and for float32 the list
+    of its dot precision (FMA_CONFIGS for IEEE, TF32_CONFIGS, TF32X3_CONFIGS)."""
+    if dtype != torch.float32 or dot_precision is None:
+        return GPU_CONFIGS[name]
+    return {"ieee": FMA_CONFIGS, "tf32": TF32_CONFIGS, "tf32x3": TF32X3_CONFIGS}[dot_precision][name]
 
 
-def fits(name, config, block_d, element_size) -> bool:
+def fits(name, config, block_d, element_size, dot_precision=None) -> bool:
     """Whether a candidate can run well on an H100/H200, judged before compiling it.
 
     ``tools/compile_check.py`` compiles every candidate for sm_90 and prints its registers and
@@ -84,10 +115,11 @@ def fits(name, config, block_d, element_size) -> bool:
     resident, streamed = (bkv, bq) if name == "bwd_dkdv" else (bq, bkv)
     # fp32 tiles held in registers: accumulators (resident x head dim: O; dK and dV; dQ) and
     # score-shaped tiles (resident x streamed: S; S and dP; S and dP). Past ~160 values per
-    # thread the compiler spills them to local memory.
+    # thread the compiler spills them to local memory (fewer for float32 on tensor cores).
     accumulators, scores = {"fwd": (1, 1), "bwd_dkdv": (2, 2), "bwd_dq": (1, 2)}[name]
     values = accumulators * resident * block_d + scores * resident * streamed
-    if values / (config.num_warps * 32) > 160:
+    budget = REGISTER_BUDGET.get(dot_precision, 160) if element_size == 4 else 160
+    if values / (config.num_warps * 32) > budget:
         return False
     # Shared memory (227 KB per block) holds the resident tiles (Q; K and V; Q and dO) and, per
     # pipeline stage, two streamed ones (K and V; Q and dO; K and V).
@@ -107,7 +139,9 @@ def dkdv_steps_fit(block_q, block_kv) -> bool:
 def _prune(name):
     def prune(configs, named_args, **kwargs):  # Triton passes the constexprs in kwargs
         size, block_d = named_args["Q"].element_size(), kwargs["BLOCK_D"]
-        return [c for c in configs if fits(name, c, block_d, size)] or [FALLBACK_CONFIGS[name]]
+        precision = kwargs.get("DOT_PRECISION")
+        return ([c for c in configs if fits(name, c, block_d, size, precision)]
+                or [FALLBACK_CONFIGS[name]])
     return prune
 
 
@@ -126,7 +160,7 @@ def _quick_bench(fn, quantiles):
 
 
 def _tuner(name, kernel, bucket, configs):
-    key = (name, bucket, configs is FMA_CONFIGS[name])
+    key = (name, bucket, id(configs))  # one tuner per candidate list
     if key not in _tuners:
         _tuners[key] = triton.autotune(
             configs=configs,
@@ -159,8 +193,8 @@ def _first_that_runs(name, kernel, grid, args, constexprs, configs):
     """Without autotuning: the first candidate that fits (they are listed best first) and that
     the compiler accepts; small fallback tiles if none is judged to fit."""
     if name != "bwd_preprocess":
-        size = args[0].element_size()
-        configs = ([c for c in configs if fits(name, c, constexprs["BLOCK_D"], size)]
+        size, precision = args[0].element_size(), constexprs.get("DOT_PRECISION")
+        configs = ([c for c in configs if fits(name, c, constexprs["BLOCK_D"], size, precision)]
                    or [FALLBACK_CONFIGS[name]])
     for i, c in enumerate(configs):
         config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
@@ -178,10 +212,64 @@ def block_d(head_dim: int) -> int:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """How tl.dot multiplies float32 tiles: as PyTorch's matmul would, per
-    ``torch.get_float32_matmul_precision()``: 'highest' gives IEEE fp32, 'high' and 'medium'
-    allow TF32 tensor cores (10-bit mantissa products, fp32 accumulation). 16-bit inputs always
-    use their tensor-core path and ignore this."""
+    """How tl.dot multiplies float32 tiles, following ``torch.get_float32_matmul_precision()``:
+
+    * 'high' and 'medium' allow TF32 (10-bit mantissa products, fp32 accumulation), like
+      PyTorch's own matmul: ``"tf32"``;
+    * 'highest' (PyTorch's default) asks for float32 accuracy. On GPUs with tensor cores (sm_80
+      and later) that is ``"tf32x3"``: each operand is split into a TF32 high part and a TF32
+      low part and three tensor-core products are summed, which keeps float32's accuracy within
+      the tolerance rule at several times the speed of float32 fused multiply-adds. Elsewhere
+      (the interpreter, older GPUs, or FLASHATTN_TF32X3=0) it is ``"ieee"``.
+
+    16-bit inputs always use their tensor-core path and ignore this."""
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
+    if dtype == torch.float32 and _tensor_cores() and os.environ.get("FLASHATTN_TF32X3") != "0":
+        return "tf32x3"
     return "ieee"
+
+
+def _tensor_cores() -> bool:
+    """Whether the kernels run on a GPU with TF32 tensor cores (compute capability 8.0 or more)."""
+    return not INTERPRET and torch.cuda.get_device_capability()[0] >= 8
+
+
+# -- Decoding (flashattn.decode) ----------------------------------------------------------------
+# A decode program keeps a tile of BLOCK_R query rows (the query heads of one KV head, times the new
+# tokens) and streams its share of the K/V cache past it once. The loop is bound by memory, so the
+# tile sizes are chosen for bytes in flight per SM (BLOCK_KV x stages), not for FLOPs. One fixed
+# configuration runs (no autotuning: the split count depends on BLOCK_KV and must be known before
+# the launch); DECODE_CANDIDATES are the ones the decode benchmark times side by side.
+
+#: (BLOCK_KV, num_warps, num_stages) on a GPU with 16-bit inputs (or TF32), for query tiles of 16
+#: rows (the query heads of a KV group times the new tokens, padded); the first is the default.
+#: Compiled for sm_90 (tests/test_decode_compile.py --all), none spills; (64, 4, 4) takes 128
+#: registers and 102 KB of shared memory, so two programs fit on an SM with 192 KB of K and V
+#: tiles in flight between them.
+DECODE_CANDIDATES = [(64, 4, 4), (64, 4, 3), (64, 8, 4), (128, 4, 3), (128, 4, 2), (128, 8, 3),
+                     (32, 4, 4), (32, 4, 6)]
+#: IEEE float32 multiplies with fused multiply-adds in registers: small key tiles and 8 warps
+#: (at 4 warps, 32-key tiles spill at head dim 128; these take 64 registers, 109 at head dim 256).
+DECODE_FMA_CONFIG = (16, 8, 2)
+DECODE_INTERPRETER_CONFIG = dict(BLOCK_KV=16)
+
+
+def decode_config(dtype, dot_precision, block_r, block_d, candidate=None):
+    """The decode kernel's configuration as a dict (BLOCK_KV, num_warps, num_stages): the
+    interpreter's, DECODE_FMA_CONFIG for IEEE float32, else ``candidate`` (default: the first of
+    DECODE_CANDIDATES). Tall query tiles get smaller key tiles (the fp32 score tile
+    BLOCK_R x BLOCK_KV stays at most 32 x 128) and more warps (at 64 rows and 4 warps the compiler
+    needs 254 registers); the stages are cut to what shared memory holds (Triton keeps
+    num_stages - 1 K and V tiles in flight: at most 160 KB)."""
+    if INTERPRET:
+        return dict(DECODE_INTERPRETER_CONFIG)
+    if dtype == torch.float32 and dot_precision == "ieee":
+        candidate = DECODE_FMA_CONFIG
+    block_kv, warps, stages = candidate or DECODE_CANDIDATES[0]
+    block_kv = max(16, min(block_kv, 32 * 128 // block_r))
+    warps = max(warps, block_r // 8)
+    stage_bytes = 2 * block_kv * block_d * dtype.itemsize
+    while stages > 2 and (stages - 1) * stage_bytes > 160 * 1024:
+        stages -= 1
+    return dict(BLOCK_KV=block_kv, num_warps=warps, num_stages=stages)

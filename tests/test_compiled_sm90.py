@@ -64,11 +64,11 @@ ACCUMULATION = {
 
 
 def check_accumulation(compiled):
-    def additions(name, dtype, precision):
+    def additions(name, dtype, precision, ir="ttir"):
         config, shape, _ = ACCUMULATION[name]
         kernel = compiled.compile_kernel(name, dtype, dict(config, HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True,
                                                            DOT_PRECISION=precision))
-        return len(re.findall(rf"arith\.addf .*tensor<{shape}xf32", kernel.asm["ttir"]))
+        return len(re.findall(rf"arith\.addf .*tensor<{shape}xf32", kernel.asm[ir]))
 
     problems = []
     for name, (_, _, expected) in ACCUMULATION.items():
@@ -76,6 +76,11 @@ def check_accumulation(compiled):
         if found != expected:
             problems.append(f"{name}, IEEE float32: {found} separate additions of the accumulator, "
                             f"expected {expected} (one per accumulator and loop stage)")
+        split = additions(name, "fp32", "tf32x3", ir="ttgir")  # after Triton's 3xTF32 rewrite
+        if split != expected:
+            problems.append(f"{name}, 3xTF32: {split} separate additions of the accumulator, "
+                            f"expected {expected}: Triton now fuses the accumulator into the dots, "
+                            "so dot_acc must keep the sums apart for tf32x3 too")
         fused = additions(name, "fp16", "ieee")
         if fused:
             problems.append(f"{name}, float16: {fused} separate additions; the tensor-core path must "

@@ -1,0 +1,347 @@
+"""``flashattn.decode``: attention of new tokens against a KV cache, split-KV (flash-decoding).
+
+Generating text calls attention once per new token: N_q new queries per sequence (usually 1)
+against the keys and values of everything generated so far, kept in a cache. There is almost no
+arithmetic per byte of cache (2 x 2 FLOPs per query row and cached element), so a decoding step
+runs at the speed of memory: the whole job is to read the cache once, with every SM pulling.
+
+Two ideas get there:
+
+* **Grouped heads in one tile.** The ``H_q / H_kv`` query heads that share a KV head (grouped-query
+  attention) and the N_q new tokens are the rows of one query tile, so a KV head's cache is read
+  once for all of them, not once per query head.
+* **Split-KV.** One program per (batch, KV head) gives 64 programs at B = 8, H_kv = 8: half an
+  H200's 132 SMs idle. So the keys of each sequence are split into ``num_splits`` runs, one
+  program each; every program writes a partial state (O, LSE) of its rows, and a second small
+  kernel merges the partial states with chapter 01's merge of softmax states. With one split
+  the first kernel writes the final output itself.
+
+Both kernels work in base 2 like the forward kernel (LSE = M + log2 L, scale x log2e folded into
+exp2); the public ``lse`` is natural log, like ``torch.logsumexp``.
+"""
+import functools
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tuning
+from .tiles import LOG2E
+from .forward import _fwd_inner
+from .runtime import DEVICE, INTERPRET, RUNTIME, kernel_dtype
+from .tiles import load_tile, store_tile
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LENGTH_DTYPES = (torch.int32, torch.int64)
+MAX_HEAD_DIM = 256
+MAX_GRID_DIM = 65535      # CUDA's limit on grid axes 1 and 2 (KV heads, batch)
+MAX_BLOCK_R = 64          # query rows per tile; more rows (many heads per group) take more tiles
+LN2 = tl.constexpr(math.log(2.0))  # LSE in base 2 x ln 2 = natural log
+
+#: The split heuristic. A memory-bound kernel needs many loads in flight on every SM: aim for
+#: PROGRAMS_PER_SM programs per SM, but give each split at least MIN_TILES_PER_SPLIT key tiles
+#: (a partial state costs a write and a read of its rows) and at most MAX_SPLITS (the merge reads
+#: all partial states of a row as one tile). The interpreter pretends to have INTERPRETER_SMS SMs,
+#: so that small caches in tests and notebooks are split as well.
+PROGRAMS_PER_SM = 2
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+INTERPRETER_SMS = 8
+
+
+@triton.jit(do_not_specialize=["n_q", "group", "num_splits"])  # one binary for every length
+def _decode_split(Q, K, V, LENS, O, LSE,
+                  stride_qb, stride_qh, stride_qn, stride_qd,
+                  stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd,
+                  n_q, group, num_splits, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_KV: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Grid: axis 0 = (row block, split), axis 1 = KV heads, axis 2 = batch.
+    split = tl.program_id(0) % num_splits
+    row_block = tl.program_id(0) // num_splits
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
+    n_kv = tl.load(LENS + batch).to(tl.int32)  # this sequence's cache length L
+
+    # Row r of the tile is new token t = r % n_q of query head kv_head * group + r // n_q.
+    n_rows = group * n_q
+    offs_r = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    t = offs_r % n_q
+    offs_d = tl.arange(0, BLOCK_D)
+    Q += batch.to(tl.int64) * stride_qb + (kv_head * group).to(tl.int64) * stride_qh
+    row_offsets = (offs_r // n_q) * stride_qh + t * stride_qn
+    q_ptrs = Q + row_offsets[:, None] + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    # The new tokens are the last n_q of the cache: token t sits at position L - n_q + t and sees
+    # keys 0 .. L - n_q + t (bottom-right alignment), the causal mask of the forward kernel.
+    pos = n_kv - n_q + t
+
+    # Keys [0, n_seen) are seen by every row. They are cut into num_splits runs of whole tiles,
+    # and the last run also takes the keys only later tokens see, [n_seen, L). So every split
+    # starts with a key that all its rows see, and -inf masks stay safe as in the forward kernel.
+    # Splits past the end (a short sequence, or L = 0) get no keys.
+    n_seen = tl.maximum(n_kv - n_q + 1, 0)
+    span = tl.cdiv(tl.cdiv(n_seen, BLOCK_KV), num_splits) * BLOCK_KV
+    kv_lo = split * span
+    kv_hi = tl.where(kv_lo + span < n_seen, kv_lo + span, n_kv)
+    kv_hi = tl.where(kv_lo < n_seen, kv_hi, kv_lo)
+    # Only the tiles from the last whole tile of [0, n_seen) on need the mask.
+    kv_full_end = tl.minimum(tl.maximum(n_seen // BLOCK_KV * BLOCK_KV, kv_lo), kv_hi)
+
+    K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    # The forward kernel's inner loop, unchanged: whole tiles without a mask, then the diagonal
+    # (where keys past a row's position, and past L, are hidden; keys >= L are never loaded).
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                               pos, offs_d, kv_lo, kv_full_end, n_kv, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_KV, False, True, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                               pos, offs_d, kv_full_end, kv_hi, n_kv, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_KV, True, True, DOT_PRECISION)
+
+    # A split without keys has L = 0: it writes the neutral state O = 0, LSE = -inf, which
+    # weighs nothing in the merge (and is the answer for L = 0: an empty sum, like SDPA).
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+    if FINAL:  # the only split: this is the answer, LSE in natural log
+        lse = lse * LN2
+    # Outputs are (B, H_q, N_q, num_splits, D), contiguous: this program's rows are rows
+    # (batch * H_kv + kv_head) * n_rows + r of the (B * H_q * N_q) output rows.
+    first_row = (batch.to(tl.int64) * tl.num_programs(1) + kv_head) * n_rows
+    O += (first_row * num_splits + split) * HEAD_DIM
+    LSE += first_row * num_splits + split
+    store_tile(O, o, offs_r, offs_d, num_splits * HEAD_DIM, 1, n_rows, HEAD_DIM, HEAD_DIM < BLOCK_D)
+    tl.store(LSE + offs_r * num_splits, lse, mask=offs_r < n_rows)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_merge(O_PART, LSE_PART, O, LSE, num_splits,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # One program per output row: merge its num_splits partial states (O_s, LSE_s).
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(LSE_PART + row * num_splits + offs_s, mask=offs_s < num_splits,
+                    other=float("-inf"))
+    # Chapter 01's merge: bring every partial sum to the common max M, then add. Each O_s is
+    # already divided by its own sum L_s = 2**(LSE_s - M_s), so it is weighed by 2**(LSE_s - M).
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key (L = 0): all weights 0
+    w = tl.exp2(lse_s - m_safe)
+    l = tl.sum(w, 0)
+    o_s = load_tile(O_PART + row * num_splits * HEAD_DIM, offs_s, offs_d, HEAD_DIM, 1,
+                    num_splits, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    l_safe = tl.where(l > 0, l, 1.0)
+    o = tl.sum(o_s * w[:, None], 0) / l_safe
+    lse = tl.where(l > 0, m_safe + tl.log2(l_safe), float("-inf"))
+    tl.store(O + row * HEAD_DIM + offs_d, o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE + row, lse * LN2)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (INTERPRETER_SMS on the interpreter)."""
+    if INTERPRET:
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(programs, n_seen, block_kv, n_sm, programs_per_sm=PROGRAMS_PER_SM):
+    """How many splits for ``programs`` unsplit programs (batch x KV heads x row blocks), when
+    the longest sequence has ``n_seen`` keys seen by all its new tokens: the count nearest to
+    ``programs_per_sm`` programs on each of the ``n_sm`` SMs (nearest rather than above, so that
+    the programs come in whole waves and no SM is left with a lone extra one), but no more than
+    gives each split MIN_TILES_PER_SPLIT tiles of ``block_kv`` keys, and at most MAX_SPLITS. So 1
+    (no merge) when the programs already fill the GPU or the cache is short."""
+    if programs <= 0 or n_seen <= 0:
+        return 1
+    wanted = round(programs_per_sm * n_sm / programs)
+    most = triton.cdiv(n_seen, block_kv) // MIN_TILES_PER_SPLIT
+    return max(1, min(wanted, most, MAX_SPLITS))
+
+
+def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, config=None):
+    """Launch the decode kernels on checked arguments: ``q`` (B, H_q, N_q, D), caches (B, H_kv,
+    N_max, D) of any strides, ``lengths`` an int32/int64 tensor (B,) on the device, ``max_len``
+    its largest value. ``num_splits`` and ``config`` (BLOCK_KV, num_warps, num_stages) default to
+    the heuristic and tuning.decode_config. Returns ``(out, lse)``, lse in natural log."""
+    batch, n_heads, n_q, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    out_dtype = q.dtype
+    q, k_cache, v_cache = kernel_dtype(q, k_cache, v_cache)
+    out = torch.empty((batch, n_heads, n_q, head_dim), device=q.device, dtype=q.dtype)
+    lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out.to(out_dtype), lse
+    if max_len == 0:  # no sequence has a key: an empty sum, like scaled_dot_product_attention
+        return out.zero_().to(out_dtype), lse.fill_(float("-inf"))
+
+    group = n_heads // kv_heads
+    n_rows = group * n_q
+    block_r = min(max(16, triton.next_power_of_2(n_rows)), MAX_BLOCK_R)  # tl.dot needs >= 16
+    row_blocks = triton.cdiv(n_rows, block_r)
+    precision = tuning.dot_precision(q.dtype)
+    block_d = tuning.block_d(head_dim)
+    config = dict(config or tuning.decode_config(q.dtype, precision, block_r, block_d))
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * kv_heads * row_blocks, max_len - n_q + 1,
+                                       config["BLOCK_KV"], sm_count(q.device))
+    final = num_splits == 1
+    if final:
+        o_part, lse_part = out, lse
+    else:
+        o_part = torch.empty((batch, n_heads, n_q, num_splits, head_dim), device=q.device,
+                             dtype=torch.float32)
+        lse_part = torch.empty((batch, n_heads, n_q, num_splits), device=q.device,
+                               dtype=torch.float32)
+    _decode_split[(row_blocks * num_splits, kv_heads, batch)](
+        q, k_cache, v_cache, lengths, o_part, lse_part,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        n_q, group, num_splits, scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, FINAL=final, DOT_PRECISION=precision,
+        **config)
+    if not final:
+        _decode_merge[(batch * n_heads * n_q,)](
+            o_part, lse_part, out, lse, num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits))
+    return out.to(out_dtype), lse
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
+    """Attention of the newest ``N_q`` tokens of each sequence against its KV cache.
+
+    Args:
+        q: the new tokens' queries, ``(B, H_q, N_q, D)``; N_q is usually 1.
+        k_cache, v_cache: ``(B, H_kv, N_max, D)``, any strides (a ``(B, N_max, H_kv, D)`` cache
+            transposed works as is). ``H_q`` must be a multiple of ``H_kv``: query head ``h``
+            uses KV head ``h // (H_q / H_kv)`` (grouped-query attention, as SDPA's enable_gqa).
+        cache_seqlens: integer tensor ``(B,)`` (int32 or int64) of valid lengths ``L``, with
+            ``N_q <= L <= N_max``, or ``L = 0`` for an empty sequence (its output is 0 and its
+            lse -inf, the empty sum, like SDPA with no keys). Entries at or past ``L`` are never
+            read: they may hold anything, NaN included.
+        scale: the factor applied to ``q @ k^T``; defaults to ``1 / sqrt(D)``.
+        return_lse: also return the log-sum-exp of each row of scaled scores.
+
+    The new tokens are the last ``N_q`` entries of each valid cache, so token ``t`` sees keys
+    ``0 .. L - N_q + t`` (aligned bottom-right, as in decoding and speculative decoding).
+
+    Returns:
+        ``out`` of shape ``(B, H_q, N_q, D)`` in q's dtype, or ``(out, lse)`` with ``lse`` of shape
+        ``(B, H_q, N_q)``, float32, natural log.
+
+    Checking the lengths reads them on the host. Pass ``cache_seqlens`` on the CPU (generation
+    loops usually know the lengths there): it is checked there and copied to the GPU without
+    waiting. On the GPU, checking costs one synchronisation per call.
+
+    decode is forward only: it has no backward. Rather than return a result that silently cuts
+    the autograd graph, it raises a ValueError when gradients are enabled and an input requires
+    grad. Under ``torch.no_grad()`` or ``torch.inference_mode()``, as generation runs, the same
+    inputs are fine and the result does not require grad.
+    """
+    _check(q, k_cache, v_cache, cache_seqlens, scale, return_lse)
+    n_max = k_cache.shape[2]
+    lengths, max_len = _lengths(cache_seqlens, n_max, q.shape[2], q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = decode_forward(q, k_cache, v_cache, lengths, max_len, scale)
+    return (out, lse) if return_lse else out
+
+
+def _lengths(cache_seqlens, n_max, n_q, device):
+    """Check the length values on the host; return the lengths on ``device`` and the largest."""
+    host = cache_seqlens if cache_seqlens.device.type == "cpu" else cache_seqlens.cpu()
+    if host.numel() == 0:
+        return cache_seqlens, 0
+    low, high = (int(x) for x in torch.aminmax(host))
+    if low < 0 or high > n_max or (n_q > 1 and low < n_q and ((host > 0) & (host < n_q)).any()):
+        bad = ((host < 0) | (host > n_max) | ((host > 0) & (host < n_q))).nonzero()[0, 0].item()
+        raise ValueError(f"cache_seqlens[{bad}] is {host[bad].item()}; each length must be 0 (an "
+                         f"empty sequence) or from N_q = {n_q} (the new tokens are the last N_q "
+                         f"entries of the cache) to N_max = {n_max} (the caches' dim 2)")
+    if cache_seqlens.device != device:
+        # Through pinned memory, so that the copy does not wait for the GPU's queued work.
+        host = host.contiguous()
+        if device.type == "cuda":
+            host = host.pin_memory()
+        cache_seqlens = host.to(device, non_blocking=True)
+    return cache_seqlens.contiguous(), high
+
+
+def _check(q, k_cache, v_cache, cache_seqlens, scale, return_lse):
+    """Raise TypeError or ValueError naming the argument and what was expected."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float16, torch.bfloat16 "
+                            "or torch.float32")
+        if t.dim() != 4:
+            shape = "(B, H_q, N_q, D)" if name == "q" else "(B, H_kv, N_max, D)"
+            raise ValueError(f"{name} must have 4 dims {shape}; got shape {tuple(t.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all three must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all three must be "
+                             "on the same device")
+    if q.device.type != DEVICE.type:
+        where = "a CUDA GPU" if DEVICE.type == "cuda" else "the CPU (Triton's interpreter)"
+        raise ValueError(f"q is on {q.device}, but flashattn runs on {where} here: pass tensors "
+                         f"on {DEVICE.type} (flashattn.RUNTIME is {RUNTIME!r})")
+    batch, n_heads, _, head_dim = q.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has "
+                         f"{tuple(k_cache.shape)}; they must be equal")
+    if k_cache.shape[0] != batch:
+        raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch}; "
+                         "they must be equal")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache has head dim {k_cache.shape[3]} but q has {head_dim}; "
+                         "they must be equal")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim (last dim of q and the caches) is {head_dim}; expected 1 to "
+                         f"{MAX_HEAD_DIM}")
+    kv_heads = k_cache.shape[1]
+    if kv_heads == 0 or n_heads % kv_heads:
+        raise ValueError(f"q has {n_heads} heads and k_cache {kv_heads}; the query heads must be "
+                         "a multiple of the KV heads (each KV head serves H_q / H_kv query heads)")
+    if batch > MAX_GRID_DIM or kv_heads > MAX_GRID_DIM:
+        raise ValueError(f"batch {batch} and KV heads {kv_heads} must each be at most "
+                         f"{MAX_GRID_DIM} (CUDA's grid limit)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        span = (t.shape[2] - 1) * abs(t.stride(2)) + (head_dim - 1) * abs(t.stride(3))
+        if t.shape[2] and span >= 2**31:
+            raise ValueError(f"{name}: one (batch, head) spans 2**31 elements or more (strides "
+                             f"{t.stride()}); the kernel indexes within a head in 32 bits")
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be a torch.Tensor of int32 or int64, got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in LENGTH_DTYPES:
+        raise TypeError(f"cache_seqlens has dtype {cache_seqlens.dtype}; expected torch.int32 or "
+                        "torch.int64")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens has shape {tuple(cache_seqlens.shape)}; expected "
+                         f"({batch},), one length per sequence of q")
+    if cache_seqlens.device not in (q.device, torch.device("cpu")):
+        raise ValueError(f"cache_seqlens is on {cache_seqlens.device}; expected {q.device} (like "
+                         "q) or the CPU")
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.requires_grad:
+                raise ValueError(f"{name} requires grad, but decode is forward only (no backward): "
+                                 "call it under torch.no_grad() or torch.inference_mode(), or pass "
+                                 f"{name}.detach()")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a finite positive number, got {scale}")

@@ -5,10 +5,11 @@ cell that must install flashattn before anything can import it, so that cell can
 module: ``tools/sync_course.py`` writes the cell from :func:`first_cell`, and the README's
 "Open in Colab" links from :func:`colab_url`, and a test fails when either drifts from here.
 """
-import os
 import pathlib
 import re
 import urllib.request
+
+from .runtime import cache_dir
 
 #: The course's public repository and the branch learners get.
 REPOSITORY = "https://github.com/flashattn-course/flashattn-triton"
@@ -75,11 +76,6 @@ def _checkouts():
     return [pathlib.Path(__file__).resolve().parent.parent, pathlib.Path.cwd().parent, pathlib.Path.cwd()]
 
 
-def cache_dir() -> pathlib.Path:
-    """Where downloaded course files are kept: ``$XDG_CACHE_HOME/flashattn`` (``~/.cache/flashattn``)."""
-    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "flashattn"
-
-
 def data_file(name: str) -> pathlib.Path:
     """The recorded measurement ``figures/data/<name>``: from the checkout when there is one, else
     downloaded once from the repository (a chapter opened on its own, on Colab)."""
@@ -87,7 +83,7 @@ def data_file(name: str) -> pathlib.Path:
     for root in _checkouts():
         if (root / relative).is_file():
             return root / relative
-    target = cache_dir() / BRANCH / relative
+    target = cache_dir() / "course" / BRANCH / relative
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(target.suffix + ".part")

@@ -116,7 +116,7 @@ def test_recorded_data_found_in_the_checkout_or_downloaded(tmp_path, monkeypatch
     assert course.data_file("h200_bench.csv") == ROOT / "figures" / "data" / "h200_bench.csv"
     # away from a checkout: fetched from the repository's address once, then kept in the cache
     monkeypatch.setattr(course, "_checkouts", lambda: [tmp_path / "nowhere"])
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("FLASHATTN_CACHE_DIR", str(tmp_path / "cache"))
     fetched = []
     monkeypatch.setattr(course, "raw_url", lambda path: fetched.append(path) or (ROOT / path).as_uri())
     for _ in range(2):

@@ -29,7 +29,8 @@ def source_html(obj) -> str:
     lines, first = inspect.getsourcelines(fn)
     path = os.path.abspath(inspect.getsourcefile(fn))
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    where = os.path.relpath(path, package_parent) if path.startswith(package_parent + os.sep) else os.path.basename(path)
+    inside = path.startswith(package_parent + os.sep)
+    where = os.path.relpath(path, package_parent) if inside else os.path.basename(path)
     background = get_style_by_name(SOURCE_STYLE).background_color
     code = highlight("".join(lines), PythonLexer(), HtmlFormatter(style=SOURCE_STYLE, noclasses=True, nowrap=True))
     box = (f"border: 1px solid {SOURCE_BORDER}; border-radius: 4px; background: {background}; "

@@ -66,7 +66,7 @@ def pytest_configure(config):
 
 def executed_notebooks(config):
     """{notebook path: the notebook with the outputs nbval recorded}, for every notebook nbval ran
-    completely and without a failure in this session."""
+    completely and without a failure in this test run."""
     import nbformat
 
     done = {}

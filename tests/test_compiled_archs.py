@@ -45,7 +45,8 @@ def test_the_table_covers_every_architecture_kernel_dtype_and_head_dim():
     for capability, arch in gpus.ARCHS.items():
         missing = [key for key in compiled.table_keys(arch)
                    if key[3] not in DEFAULTS[capability].get(key[:3], {})]
-        assert not missing, f"sm_{capability}: no default for {missing[:5]} (run tools/compile_check.py --write-defaults)"
+        assert not missing, (f"sm_{capability}: no default for {missing[:5]} "
+                             "(run tools/compile_check.py --write-defaults)")
 
 
 @pytest.mark.parametrize("capability", sorted(gpus.ARCHS))

@@ -141,3 +141,12 @@ def test_a_chapter_copied_alone_runs_top_to_bottom(tmp_path):
                     pytrace=False)
     first = next(cell for cell in result.cells if cell.cell_type == "code")
     assert "flashattn runs" in "".join(out.get("text", "") for out in first.outputs)
+
+
+def test_the_chapter_timer_runs_a_chapter_without_jupyter(tmp_path):
+    """tools/time_chapters.py (for GPU machines, where nbclient may be missing) runs a chapter's
+    code cells in plain Python, with stand-ins for IPython's display if need be."""
+    result = subprocess.run([sys.executable, "tools/time_chapters.py", ALONE[:2], "--plain"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=env_with_package())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"ok   {ALONE}" in result.stdout

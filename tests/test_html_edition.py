@@ -2,7 +2,7 @@
 every chapter in order, and a page per chapter with its figures embedded and, where a chapter was
 recorded on a GPU, those outputs.
 
-The chapters are not executed a second time when nbval ran them earlier in this session (the full
+The chapters are not executed a second time when nbval ran them earlier in the same test run (the full
 suite: tests/conftest.py keeps its outputs); run alone, this test executes them all (a few minutes).
 """
 import os

@@ -45,14 +45,16 @@ def _check(job):
         regs, spill, smem, problem = compiled.check(gpus.ARCHS[capability], item)
     except Exception as error:  # report and go on: one bad config should not hide the others
         regs = spill = smem = -1
-        problem = f"does not compile: {str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__}"
+        first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        problem = f"does not compile: {first_line}"
     return capability, item, regs, spill, smem, problem, time.perf_counter() - start
 
 
 def describe(item):
     name, dtype, block_d, precision, tiles, warps, stages = item
     config = " ".join(f"{k}={v}" for k, v in tiles) + f" w{warps} s{stages}"
-    return f"{name:15} {dtype + ('/' + precision if precision and dtype == 'fp32' else ''):12} {block_d:4} {config:34}"
+    dtype += f"/{precision}" if precision and dtype == "fp32" else ""
+    return f"{name:15} {dtype:12} {block_d:4} {config:34}"
 
 
 def check_defaults(archs, jobs):
@@ -70,7 +72,8 @@ def check_defaults(archs, jobs):
             if problem:
                 failures.append(f"sm_{capability} {describe(item)}: {problem}")
     print(f"\n{len(work)} compiled in {time.perf_counter() - start:.0f} s; "
-          + (f"{len(failures)} FAILED:\n  " + "\n  ".join(failures) if failures else "none fails, spills or overflows"))
+          + (f"{len(failures)} FAILED:\n  " + "\n  ".join(failures) if failures
+             else "none fails, spills or overflows"))
     return 1 if failures else 0
 
 
@@ -120,11 +123,13 @@ def write_defaults(archs, jobs):
         for capability in sorted(table):
             f.write(f"    {capability}: {{  # {gpus.ARCHS[capability].gpus}\n")
             for key in sorted(table[capability], key=str):
-                f.write(f"        {key!r}: {{{', '.join(f'{d}: {v}' for d, v in sorted(table[capability][key].items()))}}},\n")
+                by_dim = ", ".join(f"{d}: {v}" for d, v in sorted(table[capability][key].items()))
+                f.write(f"        {key!r}: {{{by_dim}}},\n")
             f.write("    },\n")
         f.write("}\n")
     print(f"\nwrote {path} in {time.perf_counter() - start:.0f} s"
-          + (f"; {len(failures)} entries spill or overflow everywhere:\n  " + "\n  ".join(failures) if failures else ""))
+          + (f"; {len(failures)} entries spill or overflow everywhere:\n  " + "\n  ".join(failures)
+             if failures else ""))
     return 1 if failures else 0
 
 

@@ -4,7 +4,7 @@
     python tools/first_call.py --quick    # the first-call table only
 
 Every measurement runs in a fresh Python process with an empty Triton cache (``TRITON_CACHE_DIR``)
-and an empty flashattn cache (``FLASHATTN_CACHE_DIR``), as a new user's first session would:
+and an empty flashattn cache (``FLASHATTN_CACHE_DIR``), as a new user's first run would:
 
 1. **First call.** For several new (dtype, head dim, causal) settings: the seconds from nothing
    compiled to the first forward + backward finished (``import flashattn`` timed apart), then the
@@ -101,10 +101,10 @@ def default_against_autotuned():
     print(f"{'run':44} {'1st call':>9} {'fwd ms':>8} {'bwd ms':>8} {'fwd+bwd':>8} {'vs tuned':>9}")
     for extra in ({}, {"FLASHATTN_GLUON": "0"}):
         with tempfile.TemporaryDirectory() as kept:
+            tune = {**extra, "FLASHATTN_AUTOTUNE": "1"}
             rows = [("default (nothing timed)", child(setting, extra)),
-                    ("FLASHATTN_AUTOTUNE=1 (tunes)", child(setting, {**extra, "FLASHATTN_AUTOTUNE": "1"}, kept)),
-                    ("FLASHATTN_AUTOTUNE=1, kept from the run above", child(setting, {**extra, "FLASHATTN_AUTOTUNE": "1"},
-                                                                            kept))]
+                    ("FLASHATTN_AUTOTUNE=1 (tunes)", child(setting, tune, kept)),
+                    ("FLASHATTN_AUTOTUNE=1, kept from the run above", child(setting, tune, kept))]
         tuned = rows[1][1]
         for label, r in rows:
             label += " GLUON=0" if extra else ""

@@ -14,8 +14,8 @@ from .api import attention  # noqa: E402  (the kernels must be defined after the
 from .decode import decode  # noqa: E402
 
 __all__ = ["attention", "DEVICE", "INTERPRET", "RUNTIME", "describe"]
-_SUBMODULES = {"api", "autograd", "backward", "bench", "exercises", "forward", "notebook", "plotting",
-               "reference", "runtime", "testing", "tiles", "traversal", "tuning"}
+_SUBMODULES = {"api", "autograd", "backward", "bench", "course", "exercises", "forward", "gpus", "notebook",
+               "plotting", "reference", "runtime", "testing", "tiles", "traversal", "tuning"}
 
 
 def __getattr__(name):

@@ -231,7 +231,8 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     if n_q == 0 or n_kv == 0:
         return tuple(torch.zeros_like(t, dtype=d) for t, d in zip((q, k, v), dtypes))
     common = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
-    masking = dict(common, IS_CAUSAL=bool(is_causal), DOT_PRECISION=tuning.dot_precision(q.dtype))
+    masking = dict(common, IS_CAUSAL=bool(is_causal),
+                   DOT_PRECISION=tuning.dot_precision(q.dtype, common["BLOCK_D"]))
     seq_len = max(n_q, n_kv)
 
     delta = torch.empty_like(lse2)

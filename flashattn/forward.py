@@ -142,7 +142,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
         (q, k, v, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
          heads, n_q, n_kv, scale * LOG2E),
         dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim), IS_CAUSAL=bool(is_causal),
-             DOT_PRECISION=tuning.dot_precision(q.dtype)),
+             DOT_PRECISION=tuning.dot_precision(q.dtype, tuning.block_d(head_dim))),
         seq_len=max(n_q, n_kv), config=config)
     return o.to(out_dtype), lse2
 

@@ -8,6 +8,7 @@ The rule is simple: if PyTorch sees a CUDA GPU, the kernels are compiled for it 
 tensors. Otherwise (or if the user already set ``TRITON_INTERPRET=1``) the very same kernels run in
 the interpreter, which executes each program with NumPy on CPU tensors.
 """
+import functools
 import os
 import sys
 import warnings
@@ -41,14 +42,37 @@ RUNTIME = "interpreter" if INTERPRET else "gpu"
 DEVICE = torch.device("cpu") if INTERPRET else torch.device("cuda")
 
 
+def bf16_in_float32(interpret: bool, capability=None) -> bool:
+    """Whether bfloat16 inputs are computed in float32 (upcast before the kernels, rounded back
+    after): on the interpreter, which multiplies tiles with NumPy, which has no bfloat16 (its bf16
+    tl.dot returns garbage); and on GPUs before sm_80 (T4, RTX 20: ``capability`` (7, 5)), which
+    have no bfloat16 arithmetic and where Triton has no tensor-core path for any dtype."""
+    return interpret or tuple(capability) < (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
 def kernel_dtype(*tensors):
-    """The tensors as the kernels should read them here: unchanged on a GPU; on the interpreter,
-    bfloat16 upcast to float32, because the interpreter multiplies tiles with NumPy, which has no
-    bfloat16 (its bf16 tl.dot returns garbage). Upcasting changes no value; the results are
+    """The tensors as the kernels should read them here: unchanged, except bfloat16 upcast to
+    float32 where :func:`bf16_in_float32` says so. Upcasting changes no value; the results are
     rounded back to bfloat16 by the caller."""
-    if INTERPRET:
+    first = next((t for t in tensors if t is not None), None)
+    if first is not None and bf16_in_float32(INTERPRET, None if INTERPRET else _capability(first.device.index)):
         return [t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in tensors]
     return list(tensors)
+
+
+def cache_dir():
+    """Where flashattn keeps files between processes (autotuning's choices, downloaded course data):
+    ``$FLASHATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashattn`` (``~/.cache/flashattn``)."""
+    import pathlib
+
+    if os.environ.get("FLASHATTN_CACHE_DIR"):
+        return pathlib.Path(os.environ["FLASHATTN_CACHE_DIR"])
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "flashattn"
 
 
 def describe() -> str:

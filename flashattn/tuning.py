@@ -1,24 +1,35 @@
-"""Tile sizes, warps and pipeline stages: fixed on the CPU, measured on the GPU.
+"""Tile sizes, warps and pipeline stages: fixed on the CPU, chosen per GPU without timing, measured
+on request.
 
-On a GPU each kernel is wrapped in ``triton.autotune``: the first call with a new key times every
-candidate configuration that survives pruning and keeps the fastest. The key is the head dim, the
-masking mode, the dot precision and the dtype, plus a *bucket* of the sequence length (the next
-power of two, between 128 and 16384). So a new length re-uses the choice made for its bucket
-instead of re-tuning (and the kernels take lengths as run-time arguments, so a new length does not
-compile anything either).
+On a GPU each kernel runs a **default configuration**: the first candidate, in the order measured
+fastest on an H200, that fits the running GPU by the rules of :func:`fits` (its shared memory and
+its registers, from ``flashattn.gpus``), with the winners the H200 measured per head dim for sm_90
+(:data:`MEASURED_DEFAULTS`). Nothing is timed, so a first call compiles one configuration per
+kernel. For the other architectures these defaults are reasoned (the same order, pruned by that
+GPU's limits), not measured; every one of them compiles without spilling for sm_75, sm_80, sm_86,
+sm_89 and sm_90 (tests/test_compiled_archs.py).
 
-On the interpreter nothing is timed (``num_warps`` and ``num_stages`` mean nothing there and every
-tile costs Python time), so each kernel gets one fixed configuration. Setting the environment
-variable ``FLASHATTN_AUTOTUNE=0`` does the same on a GPU: each kernel then runs the first
-candidate that fits (no timing runs, fewer compilations), which is handy for quick checks.
+``FLASHATTN_AUTOTUNE=1`` turns on autotuning: the first call with a new key times every candidate
+that fits and keeps the fastest, and the choice is kept on disk (:func:`autotune_cache_path`), so
+later processes on the same GPU go straight to it. The key is the GPU, Triton's version, the kernel,
+the dtype, the head dim, the masking mode, the dot precision, plus a *bucket* of the sequence length
+(the next power of two, between 128 and 16384): a new length re-uses the choice made for its bucket
+(and the kernels take lengths as run-time arguments, so a new length compiles nothing either).
+``FLASHATTN_AUTOTUNE=0``, or unset, times nothing.
+
+On the interpreter nothing is timed either (``num_warps`` and ``num_stages`` mean nothing there and
+every tile costs Python time): each kernel gets one fixed configuration.
 """
 import importlib
+import json
 import os
 
 import torch
 import triton
 
-from .runtime import INTERPRET
+from . import gpus
+from .defaults import DEFAULTS
+from .runtime import INTERPRET, cache_dir
 
 #: The configuration each kernel uses on the interpreter: small tiles, so that short test
 #: sequences already have several blocks, a diagonal and a ragged end.
@@ -85,10 +96,6 @@ TF32X3_CONFIGS = {
     "bwd_dq": _configs((64, 16, 4, 2), (32, 16, 8, 2), (16, 32, 4, 2), (32, 32, 8, 2),
                        (16, 16, 4, 2)),
 }
-#: Values per thread that fp32 tiles may hold in registers before the compiler spills, by how
-#: the dots multiply (compiled for sm_90: 16-bit tiles spill past ~160; TF32 operands are twice
-#: the size; 3xTF32 also holds each operand's high and low parts).
-REGISTER_BUDGET = {"tf32": 96, "tf32x3": 48}
 #: Small tiles in one stage: what runs when no candidate is judged to fit (float32 at head dim 256).
 FALLBACK_CONFIGS = {
     "fwd": triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 16}, num_warps=4, num_stages=1),
@@ -98,35 +105,65 @@ FALLBACK_CONFIGS = {
 }
 
 
-def candidates(name, dtype, dot_precision):
+#: The winners the H200 measured (figures/data/h200_tile_configs.csv: the autotuner's timings of
+#: every candidate at bf16/head dim 128 and fp16/head dim 64, N = 8192, causal and not), by
+#: (compute capability, kernel, kind of dot, BLOCK_D): the default there when it fits. Where causal
+#: and not disagreed, the causal winner (the two were within 3 % of each other).
+MEASURED_DEFAULTS = {
+    (90, "bwd_dkdv", "mma", 64): triton.Config({"BLOCK_Q": 64, "BLOCK_KV": 64}, num_warps=4, num_stages=3),
+    (90, "bwd_dkdv", "mma", 128): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 64}, num_warps=4, num_stages=4),
+    (90, "bwd_dq", "mma", 64): triton.Config({"BLOCK_Q": 128, "BLOCK_KV": 64}, num_warps=8, num_stages=3),
+    (90, "bwd_dq", "mma", 128): triton.Config({"BLOCK_Q": 128, "BLOCK_KV": 64}, num_warps=8, num_stages=3),
+    (90, "fwd", "mma", 64): triton.Config({"BLOCK_Q": 128, "BLOCK_KV": 64}, num_warps=8, num_stages=3),
+    (90, "fwd", "mma", 128): triton.Config({"BLOCK_Q": 128, "BLOCK_KV": 64}, num_warps=8, num_stages=3),
+    (90, "bwd_preprocess", "mma", 64): triton.Config({"BLOCK_Q": 64}, num_warps=4, num_stages=1),
+    (90, "bwd_preprocess", "mma", 128): triton.Config({"BLOCK_Q": 64}, num_warps=4, num_stages=1),
+}
+
+
+def dot_kind(element_size, dot_precision, arch) -> str:
+    """How ``tl.dot`` multiplies a kernel's tiles on ``arch``: "mma" (16-bit tensor cores), "tf32",
+    "tf32x3", or "fma" (fused multiply-adds in registers: IEEE float32, and every dtype on GPUs
+    before sm_80, where Triton emits no tensor-core instruction)."""
+    if not arch.tensor_cores or (element_size == 4 and dot_precision == "ieee"):
+        return "fma"
+    if element_size == 4 and dot_precision in ("tf32", "tf32x3"):
+        return dot_precision
+    return "mma"
+
+
+def candidates(name, dtype, dot_precision, arch=None):
     """The candidate list for a kernel: GPU_CONFIGS for 16-bit inputs, and for float32 the list
-    of its dot precision (FMA_CONFIGS for IEEE, TF32_CONFIGS, TF32X3_CONFIGS)."""
-    if dtype != torch.float32 or dot_precision is None:
-        return GPU_CONFIGS[name]
-    return {"ieee": FMA_CONFIGS, "tf32": TF32_CONFIGS, "tf32x3": TF32X3_CONFIGS}[dot_precision][name]
+    of its dot precision (FMA_CONFIGS for IEEE, TF32_CONFIGS, TF32X3_CONFIGS); FMA_CONFIGS for
+    every dtype on a GPU without tensor cores (``arch``: default, the running GPU)."""
+    arch = arch or gpus.current()
+    kind = dot_kind(torch.empty((), dtype=dtype).element_size(), dot_precision, arch)
+    return {"mma": GPU_CONFIGS, "fma": FMA_CONFIGS, "tf32": TF32_CONFIGS, "tf32x3": TF32X3_CONFIGS}[kind][name]
 
 
-def fits(name, config, block_d, element_size, dot_precision=None) -> bool:
-    """Whether a candidate can run well on an H100/H200, judged before compiling it.
+def fits(name, config, block_d, element_size, dot_precision=None, arch=None) -> bool:
+    """Whether a candidate can run well on ``arch`` (default: the running GPU; on the CPU, an
+    H100/H200), judged before compiling it.
 
-    ``tools/compile_check.py`` compiles every candidate for sm_90 and prints its registers and
-    spills; these two rules are what those numbers showed.
+    ``tools/compile_check.py`` compiles every candidate for each architecture and prints its
+    registers and spills; these two rules are what those numbers showed.
     """
+    arch = arch or gpus.current()
     bq, bkv = config.kwargs.get("BLOCK_Q", 0), config.kwargs.get("BLOCK_KV", 0)
     resident, streamed = (bkv, bq) if name == "bwd_dkdv" else (bq, bkv)
     # fp32 tiles held in registers: accumulators (resident x head dim: O; dK and dV; dQ) and
-    # score-shaped tiles (resident x streamed: S; S and dP; S and dP). Past ~160 values per
-    # thread the compiler spills them to local memory (fewer for float32 on tensor cores).
+    # score-shaped tiles (resident x streamed: S; S and dP; S and dP). Past a budget of values per
+    # thread the compiler spills them to local memory: ~160 on sm_90 for 16-bit tiles, fewer where
+    # the dot holds its operands in registers too (gpus.ARCHS).
     accumulators, scores = {"fwd": (1, 1), "bwd_dkdv": (2, 2), "bwd_dq": (1, 2)}[name]
     values = accumulators * resident * block_d + scores * resident * streamed
-    budget = REGISTER_BUDGET.get(dot_precision, 160) if element_size == 4 else 160
-    if values / (config.num_warps * 32) > budget:
+    if values / (config.num_warps * 32) > arch.budget(dot_kind(element_size, dot_precision, arch)):
         return False
-    # Shared memory (227 KB per block) holds the resident tiles (Q; K and V; Q and dO) and, per
-    # pipeline stage, two streamed ones (K and V; Q and dO; K and V).
+    # Shared memory (227 KB per block on sm_90) holds the resident tiles (Q; K and V; Q and dO) and,
+    # per pipeline stage, two streamed ones (K and V; Q and dO; K and V).
     resident_tiles = 1 if name == "fwd" else 2
     smem = (resident_tiles * resident + config.num_stages * 2 * streamed) * block_d * element_size
-    if smem > 227 * 1024:
+    if smem > arch.smem_per_block:
         return False
     if dot_precision == "tf32x3" and not tf32x3_warps_fit(resident, config.num_warps):
         return False
@@ -146,6 +183,49 @@ def tf32x3_warps_fit(rows, num_warps) -> bool:
     third ([4, 2]), so every accumulator changes layout between them; 16-bit and TF32 dots keep
     one layout per product. Smaller tiles multiply with mma.sync instead and are not concerned."""
     return rows < 64 or rows >= 16 * num_warps
+
+
+def ranked(name, dtype, dot_precision, block_d, arch=None):
+    """The configurations to run ``name`` with, best first: the measured default where there is
+    one, then every candidate that fits ``arch`` (default: the running GPU), in the candidate
+    list's order; the small fallback tiles if none fits."""
+    arch = arch or gpus.current()
+    configs = candidates(name, dtype, dot_precision, arch)
+    if name == "bwd_preprocess":  # no tiles of scores: every candidate fits
+        return list(configs)
+    size = torch.empty((), dtype=dtype).element_size()
+    fitting = [c for c in configs if fits(name, c, block_d, size, dot_precision, arch)]
+    measured = MEASURED_DEFAULTS.get((arch.capability, name, dot_kind(size, dot_precision, arch), block_d))
+    if measured is not None and fits(name, measured, block_d, size, dot_precision, arch):
+        fitting = [measured] + [c for c in fitting if _as_dict(c) != _as_dict(measured)]
+    return fitting or [FALLBACK_CONFIGS[name]]
+
+
+#: The last resort of ``tools/compile_check.py --write-defaults`` where every candidate spills
+#: (16 warps: fused multiply-adds at head dim 256 on sm_75).
+SMALLEST_CONFIGS = _configs((16, 16, 4, 1), (16, 16, 8, 1), (16, 16, 8, 2), (16, 16, 16, 1))
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+WHAT = {"fwd": "forward", "bwd_preprocess": "backward (Delta)", "bwd_dkdv": "backward (dK, dV)",
+        "bwd_dq": "backward (dQ)"}
+
+
+def default_config(name, dtype, dot_precision, block_d, arch=None):
+    """The configuration ``name`` runs with when nothing is timed: on an architecture of
+    ``flashattn.defaults`` (compiled for it without spilling), its entry; on any other GPU, the
+    first of :func:`ranked`. Raises ValueError, naming the GPU, where no tile compiles cleanly for it."""
+    arch = arch or gpus.current()
+    precision = None if name == "bwd_preprocess" else dot_precision
+    entries = DEFAULTS.get(arch.capability, {}).get((name, DTYPE_NAMES[dtype], precision), {})
+    if block_d in entries and entries[block_d] is None:
+        raise ValueError(f"{arch.gpus} ({arch.name}) has too little room for flashattn's {WHAT[name]} at head "
+                         f"dims {block_d // 2 + 1} to {block_d}: even its smallest tiles spill registers or need "
+                         f"more than the {arch.smem_per_block // 1024} KB of shared memory a block may use "
+                         f"there. Use head dims up to {block_d // 2} on this GPU.")
+    if block_d not in entries:
+        return ranked(name, dtype, dot_precision, block_d, arch)[0]
+    block_q, block_kv, num_warps, num_stages = entries[block_d]
+    tiles = {"BLOCK_Q": block_q, **({"BLOCK_KV": block_kv} if block_kv else {})}
+    return triton.Config(tiles, num_warps=num_warps, num_stages=num_stages)
 
 
 def dkdv_steps_fit(block_q, block_kv) -> bool:
@@ -189,39 +269,116 @@ def _tuner(name, kernel, bucket, configs):
     return _tuners[key]
 
 
+def autotuning() -> bool:
+    """Whether FLASHATTN_AUTOTUNE asks for autotuning (any value but "" and "0")."""
+    return os.environ.get("FLASHATTN_AUTOTUNE", "0") not in ("", "0")
+
+
 def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
-    """Run ``kernel`` with ``config`` if given (the fixed one on the interpreter), with the first
-    candidate that runs under FLASHATTN_AUTOTUNE=0, else autotuned. Returns the configuration that
-    ran, as a dict."""
+    """Run ``kernel`` with ``config`` if given (the fixed one on the interpreter), autotuned under
+    FLASHATTN_AUTOTUNE=1, else with the default configuration. Returns the configuration that ran,
+    as a dict."""
     if config is None and INTERPRET:
         config = INTERPRETER_CONFIGS[name]
     if config is not None:
         kernel[grid](*args, **constexprs, **config)
         return dict(config)
-    configs = candidates(name, args[0].dtype, constexprs.get("DOT_PRECISION"))
-    if os.environ.get("FLASHATTN_AUTOTUNE") == "0":
-        return _first_that_runs(name, kernel, grid, args, constexprs, configs)
-    tuner = _tuner(name, kernel, seq_bucket(seq_len), configs)
-    tuner[grid](*args, **constexprs)
-    best = tuner.best_config
-    return dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
+    if autotuning():
+        return _autotuned(name, kernel, grid, args, constexprs, seq_len)
+    return _default(name, kernel, grid, args, constexprs)
 
 
-def _first_that_runs(name, kernel, grid, args, constexprs, configs):
-    """Without autotuning: the first candidate that fits (they are listed best first) and that
-    the compiler accepts; small fallback tiles if none is judged to fit."""
-    if name != "bwd_preprocess":
-        size, precision = args[0].element_size(), constexprs.get("DOT_PRECISION")
-        configs = ([c for c in configs if fits(name, c, constexprs["BLOCK_D"], size, precision)]
-                   or [FALLBACK_CONFIGS[name]])
+def _as_dict(config):
+    return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+_defaults = {}  # (kernel, dtype, dot precision, BLOCK_D, device) -> the configuration that ran
+
+
+def _default(name, kernel, grid, args, constexprs):
+    """The default configuration; should the compiler refuse it for its resources (the rules are
+    estimates), the next that fits, and so on."""
+    precision, bd = constexprs.get("DOT_PRECISION"), constexprs.get("BLOCK_D")
+    key = (name, args[0].dtype, precision, bd, args[0].device.index)
+    if key in _defaults:
+        kernel[grid](*args, **constexprs, **_defaults[key])
+        return dict(_defaults[key])
+    first = default_config(name, args[0].dtype, precision, bd)
+    configs = [first] + [c for c in ranked(name, args[0].dtype, precision, bd) if _as_dict(c) != _as_dict(first)]
     for i, c in enumerate(configs):
-        config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
         try:
-            kernel[grid](*args, **constexprs, **config)
-            return config
+            kernel[grid](*args, **constexprs, **_as_dict(c))
         except triton.runtime.errors.OutOfResources:
             if i == len(configs) - 1:
                 raise
+            continue
+        _defaults[key] = _as_dict(c)
+        return _as_dict(c)
+
+
+# -- Autotuning, kept on disk -------------------------------------------------------------------
+
+def autotune_cache_path():
+    """The file that keeps autotuning's choices across processes."""
+    return cache_dir() / "autotune.json"
+
+
+_tuned = None  # the choices: {key: configuration dict}, read from disk on first use
+
+
+def autotune_key(name, kernel, dtype, constexprs, bucket, device_name):
+    """What an autotuning choice is kept under: the GPU, Triton's version, the kernel (and its source),
+    the dtype, the head dim, the masking mode, the dot precision and the length bucket."""
+    source = getattr(kernel, "cache_key", "")[:16]
+    return (f"{device_name} | triton {triton.__version__} | {name} {source} | {dtype} | "
+            f"D={constexprs.get('HEAD_DIM')} | causal={constexprs.get('IS_CAUSAL')} | "
+            f"{constexprs.get('DOT_PRECISION')} | N<={bucket}")
+
+
+def _read_tuned():
+    try:
+        with open(autotune_cache_path(), encoding="utf8") as f:
+            entries = json.load(f)
+        return {k: v for k, v in entries.items() if isinstance(v, dict)} if isinstance(entries, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(key, config):
+    """Keep a choice in memory and on disk (merged with what other processes wrote meanwhile)."""
+    _tuned[key] = config
+    path = autotune_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = {**_read_tuned(), key: config}
+        partial = path.with_name(f"{path.name}.{os.getpid()}.part")
+        partial.write_text(json.dumps(entries, indent=1, sort_keys=True), encoding="utf8")
+        os.replace(partial, path)
+    except OSError:  # a read-only home: the choice lasts this process
+        pass
+
+
+def _autotuned(name, kernel, grid, args, constexprs, seq_len):
+    """The kept choice for this key if there is one (and it is still a candidate), else autotune:
+    time every candidate that fits and keep the fastest."""
+    global _tuned
+    if _tuned is None:
+        _tuned = _read_tuned()
+    # refuses, naming the GPU, what no tile can run well on it
+    default_config(name, args[0].dtype, constexprs.get("DOT_PRECISION"), constexprs.get("BLOCK_D"))
+    configs = candidates(name, args[0].dtype, constexprs.get("DOT_PRECISION"))
+    bucket = seq_bucket(seq_len)
+    device_name = torch.cuda.get_device_name(args[0].device)
+    key = autotune_key(name, kernel, args[0].dtype, constexprs, bucket, device_name)
+    kept = _tuned.get(key)
+    if kept is not None and kept in [_as_dict(c) for c in configs + [FALLBACK_CONFIGS[name]]]:
+        kernel[grid](*args, **constexprs, **kept)
+        return dict(kept)
+    tuner = _tuner(name, kernel, bucket, configs)
+    tuner[grid](*args, **constexprs)
+    chosen = _as_dict(tuner.best_config)
+    _remember(key, chosen)
+    return chosen
 
 
 def gluon_module(name):
@@ -242,7 +399,12 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def dot_precision(dtype: torch.dtype) -> str:
+#: 3xTF32 holds each operand's high and low parts: past this BLOCK_D the backward kernels spill
+#: with any tile (compiled for sm_80 to sm_90), so 'highest' float32 multiplies in IEEE there.
+TF32X3_MAX_BLOCK_D = 128
+
+
+def dot_precision(dtype: torch.dtype, block_d=None) -> str:
     """How tl.dot multiplies float32 tiles, following ``torch.get_float32_matmul_precision()``:
 
     * 'high' and 'medium' allow TF32 (10-bit mantissa products, fp32 accumulation), like
@@ -251,19 +413,24 @@ def dot_precision(dtype: torch.dtype) -> str:
       and later) that is ``"tf32x3"``: each operand is split into a TF32 high part and a TF32
       low part and three tensor-core products are summed, which keeps float32's accuracy within
       the tolerance rule at several times the speed of float32 fused multiply-adds. Elsewhere
-      (the interpreter, older GPUs, or FLASHATTN_TF32X3=0) it is ``"ieee"``.
+      (the interpreter, older GPUs, head dims padded past ``TF32X3_MAX_BLOCK_D``, or
+      FLASHATTN_TF32X3=0) it is ``"ieee"``.
 
-    16-bit inputs always use their tensor-core path and ignore this."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+    GPUs before sm_80 have no TF32: there float32 is always ``"ieee"``. 16-bit inputs always use
+    their tensor-core path and ignore this."""
+    if dtype != torch.float32 or (not INTERPRET and not gpus.device().tensor_cores):
+        return "ieee"
+    if torch.get_float32_matmul_precision() != "highest":
         return "tf32"
-    if dtype == torch.float32 and _tensor_cores() and os.environ.get("FLASHATTN_TF32X3") != "0":
+    if (_tensor_cores() and os.environ.get("FLASHATTN_TF32X3") != "0"
+            and (block_d is None or block_d <= TF32X3_MAX_BLOCK_D)):
         return "tf32x3"
     return "ieee"
 
 
 def _tensor_cores() -> bool:
     """Whether the kernels run on a GPU with TF32 tensor cores (compute capability 8.0 or more)."""
-    return not INTERPRET and torch.cuda.get_device_capability()[0] >= 8
+    return not INTERPRET and gpus.device().tensor_cores
 
 
 # -- Decoding (flashattn.decode) ----------------------------------------------------------------
@@ -296,16 +463,18 @@ def decode_precision(dtype):
     return "ieee" if precision == "tf32x3" else precision
 
 
-def decode_config(dtype, dot_precision, block_r, block_d, candidate=None):
+def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=None):
     """The decode kernel's configuration as a dict (BLOCK_KV, num_warps, num_stages): the
-    interpreter's, DECODE_FMA_CONFIG for IEEE float32, else ``candidate`` (default: the first of
-    DECODE_CANDIDATES). Tall query tiles get smaller key tiles (the fp32 score tile
-    BLOCK_R x BLOCK_KV stays at most 32 x 128) and more warps (at 64 rows and 4 warps the compiler
-    needs 254 registers); the stages are cut to what shared memory holds (Triton keeps
-    num_stages - 1 K and V tiles in flight: at most 160 KB)."""
+    interpreter's, DECODE_FMA_CONFIG for IEEE float32 (and every dtype on a GPU without tensor
+    cores), else ``candidate`` (default: the first of DECODE_CANDIDATES). Tall query tiles get
+    smaller key tiles (the fp32 score tile BLOCK_R x BLOCK_KV stays at most 32 x 128) and more warps
+    (at 64 rows and 4 warps the compiler needs 254 registers); the stages are cut to what shared
+    memory holds (Triton keeps num_stages - 1 K and V tiles in flight: at most 70 % of what a block
+    may use on ``arch``, 160 KB on sm_90, leaving the rest to the query tile and the compiler)."""
     if INTERPRET:
         return dict(DECODE_INTERPRETER_CONFIG)
-    if dtype == torch.float32 and dot_precision == "ieee":
+    arch = arch or gpus.current()
+    if not arch.tensor_cores or (dtype == torch.float32 and dot_precision == "ieee"):
         candidate = DECODE_FMA_CONFIG
     block_kv, warps, stages = candidate or DECODE_CANDIDATES[0]
     block_kv = max(16, min(block_kv, 32 * 128 // block_r))
@@ -313,6 +482,6 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None):
     if dtype == torch.float32 and block_d >= 256:  # TF32 tiles of 32 rows spill at 4 warps
         warps = max(warps, 8)
     stage_bytes = 2 * block_kv * block_d * dtype.itemsize
-    while stages > 2 and (stages - 1) * stage_bytes > 160 * 1024:
+    while stages > 2 and (stages - 1) * stage_bytes > arch.smem_per_block * 7 // 10:
         stages -= 1
     return dict(BLOCK_KV=block_kv, num_warps=warps, num_stages=stages)

@@ -1,5 +1,6 @@
-"""What the tests share: GPU-only tests (marked ``gpu``) are skipped without a CUDA GPU, and the
-exercises' solutions are read from the chapter notebooks."""
+"""What the tests share: GPU-only tests (marked ``gpu``) are skipped without a CUDA GPU, the
+exercises' solutions are read from the chapter notebooks, and the chapters nbval executed are kept
+for the HTML edition."""
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ NOTEBOOKS = ROOT / "notebooks"
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    items.sort(key=lambda item: item.get_closest_marker("after_notebooks") is not None)  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `python -m pytest -m gpu` on a machine with one)")
@@ -31,3 +33,53 @@ def solutions():
         return load(path, edits, stub)
 
     return get
+
+
+# --- Chapters executed by nbval, kept for the HTML edition ---------------------------------------------
+# nbval runs every chapter (testpaths include notebooks/) and keeps each cell's outputs on its test
+# item. tests/test_html_edition.py builds the edition from those executions instead of running every
+# chapter a second time; tests marked `after_notebooks` therefore run after the notebooks.
+
+EXECUTED = pytest.StashKey()
+
+
+class KeepNotebookOutputs:
+    """Collects, per notebook, the outputs nbval saw for each code cell and whether all passed."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = yield
+        outputs = getattr(item, "test_outputs", None)
+        if call.when != "call" or outputs is None or not hasattr(item, "cell"):
+            return
+        runs = item.config.stash.setdefault(EXECUTED, {})
+        nb = item.parent.nb
+        entry = runs.setdefault(str(item.parent.path), dict(nb=nb, outputs={}, failed=False))
+        index = next(i for i, cell in enumerate(nb.cells) if cell is item.cell)
+        entry["outputs"][index] = list(outputs)
+        entry["failed"] |= not report.get_result().passed
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(KeepNotebookOutputs(), "keep-notebook-outputs")
+
+
+def executed_notebooks(config):
+    """{notebook path: the notebook with the outputs nbval recorded}, for every notebook nbval ran
+    completely and without a failure in this test run."""
+    import nbformat
+
+    done = {}
+    for path, entry in config.stash.get(EXECUTED, {}).items():
+        code = [i for i, cell in enumerate(entry["nb"].cells) if cell.cell_type == "code"]
+        if entry["failed"] or set(code) - set(entry["outputs"]):
+            continue
+        nb = nbformat.from_dict(entry["nb"])  # a deep copy
+        for count, index in enumerate(code, start=1):
+            nb.cells[index].outputs = [nbformat.from_dict(output) for output in entry["outputs"][index]]
+            nb.cells[index].execution_count = count
+            for output in nb.cells[index].outputs:
+                if output.output_type == "execute_result":
+                    output.execution_count = count
+        done[path] = nb
+    return done

@@ -8,12 +8,10 @@ own eyes (they do not trust the tool). Executing the student notebooks is the sl
 one runs once, in a fresh kernel with cwd = exercises/, several at a time (set
 STUDENT_NOTEBOOK_WORKERS to change how many; default: the CPU count, at most 4).
 """
-import asyncio
 import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nbformat
@@ -21,6 +19,7 @@ import pytest
 
 import flashattn
 from flashattn.exercises.solutions import BEGIN, END, stubbed
+from flashattn.notebook import execute
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -166,50 +165,6 @@ def report(request, line):
     print(line)
 
 
-def _this_python_kernel_manager():
-    """A kernel manager that starts the kernel with this very interpreter (like nbval's
-    --nbval-current-env), whatever kernelspec 'python3' points to on this machine."""
-    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
-    from jupyter_client.manager import AsyncKernelManager
-    from traitlets import default
-
-    class ThisPython(KernelSpecManager):
-        def get_kernel_spec(self, kernel_name):
-            return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                              display_name="Python 3 (this environment)", language="python")
-
-    class Manager(AsyncKernelManager):
-        @default("kernel_spec_manager")
-        def _kernel_spec_manager_default(self):
-            return ThisPython()
-
-    return Manager
-
-
-async def _execute_all(paths, workers, timeout):
-    from nbclient import NotebookClient
-
-    manager = _this_python_kernel_manager()
-    limit = asyncio.Semaphore(workers)
-
-    async def run(path):
-        nb = nbformat.read(path, as_version=4)
-        async with limit:
-            start = time.perf_counter()
-            # allow_errors=False: only the cells tagged raises-exception (the check cells) may
-            # fail, as in JupyterLab's Run All; any other error stops the run and fails the test
-            client = NotebookClient(nb, timeout=timeout, allow_errors=False, kernel_name="python3",
-                                    kernel_manager_class=manager,
-                                    resources={"metadata": {"path": str(EXERCISES)}})
-            try:
-                await client.async_execute()
-            except Exception as error:  # the kernel died or a cell timed out: report, do not hang
-                return path, (error, time.perf_counter() - start)
-        return path, (nb, time.perf_counter() - start)
-
-    return dict(await asyncio.gather(*(run(path) for path in paths)))
-
-
 @pytest.fixture(scope="session")
 def executed(request):
     """{notebook name: the executed student notebook (or the exception that stopped it)}, for every
@@ -222,7 +177,10 @@ def executed(request):
                       if getattr(item, "originalname", "") == "test_student_notebook_fails_only_at_checks"}
             todo = sorted((wanted | {name}) - set(cache))
             workers = int(os.environ.get("STUDENT_NOTEBOOK_WORKERS", min(4, os.cpu_count() or 1)))
-            results = asyncio.run(_execute_all([EXERCISES / n for n in todo], max(1, workers), timeout=300))
+            # allow_errors=False: only the cells tagged raises-exception (the check cells) may fail,
+            # as in JupyterLab's Run All; any other error stops the run and fails the test
+            results = execute([EXERCISES / n for n in todo], cwd=EXERCISES, workers=max(1, workers), timeout=300,
+                              allow_errors=False)
             cache.update({path.name: nb for path, (nb, _) in results.items()})
             report(request, f"student notebooks run ({workers} at a time): " + ", ".join(
                 f"{path.stem.split('_', 1)[0]} {seconds:.0f} s" for path, (_, seconds) in results.items()))

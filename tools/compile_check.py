@@ -1,18 +1,31 @@
-"""Compile every kernel configuration for an H100/H200 (sm_90) without a GPU, and report resources.
+"""Compile the kernels for NVIDIA GPUs without one (sm_75, sm_80, sm_86, sm_89, sm_90) and report
+registers, spills and shared memory.
 
-Triton can compile to a cubin on any machine: this catches compile errors in configurations the
-interpreter cannot check (it ignores layouts, shared memory and registers) and shows, per
-configuration, the registers per thread, the spilled bytes and the shared memory, so that
-candidates that spill can be pruned before any GPU time is spent. The decode kernels are compiled
-as ``flashattn.decode`` launches them (query tiles of 16, 32 and 64 rows; ``--all`` adds every
-candidate the decode benchmark times); a decode configuration that spills fails the check.
+Triton compiles to a GPU binary on any machine: this catches compile errors the interpreter cannot
+(it ignores layouts, shared memory and registers) and shows, per configuration, the registers per
+thread, the spilled bytes and the shared memory. The decode kernels are compiled for
+sm_90 as ``flashattn.decode`` launches them (query tiles of 16, 32 and 64 rows; ``--all`` adds
+every candidate the decode benchmark times); a decode configuration that spills fails the check.
 
-    python tools/compile_check.py [--dtype bf16] [--head-dim 128] [--kernel fwd] [--all]
+    python tools/compile_check.py                   # every default configuration, every architecture
+    python tools/compile_check.py --arch 86 --arch 90 --jobs 4
+    python tools/compile_check.py --candidates --arch 80 [--dtype bf16] [--head-dim 128] [--kernel fwd] [--all]
+    python tools/compile_check.py --write-defaults   # regenerate flashattn/defaults.py (about half an hour)
+
+The first form compiles what the package runs without timing (``tuning.default_config``) for each
+kernel, input dtype and dot precision, and head-dim class, and exits 1 if one fails to compile,
+spills or needs more shared memory than the architecture gives a block (tests/test_compiled_archs.py
+runs it). ``--candidates`` compiles the autotuning candidates that ``tuning.fits`` keeps instead
+(``--all``: the pruned ones too), and only reports. ``--write-defaults`` chooses the defaults: for
+each entry, the first of ``compiled.default_candidates`` that compiles cleanly.
 """
 import argparse
+import concurrent.futures
 import itertools
+import multiprocessing
 import os
 import sys
+import time
 
 import torch
 
@@ -20,47 +33,184 @@ import torch
 # below launches a kernel), before flashattn is imported.
 os.environ.pop("TRITON_INTERPRET", None)
 torch.cuda.is_available = lambda: True
-torch.cuda.get_device_name = lambda *args: "sm_90, compile only"
+torch.cuda.get_device_name = lambda *args: "compile only"
 
-from flashattn import tuning  # noqa: E402
-from flashattn.compiled import (DECODE_KERNELS, KERNELS, SMEM_PER_BLOCK, TORCH_DTYPES,  # noqa: E402
+from flashattn import compiled, gpus, tuning  # noqa: E402
+from flashattn.compiled import (DECODE_KERNELS, SMEM_PER_BLOCK, TORCH_DTYPES,  # noqa: E402
                                 compile_kernel, decode_launches, decode_merge_launch, resources)
 from flashattn.decode import MAX_SPLITS, max_block_r  # noqa: E402
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _check(job):
+    capability, item = job
+    start = time.perf_counter()
+    try:
+        regs, spill, smem, problem = compiled.check(gpus.ARCHS[capability], item)
+    except Exception as error:  # report and go on: one bad config should not hide the others
+        regs = spill = smem = -1
+        first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        problem = f"does not compile: {first_line}"
+    return capability, item, regs, spill, smem, problem, time.perf_counter() - start
+
+
+def describe(item):
+    name, dtype, block_d, precision, tiles, warps, stages = item
+    config = " ".join(f"{k}={v}" for k, v in tiles) + f" w{warps} s{stages}"
+    dtype += f"/{precision}" if precision and dtype == "fp32" else ""
+    return f"{name:15} {dtype:12} {block_d:4} {config:34}"
+
+
+def check_defaults(archs, jobs):
+    work = [(capability, item) for capability in archs for item in compiled.choosable(gpus.ARCHS[capability])]
+    # the slow ones (wide head dims) first, so that the workers finish together
+    work.sort(key=lambda job: -job[1][2])
+    print(f"{len(work)} compilations ({', '.join(f'sm_{c}' for c in archs)}), {jobs} at a time", flush=True)
+    print(f"{'arch':6} {'kernel':15} {'dtype':12} {'D':>4} {'config':34} {'regs':>4} {'spill':>5} {'smem':>6}")
+    failures, start = [], time.perf_counter()
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        for capability, item, regs, spill, smem, problem, _ in pool.map(_check, work):
+            line = f"sm_{capability:<3} {describe(item)} {regs:4} {spill:5} {smem // 1024:5}K"
+            print(line + (f"  <- {problem}" if problem else ""), flush=True)
+            if problem:
+                failures.append(f"sm_{capability} {describe(item)}: {problem}")
+    print(f"\n{len(work)} compiled in {time.perf_counter() - start:.0f} s; "
+          + (f"{len(failures)} FAILED:\n  " + "\n  ".join(failures) if failures
+             else "none fails, spills or overflows"))
+    return 1 if failures else 0
+
+
+def _choose(job):
+    """The first candidate of one defaults entry that compiles cleanly (or the one that spills least)."""
+    capability, (name, dtype, precision, block_d) = job
+    arch, tried = gpus.ARCHS[capability], []
+    for config in compiled.default_candidates(arch, name, dtype, precision, block_d):
+        item = (name, dtype, block_d, precision, tuple(sorted(config.kwargs.items())), config.num_warps,
+                config.num_stages)
+        _, _, regs, spill, smem, problem, _ = _check((capability, item))
+        tried.append((problem is not None, spill if spill >= 0 else 1 << 30, item, regs, spill, smem, problem))
+        if problem is None:
+            break
+    # no tile compiles cleanly (on sm_75 at head dim 256): the kernel refuses it with a clear error
+    refused = all(t[6] and ("shared memory" in t[6] or "spills" in t[6]) for t in tried)
+    return capability, (name, dtype, precision, block_d), min(tried, key=lambda t: t[:2]), len(tried), refused
+
+
+def write_defaults(archs, jobs):
+    keys = [(capability, key) for capability in archs for key in compiled.table_keys(gpus.ARCHS[capability])]
+    keys.sort(key=lambda job: -job[1][3])
+    print(f"choosing {len(keys)} defaults ({', '.join(f'sm_{c}' for c in archs)}), {jobs} at a time", flush=True)
+    from flashattn.defaults import DEFAULTS  # the architectures not chosen again are kept
+
+    table = {capability: {key: {d: spec for d, spec in by_dim.items() if (*key, d) in kept}
+                          for key, by_dim in entries.items()}
+             for capability, entries in DEFAULTS.items() if capability not in archs
+             for kept in [set(compiled.table_keys(gpus.ARCHS[capability]))]}
+    failures, start = [], time.perf_counter()
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        for capability, key, (bad, _, item, regs, spill, smem, problem), tried, refused in pool.map(_choose, keys):
+            note = "  <- no tile fits: refused with a clear error" if refused else f"  <- {problem}" if bad else ""
+            print(f"sm_{capability:<3} {describe(item)} {regs:4} {spill:5} {smem // 1024:5}K  ({tried} tried){note}",
+                  flush=True)
+            if bad and not refused:
+                failures.append(f"sm_{capability} {describe(item)}: {problem}")
+            name, dtype, precision, block_d = key
+            tiles = dict(item[4])
+            table.setdefault(capability, {}).setdefault((name, dtype, precision), {})[block_d] = None if refused else (
+                tiles["BLOCK_Q"], tiles.get("BLOCK_KV", 0), item[5], item[6])
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "flashattn", "defaults.py")
+    with open(path, "w", encoding="utf8") as f:
+        f.write(DEFAULTS_HEADER)
+        f.write("DEFAULTS = {\n")
+        for capability in sorted(table):
+            f.write(f"    {capability}: {{  # {gpus.ARCHS[capability].gpus}\n")
+            for key in sorted(table[capability], key=str):
+                by_dim = ", ".join(f"{d}: {v}" for d, v in sorted(table[capability][key].items()))
+                f.write(f"        {key!r}: {{{by_dim}}},\n")
+            f.write("    },\n")
+        f.write("}\n")
+    print(f"\nwrote {path} in {time.perf_counter() - start:.0f} s"
+          + (f"; {len(failures)} entries spill or overflow everywhere:\n  " + "\n  ".join(failures)
+             if failures else ""))
+    return 1 if failures else 0
+
+
+DEFAULTS_HEADER = '''"""The configuration each kernel runs with when nothing is timed, per GPU architecture.
+
+Generated by ``python tools/compile_check.py --write-defaults``: do not edit by hand. For each
+architecture, kernel, input dtype with its dot precision (float32: "tf32x3" as 'highest' asks,
+"tf32" as 'high' asks, "ieee" under FLASHATTN_TF32X3=0 or without tensor cores) and head-dim class
+(BLOCK_D), the first configuration of ``flashattn.compiled.default_candidates`` that compiles for
+that architecture without spilling and within the shared memory a block may use. On sm_90 the
+candidates start with the winners an H200 measured, then follow the order it measured them in; for
+sm_75, sm_80, sm_86 and sm_89 the same order, pruned by each architecture's shared memory, gives
+reasoned defaults: compiled, not measured on such a GPU. tests/test_compiled_archs.py compiles every
+entry again.
+
+    {capability: {(kernel, dtype, dot precision): {BLOCK_D: (BLOCK_Q, BLOCK_KV, num_warps, num_stages)}}}
+
+BLOCK_KV is 0 for the Delta kernel, which has no key tile; None marks an entry for which no tile
+compiles without spilling or overflowing shared memory (the kernel then refuses with a ValueError
+naming the GPU). Before sm_80 there are no tensor cores
+(Triton multiplies every dtype with fused multiply-adds) and bfloat16 runs as float32.
+"""
+'''
+
+
+def check_candidates(args):
+    failures = 0
+    print(f"{'arch':6} {'kernel':15} {'dtype':5} {'D':>4} {'config':44} {'regs':>4} {'spill':>5} {'smem':>6}")
+    for capability, name, dtype, head_dim in itertools.product(
+            args.arch, [k for k in args.kernel or compiled.ATTENTION_KERNELS if k in compiled.ATTENTION_KERNELS],
+            args.dtype or ["bf16"], args.head_dim or [64, 128]):
+        arch = gpus.ARCHS[capability]
+        precision = "tf32" if dtype == "fp32" and arch.tensor_cores else "ieee"
+        for config in tuning.candidates(name, DTYPES[dtype], precision, arch):
+            const = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
+            if name != "bwd_preprocess":
+                const.update(IS_CAUSAL=True, DOT_PRECISION=precision)
+                size = DTYPES[dtype].itemsize
+                if not (args.all or tuning.fits(name, config, const["BLOCK_D"], size, precision, arch)):
+                    continue
+            label = f"{config.kwargs} w{config.num_warps} s{config.num_stages}"
+            try:
+                kernel = compiled.compile_kernel(name, dtype, const, num_warps=config.num_warps,
+                                                 num_stages=config.num_stages, target=compiled.target(capability))
+                regs, spill, smem = compiled.resources(kernel)
+                print(f"sm_{capability:<3} {name:15} {dtype:5} {head_dim:4} {label:44} {regs:4} {spill:5} "
+                      f"{smem // 1024:5}K", flush=True)
+            except Exception as e:
+                failures += 1
+                print(f"sm_{capability:<3} {name:15} {dtype:5} {head_dim:4} {label:44} FAILED: "
+                      f"{str(e).splitlines()[0][:200]}", flush=True)
+    return 1 if failures else 0
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", choices=list(KERNELS), action="append")
-    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], action="append")
+    p.add_argument("--arch", type=int, choices=list(gpus.ARCHS), action="append",
+                   help="compute capability (default: all of them)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compilations at once (default: CPUs)")
+    p.add_argument("--candidates", action="store_true", help="the autotuning candidates instead of the defaults")
+    p.add_argument("--kernel", choices=list(compiled.KERNELS), action="append")
+    p.add_argument("--dtype", choices=list(DTYPES), action="append")
     p.add_argument("--head-dim", type=int, action="append")
-    p.add_argument("--causal", type=int, choices=(0, 1), action="append")
-    p.add_argument("--all", action="store_true", help="also compile the candidates tuning.fits prunes")
+    p.add_argument("--all", action="store_true", help="with --candidates: also those tuning.fits prunes")
+    p.add_argument("--write-defaults", action="store_true", help="choose the defaults, write flashattn/defaults.py")
     args = p.parse_args()
-    failures = 0
-    kernels = args.kernel or list(KERNELS)
-    print(f"{'kernel':15} {'dtype':5} {'D':>4} {'causal':6} {'config':44} {'regs':>4} {'spill':>5} {'smem':>6}")
-    for name, dtype, head_dim, causal in itertools.product(
-            [k for k in kernels if k not in DECODE_KERNELS], args.dtype or ["bf16"], args.head_dim or [64, 128],
-            args.causal or [1]):
-        for config in tuning.GPU_CONFIGS[name]:
-            const = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
-            if name != "bwd_preprocess":
-                const.update(IS_CAUSAL=bool(causal), DOT_PRECISION="tf32" if dtype == "fp32" else "ieee")
-                if not (args.all or tuning.fits(name, config, const["BLOCK_D"], 4 if dtype == "fp32" else 2)):
-                    continue
-            label = f"{config.kwargs} w{config.num_warps} s{config.num_stages}"
-            try:
-                compiled = compile_kernel(name, dtype, const, num_warps=config.num_warps,
-                                          num_stages=config.num_stages)
-                regs, spill, smem = resources(compiled)
-                print(f"{name:15} {dtype:5} {head_dim:4} {causal:6} {label:44} {regs:4} {spill:5} "
-                      f"{smem // 1024:5}K", flush=True)
-            except Exception as e:  # report and go on: one bad config should not hide the others
-                failures += 1
-                print(f"{name:15} {dtype:5} {head_dim:4} {causal:6} {label:44} FAILED: "
-                      f"{str(e).splitlines()[0][:200]}", flush=True)
-    for dtype, head_dim in itertools.product(args.dtype or ["bf16"], args.head_dim or [64, 128]):
-        failures += check_decode(kernels, dtype, head_dim, args.all)
+    args.arch = args.arch or list(gpus.ARCHS)
+    if args.write_defaults:
+        sys.exit(write_defaults(args.arch, max(1, args.jobs)))
+    failures = check_candidates(args) if args.candidates else check_defaults(args.arch, max(1, args.jobs))
+    if 90 in args.arch:
+        kernels = args.kernel or list(DECODE_KERNELS)
+        print(f"\nthe decode kernels, sm_90\n{'kernel':15} {'dtype':5} {'D':>4} {'causal':6} {'config':44} "
+              f"{'regs':>4} {'spill':>5} {'smem':>6}")
+        for dtype, head_dim in itertools.product(args.dtype or ["bf16"], args.head_dim or [64, 128]):
+            failures += check_decode(kernels, dtype, head_dim, args.all)
     sys.exit(1 if failures else 0)
 
 

@@ -1,0 +1,145 @@
+"""The GPUs learners have: every configuration the package runs without timing compiles for sm_75
+(T4), sm_80 (A100), sm_86 (RTX 30, A10), sm_89 (L4, RTX 40) and sm_90 (H100, H200), without
+spilling and within the shared memory the architecture gives a block. No GPU is needed: Triton
+compiles for any target.
+
+The compiling is ``tools/compile_check.py``'s (run in a child process that believes it has a GPU;
+nothing is launched): the defaults of ``flashattn/defaults.py``, one compile per distinct kernel,
+dtype and dot precision, head-dim class and configuration. The other tests here check, on the CPU,
+that the table covers every architecture and that the decisions around it (the rules against each
+architecture's limits, bfloat16 before sm_80) are the ones the table was built with.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashattn  # before triton: on a CPU it picks the interpreter
+import triton
+from flashattn import compiled, gpus, runtime, tuning
+from flashattn.defaults import DEFAULTS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_default_compiles_for_every_architecture():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(flashattn.__file__).resolve().parent.parent),
+                                                      env.get("PYTHONPATH")]))
+    env.setdefault("TRITON_DISABLE_LINE_INFO", "1")  # registers and spills are the same, ptxas is faster
+    jobs = os.environ.get("COMPILE_CHECK_JOBS", str(min(4, os.cpu_count() or 1)))
+    result = subprocess.run([sys.executable, "tools/compile_check.py", "--jobs", jobs], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=1800)
+    if "cannot compile" in result.stdout and result.returncode == 77:
+        pytest.skip(result.stdout.strip().splitlines()[-1])
+    summary = result.stdout.strip().splitlines()[-1:] if result.stdout.strip() else []
+    print("\n".join(summary))
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+def test_the_table_covers_every_architecture_kernel_dtype_and_head_dim():
+    assert sorted(DEFAULTS) == sorted(gpus.ARCHS) == [75, 80, 86, 89, 90]
+    for capability, arch in gpus.ARCHS.items():
+        missing = [key for key in compiled.table_keys(arch)
+                   if key[3] not in DEFAULTS[capability].get(key[:3], {})]
+        assert not missing, (f"sm_{capability}: no default for {missing[:5]} "
+                             "(run tools/compile_check.py --write-defaults)")
+
+
+@pytest.mark.parametrize("capability", sorted(gpus.ARCHS))
+def test_defaults_obey_the_architecture(capability):
+    """Every entry keeps the dK/dV kernel's divisibility and, by the rules' own count, the
+    architecture's shared memory; on sm_90 the measured winners are used wherever they compiled
+    cleanly."""
+    arch = gpus.ARCHS[capability]
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    for (name, dtype, precision), by_dim in DEFAULTS[capability].items():
+        for block_d, spec in by_dim.items():
+            if spec is None:  # no tile fits: refused (test_what_no_tile_fits_is_refused_by_name)
+                continue
+            bq, bkv, warps, stages = spec
+            config = tuning.default_config(name, dtypes[dtype], precision, block_d, arch)
+            assert (config.kwargs.get("BLOCK_Q"), config.kwargs.get("BLOCK_KV", 0), config.num_warps,
+                    config.num_stages) == (bq, bkv, warps, stages)
+            if name == "bwd_preprocess":
+                continue
+            roomy = gpus.Arch(capability, arch.gpus, arch.smem_per_block, arch.regs_per_sm,
+                              tuple((kind, 1e9) for kind, _ in arch.register_budget))
+            assert tuning.fits(name, config, block_d, dtypes[dtype].itemsize, precision, roomy), \
+                (capability, name, dtype, precision, block_d, config)
+
+
+def test_rules_read_the_architecture():
+    """The same tile is judged by each GPU's own limits: a 128 x 64 forward tile in 3 stages at head
+    dim 128 (128 KB of shared memory by the rule) fits an A100 or H100, not an L4 or a T4."""
+    config = triton.Config({"BLOCK_Q": 128, "BLOCK_KV": 64}, num_warps=8, num_stages=3)
+    fits = {c: tuning.fits("fwd", config, 128, 2, "ieee", arch) for c, arch in gpus.ARCHS.items()}
+    assert fits == {75: False, 80: True, 86: False, 89: False, 90: True}
+    # on the CPU the rules are the reference GPU's
+    if flashattn.INTERPRET:
+        assert gpus.current() is gpus.REFERENCE
+        assert tuning.fits("fwd", config, 128, 2) == tuning.fits("fwd", config, 128, 2, arch=gpus.ARCHS[90])
+
+
+def test_a_device_is_read_from_its_properties(monkeypatch):
+    class Props:  # what torch.cuda.get_device_properties reports for an L4
+        name, major, minor = "NVIDIA L4", 8, 9
+        shared_memory_per_block_optin, regs_per_multiprocessor = 101376, 65536
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    gpus._device.cache_clear()
+    try:
+        arch = gpus._device(0)
+        assert (arch.capability, arch.smem_per_block, arch.tensor_cores) == (89, 101376, True)
+        assert arch.register_budget == gpus.ARCHS[89].register_budget
+        assert gpus.arch_of((8, 7)) is gpus.ARCHS[86] and gpus.arch_of((10, 0)) is gpus.ARCHS[90]
+        with pytest.raises(RuntimeError, match="older than the oldest"):
+            gpus.arch_of((7, 0))
+    finally:
+        gpus._device.cache_clear()
+
+
+def test_bfloat16_before_sm80_runs_in_float32():
+    """A T4 (sm_75) has no bfloat16 arithmetic and Triton no tensor-core path there: bfloat16 inputs
+    are upcast and computed like float32, which on sm_75 means IEEE products (no TF32 either)."""
+    assert runtime.bf16_in_float32(False, (7, 5))
+    assert not runtime.bf16_in_float32(False, (8, 0)) and not runtime.bf16_in_float32(False, (9, 0))
+    assert runtime.bf16_in_float32(True)  # the interpreter, whatever the GPU
+    t4 = gpus.ARCHS[75]
+    assert compiled.dtype_paths(t4) == [("fp16", "ieee"), ("fp32", "ieee")]
+    for dtype in (torch.float16, torch.float32):
+        for precision in ("ieee", "tf32", "tf32x3"):
+            assert tuning.candidates("fwd", dtype, precision, t4) is tuning.FMA_CONFIGS["fwd"]
+    assert tuning.dot_kind(2, "ieee", gpus.ARCHS[80]) == "mma"
+    assert tuning.dot_kind(4, "tf32x3", gpus.ARCHS[80]) == "tf32x3"
+    assert tuning.dot_kind(2, "ieee", t4) == tuning.dot_kind(4, "tf32", t4) == "fma"
+
+
+def test_what_no_tile_fits_is_refused_by_name():
+    """Where even the smallest tiles spill or overflow a GPU's shared memory, the kernel refuses
+    with a ValueError that names the GPU and says what to do, instead of running slowly or failing
+    with Triton's OutOfResources."""
+    refused = [(capability, key, block_d) for capability, entries in DEFAULTS.items()
+               for key, by_dim in entries.items() for block_d, spec in by_dim.items() if spec is None]
+    for capability, (name, dtype, precision), block_d in refused:
+        torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        with pytest.raises(ValueError, match=rf"\({gpus.ARCHS[capability].name}\) has too little room .* "
+                                             rf"Use head dims up to {block_d // 2}"):
+            tuning.default_config(name, torch_dtype, precision, block_d, gpus.ARCHS[capability])
+    # today: the backward at head dims 129-256 on a T4, and nothing else
+    assert sorted((c, key[:2], d) for c, key, d in refused) == [
+        (75, ("bwd_dkdv", "fp16"), 256), (75, ("bwd_dkdv", "fp32"), 256), (75, ("bwd_dq", "fp16"), 256)]
+
+
+def test_float32_past_head_dim_128_multiplies_in_ieee(monkeypatch):
+    """3xTF32 spills in the backward at BLOCK_D 256 on every GPU: 'highest' float32 uses IEEE there."""
+    monkeypatch.setattr(tuning, "_tensor_cores", lambda: True)
+    monkeypatch.setattr(gpus, "_assumed", gpus.ARCHS[90])
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.delenv("FLASHATTN_TF32X3", raising=False)
+    assert [tuning.dot_precision(torch.float32, d) for d in (16, 64, 128, 256)] == ["tf32x3"] * 3 + ["ieee"]
+    assert tuning.dot_precision(torch.float16, 256) == "ieee"

@@ -1,0 +1,152 @@
+"""A chapter opened on its own: the first cell every chapter shares, where it finds flashattn, and a
+chapter copied alone into an empty folder, run top to bottom.
+
+flashattn/course.py says once where the course lives; the first cell of every notebook and the
+README's Colab links are written from it by tools/sync_course.py, and these tests fail when they
+drift from it.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import flashattn
+from flashattn import course
+from flashattn.notebook import execute
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = str(Path(flashattn.__file__).resolve().parent.parent)  # the flashattn under test
+ALONE = "01_online_softmax.ipynb"  # a chapter that runs in a few seconds on a CPU
+
+
+def env_with_package(**extra):
+    """This environment, with the flashattn under test importable (installed or not)."""
+    path = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def first_code_cell(path):
+    return next(cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code")
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("exercises/*.ipynb")),
+                         ids=lambda path: f"{path.parent.name}/{path.stem}")
+def test_first_code_cell_is_the_canonical_one(path):
+    if first_code_cell(path).source != course.first_cell():
+        pytest.fail(f"{path.parent.name}/{path.name}: its first code cell is not flashattn.course.first_cell(); "
+                    "run `python tools/sync_course.py`", pytrace=False)
+
+
+def test_first_cell_and_colab_links_are_current():
+    result = subprocess.run([sys.executable, "tools/sync_course.py", "--check"], cwd=ROOT, capture_output=True,
+                            text=True, env=env_with_package())
+    if result.returncode != 0:
+        pytest.fail(result.stdout + result.stderr, pytrace=False)
+
+
+def test_course_addresses():
+    assert course.pip_source() == f"git+{course.REPOSITORY}@{course.BRANCH}"
+    owner_name = course.REPOSITORY.removeprefix("https://github.com/")
+    assert course.colab_url("notebooks/x.ipynb") == (
+        f"https://colab.research.google.com/github/{owner_name}/blob/{course.BRANCH}/notebooks/x.ipynb")
+    readme = (ROOT / "README.md").read_text(encoding="utf8")
+    for path in sorted(ROOT.glob("notebooks/*.ipynb")):
+        assert course.colab_url(f"notebooks/{path.name}") in readme, path.name
+        assert course.colab_url(f"exercises/{path.name}") in readme, path.name
+
+
+# The first cell's three ways, each run in a fresh interpreter that pretends flashattn is not
+# installed. The pip install Colab would run is recorded, not run: it then puts the checkout on the
+# path, as an installed package would be.
+FIRST_CELL_SCENARIO = r"""
+import importlib.util, json, subprocess, sys, types
+real_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *args: None if name == "flashattn" else real_find_spec(name, *args)
+scenario, package_root, cell = sys.argv[1], sys.argv[2], sys.stdin.read()
+sys.path = [p for p in sys.path if p not in ("", package_root)]
+pip = []
+if scenario == "colab":
+    sys.modules["google.colab"] = types.ModuleType("google.colab")
+    def fake_run(command, **kwargs):
+        pip.append(command)
+        sys.path.append(package_root)
+    subprocess.run = fake_run
+try:
+    exec(compile(cell, "first cell", "exec"), {})
+    outcome = "imported"
+except ModuleNotFoundError as error:
+    outcome = str(error)
+print(json.dumps(dict(outcome=outcome, pip=pip, path0=sys.path[0])))
+"""
+
+
+def run_first_cell(scenario, cwd):
+    result = subprocess.run([sys.executable, "-c", FIRST_CELL_SCENARIO, scenario, PACKAGE_ROOT],
+                            input=course.first_cell(), cwd=cwd, capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_first_cell_in_the_checkout_uses_it():
+    seen = run_first_cell("checkout", ROOT / "notebooks")
+    assert seen["outcome"] == "imported" and seen["pip"] == [], seen
+    assert Path(seen["path0"]) == ROOT, seen
+
+
+def test_first_cell_on_colab_installs_from_the_repository(tmp_path):
+    seen = run_first_cell("colab", tmp_path)
+    assert seen["outcome"] == "imported", seen
+    assert seen["pip"] == [[sys.executable, "-m", "pip", "install", "--quiet", course.pip_source()]], seen
+
+
+def test_first_cell_elsewhere_says_what_to_run(tmp_path):
+    seen = run_first_cell("elsewhere", tmp_path)
+    assert seen["pip"] == [], seen
+    assert seen["outcome"] == (f'flashattn is not installed: run  pip install "{course.pip_source()}"  '
+                               'and restart the kernel.'), seen
+
+
+def test_recorded_data_found_in_the_checkout_or_downloaded(tmp_path, monkeypatch):
+    assert course.data_file("h200_bench.csv") == ROOT / "figures" / "data" / "h200_bench.csv"
+    # away from a checkout: fetched from the repository's address once, then kept in the cache
+    monkeypatch.setattr(course, "_checkouts", lambda: [tmp_path / "nowhere"])
+    monkeypatch.setenv("FLASHATTN_CACHE_DIR", str(tmp_path / "cache"))
+    fetched = []
+    monkeypatch.setattr(course, "raw_url", lambda path: fetched.append(path) or (ROOT / path).as_uri())
+    for _ in range(2):
+        path = course.data_file("h200_ladder.csv")
+        assert path.is_relative_to(tmp_path / "cache")
+        assert path.read_bytes() == (ROOT / "figures" / "data" / "h200_ladder.csv").read_bytes()
+    assert fetched == ["figures/data/h200_ladder.csv"]
+    monkeypatch.setattr(course, "raw_url", lambda path: (tmp_path / "missing.csv").as_uri())
+    with pytest.raises(FileNotFoundError, match="h200_memory.csv is not in a checkout"):
+        course.data_file("h200_memory.csv")
+
+
+def test_a_chapter_copied_alone_runs_top_to_bottom(tmp_path):
+    """A chapter copied into an empty folder, far from the checkout, with the package importable
+    (here through PYTHONPATH: the flashattn under test, installed or not), runs to the end."""
+    shutil.copy(ROOT / "notebooks" / ALONE, tmp_path / ALONE)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ALONE]
+    (result, seconds), = execute([tmp_path / ALONE], cwd=tmp_path, timeout=300,
+                                 env=env_with_package(TRITON_INTERPRET="1")).values()
+    if isinstance(result, Exception):
+        pytest.fail(f"{ALONE}, copied alone, stopped: {type(result).__name__}: {str(result)[-3000:]}",
+                    pytrace=False)
+    first = next(cell for cell in result.cells if cell.cell_type == "code")
+    assert "flashattn runs" in "".join(out.get("text", "") for out in first.outputs)
+
+
+def test_the_chapter_timer_runs_a_chapter_without_jupyter(tmp_path):
+    """tools/time_chapters.py (for GPU machines, where nbclient may be missing) runs a chapter's
+    code cells in plain Python, with stand-ins for IPython's display if need be."""
+    result = subprocess.run([sys.executable, "tools/time_chapters.py", ALONE[:2], "--plain"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=env_with_package())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"ok   {ALONE}" in result.stdout

@@ -1,0 +1,74 @@
+"""The static HTML edition (tools/build_html.py): built into a temporary folder, an index that links
+every chapter in order, and a page per chapter with its figures embedded and, where a chapter was
+recorded on a GPU, those outputs.
+
+The chapters are not executed a second time when nbval ran them earlier in the same test run (the full
+suite: tests/conftest.py keeps its outputs); run alone, this test executes them all (a few minutes).
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import flashattn
+
+from conftest import executed_notebooks
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def image_outputs(nb):
+    return sum("image/png" in output.get("data", {}) for cell in nb.cells for output in cell.get("outputs", []))
+
+
+@pytest.mark.after_notebooks
+def test_html_edition(tmp_path, request):
+    reused = executed_notebooks(request.config)
+    (tmp_path / "executed").mkdir()
+    for path, nb in reused.items():
+        nbformat.write(nb, tmp_path / "executed" / Path(path).name)
+    out = tmp_path / "html"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(Path(flashattn.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "tools/build_html.py", "--out", str(out), "--executed",
+                             str(tmp_path / "executed")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    print(f"HTML edition: {len(reused)} of {len(CHAPTERS)} chapters reused from nbval's run")
+
+    index = (out / "index.html").read_text(encoding="utf8")
+    links = re.findall(r'href="([^"]+)\.html"', index)
+    assert links == [path.stem for path in CHAPTERS], "the index links every chapter, in order"
+
+    problems = []
+    for path in CHAPTERS:
+        page = out / f"{path.stem}.html"
+        if not page.is_file():
+            problems.append(f"{page.name}: missing")
+            continue
+        text = page.read_text(encoding="utf8")
+        embedded = len(re.findall(r'<img[^>]+src="data:image/png;base64,', text))
+        executed = reused.get(str(path))
+        expected = image_outputs(executed) if executed is not None else 1
+        if embedded < max(expected, 1):
+            problems.append(f"{page.name}: {embedded} embedded images, expected at least {max(expected, 1)}")
+        linked = [src for src in re.findall(r'<img[^>]+src="([^"]+)"', text) if not src.startswith("data:")]
+        if linked:
+            problems.append(f"{page.name}: images linked instead of embedded: {linked}")
+        if "flashattn runs" not in text:
+            problems.append(f"{page.name}: the first cell's output is missing (not executed?)")
+        if 'href="index.html"' not in text:
+            problems.append(f"{page.name}: no link back to the index")
+    assert not problems, "\n".join(problems)
+
+    # chapter 08 was executed on the H200 and its outputs recorded: the page carries them
+    for record in sorted((ROOT / "docs" / "gpu-record").glob("*chapter-*-outputs*")):
+        number = re.search(r"chapter-(\d+)-outputs", record.name).group(1)
+        (page,) = out.glob(f"{number}_*.html")
+        text = page.read_text(encoding="utf8")
+        assert record.name in text and "CUDA GPU found: NVIDIA H200" in text, page.name

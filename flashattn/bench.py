@@ -251,7 +251,7 @@ def plot(rows, out_dir):
 # -- decoding with a KV cache ------------------------------------------------------------------
 
 DECODE_FIELDS = ["gpu", "torch", "triton", "dtype", "batch", "heads", "kv_heads", "n_q", "head_dim",
-                 "cache_len", "provider", "num_splits", "ms", "cache_tbps", "of_copy"]
+                 "cache_len", "provider", "num_splits", "ms", "cache_tbps", "of_copy", "loop_ms", "host_us"]
 
 
 def copy_bandwidth(nbytes=2 * 2**30, device="cuda"):
@@ -265,8 +265,31 @@ def copy_bandwidth(nbytes=2 * 2**30, device="cuda"):
     return 2 * nbytes / ms * 1e-9
 
 
+def loop_time(fn, calls=100, rounds=5):
+    """A decoding step as a generation loop runs it: ``calls`` calls back to back, then one wait for
+    the GPU. Returns the wall time per call in ms (the kernels' time, or the host's when the host
+    takes longer to launch them) and the host's time per call in us (until the last launch
+    returns, before the wait). Best of ``rounds``; 100 calls stay within CUDA's launch queue."""
+    import time
+
+    fn()
+    best_wall = best_host = math.inf
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        launched = time.perf_counter()
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+        best_host = min(best_host, (launched - start) / calls)
+        best_wall = min(best_wall, (done - start) / calls)
+    return best_wall * 1e3, best_host * 1e6
+
+
 def decode_providers(q, k, v, lengths):
-    """What a decoding step is compared with, on the same cache: name -> callable."""
+    """What a decoding step is compared with, on the same cache: name -> callable. The two decode
+    providers call ``flashattn.decode`` as a user does (every check, the lengths read anew)."""
     import flashattn
     from torch.nn.functional import scaled_dot_product_attention
 
@@ -327,16 +350,18 @@ def decode_run(lengths, batch, heads, kv_heads, head_dim, dtype, out_csv, sweep=
         timed = {}
         for name, fn in decode_providers(q, k, v, cache_seqlens).items():
             fn()  # compile / warm up
-            timed[name] = ("", triton.testing.do_bench(fn, return_mode="median"))
+            loop_ms, host_us = loop_time(fn)
+            timed[name] = ("", triton.testing.do_bench(fn, return_mode="median"),
+                           f"{loop_ms:.4f}", f"{host_us:.1f}")
         if sweep:
             for (candidate, per_sm), (splits, ms) in decode_sweep(q, k, v, cache_seqlens).items():
-                timed[f"decode {candidate} x{per_sm}/SM"] = (splits, ms)
-        for name, (splits, ms) in timed.items():
+                timed[f"decode {candidate} x{per_sm}/SM"] = (splits, ms, "", "")
+        for name, (splits, ms, loop_ms, host_us) in timed.items():
             tbps = cache_bytes / ms * 1e-9
             rows.append(dict(meta, dtype=str(dtype).replace("torch.", ""), batch=batch, heads=heads,
                              kv_heads=kv_heads, n_q=1, head_dim=head_dim, cache_len=n, provider=name,
                              num_splits=splits, ms=f"{ms:.4f}", cache_tbps=f"{tbps:.3f}",
-                             of_copy=f"{tbps / copy_tbps:.3f}"))
+                             of_copy=f"{tbps / copy_tbps:.3f}", loop_ms=loop_ms, host_us=host_us))
         del q, k, v
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -348,21 +373,59 @@ def decode_run(lengths, batch, heads, kv_heads, head_dim, dtype, out_csv, sweep=
     return rows, copy_tbps
 
 
+def decode_host_costs(batch=8, device="cuda", calls=200):
+    """The host's time per call (us) of the steps of ``flashattn.decode`` that only a GPU can
+    time: copying the lengths (through pinned memory, as decode does, and straight from pageable
+    memory), allocating an output, asking whether a CUDA graph is being captured. Each is timed on
+    an idle GPU and behind 20 ms of queued work: a step that waits for the GPU's queue shows there.
+    The busy round runs twice and the second counts (the first grows the pinned-memory pool: while
+    the GPU is behind, every copy holds its own pinned buffer). Returns lines to print."""
+    import time
+
+    lens = torch.full((batch,), 4096, dtype=torch.int32)
+    steps = {
+        "lengths: pin_memory().to(cuda, non_blocking)": lambda: lens.pin_memory().to(device, non_blocking=True),
+        "lengths: pageable .to(cuda, non_blocking)": lambda: lens.to(device, non_blocking=True),
+        "torch.empty((B, 32, 1, 128)) on the GPU": lambda: torch.empty((batch, 32, 1, 128), device=device),
+        "torch.cuda.is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
+    }
+    lines = [f"host us per call of decode's steps (B = {batch}):  idle GPU   busy GPU"]
+    for name, fn in steps.items():
+        timed = []
+        for busy in (False, True, True):
+            fn()
+            torch.cuda.synchronize()
+            if busy:
+                torch.cuda._sleep(40_000_000)  # ~20 ms of GPU clock cycles
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            timed.append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+        del timed[1]
+        lines.append(f"  {name:46} {timed[0]:8.1f} {timed[1]:10.1f}")
+    return lines
+
+
 def decode_summary(rows):
     """Per cache length: each provider's time, cache TB/s, fraction of the copy bandwidth, and
-    decode's speed-up over it; then the fastest configurations of the sweep."""
+    decode's speed-up over it, then its time per call in a loop and the host's share of it (where
+    measured); then the fastest configurations of the sweep."""
     lines = []
     for n in sorted({int(r["cache_len"]) for r in rows}):
         sel = [r for r in rows if int(r["cache_len"]) == n]
         ours = next(float(r["ms"]) for r in sel if r["provider"] == "decode")
-        lines.append(f"cache {n}:  {'provider':34} {'ms':>8} {'TB/s':>6} {'of copy':>7} {'decode is':>9}")
+        lines.append(f"cache {n}:  {'provider':34} {'ms':>8} {'TB/s':>6} {'of copy':>7} {'decode is':>9}"
+                     f" {'loop us':>8} {'host us':>8}")
         main_rows = [r for r in sel if not r["provider"].startswith("decode ")]
         swept = sorted((r for r in sel if r["provider"].startswith("decode ")), key=lambda r: float(r["ms"]))
         for r in main_rows + swept[:3]:
             ms = float(r["ms"])
             label = r["provider"] + (f" ({r['num_splits']} splits)" if r["num_splits"] else "")
+            loop = f"{float(r['loop_ms']) * 1e3:8.1f}" if r.get("loop_ms") else f"{'-':>8}"
+            host = f"{float(r['host_us']):8.1f}" if r.get("host_us") else f"{'-':>8}"
             lines.append(f"{'':12} {label:34} {ms:8.4f} {float(r['cache_tbps']):6.2f} "
-                         f"{float(r['of_copy']):7.0%} {ms / ours:8.2f}x")
+                         f"{float(r['of_copy']):7.0%} {ms / ours:8.2f}x {loop} {host}")
     return lines
 
 
@@ -375,10 +438,16 @@ def decode_main(argv):
     * ``sdpa-gqa``: scaled_dot_product_attention(q, k, v, enable_gqa=True), its default backend;
     * ``attention-repeated``: flashattn.attention with K and V repeated to H_q heads;
     * ``decode (BLOCK_KV, warps, stages) xP/SM``: every candidate configuration, the split
-      heuristic aiming at P programs per SM (the three fastest are printed, all go to the CSV).
+      heuristic aiming at P programs per SM (the three fastest are printed, all go to the CSV),
+      launched by ``decode.decode_forward`` on lengths already on the GPU: the kernels alone.
 
-    TB/s counts the bytes of the K/V cache (2 x B x H_kv x L x D x 2 bytes), whatever a provider
-    actually reads (plain attention reads H_q / H_kv times more), against the copy bandwidth.
+    ``ms`` is triton.testing.do_bench's median, which empties the L2 cache before each call: the
+    GPU's work of a call, plus whatever host work before the first launch outlasts that emptying.
+    ``loop_ms`` is a call's share of 100 calls back to back, as a generation loop makes them (the
+    kernels' time, or the host's when launching takes longer), and ``host_us`` the host's time per
+    call in that loop. TB/s counts the bytes of the K/V cache (2 x B x H_kv x L x D x 2 bytes),
+    whatever a provider actually reads (plain attention reads H_q / H_kv times more), against the
+    copy bandwidth.
     """
     p = argparse.ArgumentParser(prog="python -m flashattn.bench decode", description=decode_main.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -397,6 +466,7 @@ def decode_main(argv):
     rows, _ = decode_run(args.lengths, args.batch, args.heads, args.kv_heads, args.head_dim,
                          DTYPES[args.dtype], args.out, sweep=not args.no_sweep)
     print("\n".join(decode_summary(rows)))
+    print("\n".join(decode_host_costs(args.batch)))
     print("wrote", args.out)
 
 

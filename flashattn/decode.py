@@ -26,6 +26,7 @@ import numbers
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
 from . import tuning
 from .tiles import LOG2E
@@ -161,6 +162,10 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _cdiv(a, b):
+    return (a + b - 1) // b  # triton.cdiv in plain Python: it costs microseconds on the host
+
+
 def choose_num_splits(programs, n_seen, block_kv, n_sm, programs_per_sm=PROGRAMS_PER_SM):
     """How many splits for ``programs`` unsplit programs (batch x KV heads x row blocks), when
     the longest sequence has ``n_seen`` keys seen by all its new tokens: the count nearest to
@@ -171,7 +176,7 @@ def choose_num_splits(programs, n_seen, block_kv, n_sm, programs_per_sm=PROGRAMS
     if programs <= 0 or n_seen <= 0:
         return 1
     wanted = round(programs_per_sm * n_sm / programs)
-    most = triton.cdiv(n_seen, block_kv) // MIN_TILES_PER_SPLIT
+    most = _cdiv(n_seen, block_kv) // MIN_TILES_PER_SPLIT
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
@@ -185,50 +190,102 @@ def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None
     With ``partials``, the merge is not run: returns the split kernel's partial states instead,
     ``o_part`` (B, H_q, N_q, num_splits, D) and ``lse_part`` (B, H_q, N_q, num_splits), float32,
     each O_s divided by its own sum and LSE_s in base 2 (-inf for a split without keys)."""
-    batch, n_heads, n_q, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
-    out_dtype = q.dtype
-    q, k_cache, v_cache = kernel_dtype(q, k_cache, v_cache)
-    out = torch.empty((batch, n_heads, n_q, head_dim), device=q.device, dtype=q.dtype)
-    lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
-    if partials and out.numel() == 0:
-        raise ValueError("partials need at least one query row (q has shape "
-                         f"{tuple(q.shape)})")
-    if out.numel() == 0 or (max_len == 0 and not partials):
-        # no sequence has a key: an empty sum, like scaled_dot_product_attention
-        return out.zero_().to(out_dtype), lse.fill_(float("-inf"))
+    plan = _Plan(q, k_cache, config)
+    return plan.run(q, k_cache, v_cache, lengths, max_len, scale, num_splits, partials)
 
-    group = n_heads // kv_heads
-    n_rows = group * n_q
-    block_r = min(max(16, triton.next_power_of_2(n_rows)), max_block_r(out_dtype))  # tl.dot: >= 16
-    row_blocks = triton.cdiv(n_rows, block_r)
-    precision = tuning.decode_precision(q.dtype)
-    block_d = tuning.block_d(head_dim)
-    config = dict(config or tuning.decode_config(q.dtype, precision, block_r, block_d))
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * kv_heads * row_blocks, max_len - n_q + 1,
-                                       config["BLOCK_KV"], sm_count(q.device))
-    final = num_splits == 1 and not partials
-    if final:
-        o_part, lse_part = out, lse
-    else:
-        o_part = torch.empty((batch, n_heads, n_q, num_splits, head_dim), device=q.device,
-                             dtype=torch.float32)
-        lse_part = torch.empty((batch, n_heads, n_q, num_splits), device=q.device,
-                               dtype=torch.float32)
-    _decode_split[(row_blocks * num_splits, kv_heads, batch)](
-        q, k_cache, v_cache, lengths, o_part, lse_part,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        n_q, group, num_splits, scale * LOG2E,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, FINAL=final, DOT_PRECISION=precision,
-        **config)
-    if partials:
-        return o_part, lse_part
-    if not final:
-        _decode_merge[(batch * n_heads * n_q,)](
-            o_part, lse_part, out, lse, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits))
-    return out.to(out_dtype), lse
+
+class _Plan:
+    """What decode decides from the shapes and dtypes alone (tile sizes, configuration, the split
+    heuristic's inputs), and the kernels compiled for them, launched directly after the first
+    launch through Triton's JIT (see ``_launch``)."""
+
+    def __init__(self, q, k_cache, config=None):
+        batch, n_heads, n_q, head_dim = q.shape
+        self.batch, self.n_heads, self.n_q, self.head_dim = batch, n_heads, n_q, head_dim
+        self.kv_heads = k_cache.shape[1]
+        self.group = n_heads // self.kv_heads
+        self.device, self.out_dtype = q.device, q.dtype
+        # the dtype the kernels read and write: float32 for bfloat16 on the interpreter
+        self.dtype = dtype = kernel_dtype(q)[0].dtype if INTERPRET else q.dtype
+        n_rows = self.group * n_q
+        self.block_r = min(max(16, triton.next_power_of_2(n_rows)), max_block_r(q.dtype))  # tl.dot: >= 16
+        self.row_blocks = _cdiv(n_rows, self.block_r)
+        self.precision = tuning.decode_precision(dtype)
+        self.block_d = tuning.block_d(head_dim)
+        self.config = dict(config or tuning.decode_config(dtype, self.precision, self.block_r,
+                                                          self.block_d))
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.empty = batch * n_heads * n_q * head_dim == 0
+        self.kernels = {}  # (kernel, num_splits, partials, lengths' alignment) -> compiled launch
+
+    def num_splits(self, max_len):
+        return choose_num_splits(self.batch * self.kv_heads * self.row_blocks, max_len - self.n_q + 1,
+                                 self.config["BLOCK_KV"], sm_count(self.device))
+
+    def run(self, q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, partials=False):
+        """The launches, on arguments of this plan's shapes, dtypes, strides and alignment."""
+        if INTERPRET:
+            q, k_cache, v_cache = kernel_dtype(q, k_cache, v_cache)
+        rows = (self.batch, self.n_heads, self.n_q)
+        out = torch.empty((*rows, self.head_dim), device=self.device, dtype=self.dtype)
+        lse = torch.empty(rows, device=self.device, dtype=torch.float32)
+        if partials and self.empty:
+            raise ValueError("partials need at least one query row (q has shape "
+                             f"{tuple(q.shape)})")
+        if self.empty or (max_len == 0 and not partials):
+            # no sequence has a key: an empty sum, like scaled_dot_product_attention
+            return out.zero_().to(self.out_dtype), lse.fill_(float("-inf"))
+        if num_splits is None:
+            num_splits = self.num_splits(max_len)
+        final = num_splits == 1 and not partials
+        if final:
+            o_part, lse_part = out, lse
+        else:
+            o_part = torch.empty((*rows, num_splits, self.head_dim), device=self.device,
+                                 dtype=torch.float32)
+            lse_part = torch.empty((*rows, num_splits), device=self.device, dtype=torch.float32)
+        key = (num_splits, partials, lengths.data_ptr() % 16)
+        _launch(self.kernels, ("split",) + key, _decode_split,
+                (self.row_blocks * num_splits, self.kv_heads, self.batch),
+                (q, k_cache, v_cache, lengths, o_part, lse_part, *q.stride(), *k_cache.stride(),
+                 *v_cache.stride(), self.n_q, self.group, num_splits, scale * LOG2E),
+                lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_R=self.block_r,
+                             FINAL=final, DOT_PRECISION=self.precision, **self.config))
+        if partials:
+            return o_part, lse_part
+        if not final:
+            _launch(self.kernels, ("merge",) + key, _decode_merge, (self.batch * self.n_heads * self.n_q,),
+                    (o_part, lse_part, out, lse, num_splits),
+                    lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
+                                 BLOCK_S=triton.next_power_of_2(num_splits)))
+        return (out if out.dtype == self.out_dtype else out.to(self.out_dtype)), lse
+
+
+def _launch(kernels, key, fn, grid, args, constexprs):
+    """``fn[grid](*args, **constexprs())``. The first launch for ``key`` goes through Triton's JIT,
+    which binds the arguments, works out their specialization (dtypes, 16-byte alignment of the
+    pointers, integers equal to 1, divisible by 16 or past 32 bits), finds or compiles the kernel and launches
+    it: 5 to 12 us of Python per launch of these kernels. Later launches call that compiled kernel
+    directly (Triton's ``CompiledKernel[grid](*args)``), about 1 us of Python.
+    This is sound because nothing the specialization reads can change under the same key: the
+    plan's key holds the inputs' shapes, strides, dtypes and alignment, ``key`` the split count
+    and the lengths' alignment, and the outputs are fresh allocations (aligned to 512 bytes)."""
+    launch = kernels.get(key)
+    if launch is not None:
+        run, constants = launch
+        run(*args, *constants)
+        return
+    constexprs = constexprs()
+    kernel = fn[grid](*args, **constexprs)
+    if isinstance(kernel, CompiledKernel):  # the interpreter returns no compiled kernel
+        # The compiled kernel takes a 3-D grid and every argument in order, the compile-time ones too.
+        kernels[key] = (kernel[(*grid, 1, 1)[:3]], [constexprs[name] for name in fn.arg_names[len(args):]])
+
+
+#: decode's plans: (the arguments' shapes, strides, dtypes, devices, alignment) -> _Plan. An entry
+#: means the checks that read nothing else (``_check_tensors``) passed for such arguments.
+_PLANS = {}
+MAX_PLANS = 64  # a loop that changes shapes every step starts afresh now and then
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
@@ -255,24 +312,60 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
 
     Checking the lengths reads them on the host. Pass ``cache_seqlens`` on the CPU (generation
     loops usually know the lengths there): it is checked there and copied to the GPU without
-    waiting. On the GPU, checking costs one synchronisation per call.
+    waiting. On the GPU, checking costs one synchronisation per call. Either way the lengths are
+    read anew at every call, so decode cannot be captured in a CUDA graph (it says so).
+
+    A decoding step is short (tens of microseconds on a GPU), so decode keeps its host work
+    small: what depends only on the arguments' shapes, dtypes, strides and devices (their checks,
+    the tile sizes, the compiled kernels) is worked out at their first call and remembered.
 
     decode is forward only: it has no backward. Rather than return a result that silently cuts
     the autograd graph, it raises a ValueError when gradients are enabled and an input requires
     grad. Under ``torch.no_grad()`` or ``torch.inference_mode()``, as generation runs, the same
     inputs are fine and the result does not require grad.
     """
-    _check(q, k_cache, v_cache, cache_seqlens, scale, return_lse)
-    n_max = k_cache.shape[2]
-    lengths, max_len = _lengths(cache_seqlens, n_max, q.shape[2], q.device)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = decode_forward(q, k_cache, v_cache, lengths, max_len, scale)
+    key = _plan_key(q, k_cache, v_cache, cache_seqlens)
+    plan = _PLANS.get(key)
+    if plan is None:  # the first call with such arguments: check them, then plan
+        _check_tensors(q, k_cache, v_cache, cache_seqlens)
+        plan = _Plan(q, k_cache)
+        if key is not None:
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    _check_call(q, k_cache, v_cache, scale, return_lse)
+    if not INTERPRET and torch.cuda.is_current_stream_capturing():
+        raise ValueError("flashattn.decode reads cache_seqlens on the host at every call, so it "
+                         "cannot be captured in a CUDA graph (the graph would replay the lengths "
+                         "of the capture)")
+    lengths, max_len = _lengths(cache_seqlens, k_cache.shape[2], plan.n_q, plan.device)
+    out, lse = plan.run(q, k_cache, v_cache, lengths, max_len,
+                        plan.scale if scale is None else float(scale))
     return (out, lse) if return_lse else out
+
+
+def _plan_key(q, k_cache, v_cache, cache_seqlens):
+    """Everything ``_check_tensors`` and ``_Plan`` read, and everything Triton specializes the
+    kernels on (pointer alignment, strides), besides the length values. None (never a plan's key)
+    for arguments that are not all tensors with memory: the checks then run and say what is wrong."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor)
+            and isinstance(v_cache, torch.Tensor) and isinstance(cache_seqlens, torch.Tensor)):
+        return None
+    try:
+        return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16,
+                k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.data_ptr() % 16,
+                v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.data_ptr() % 16,
+                cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device,
+                torch.get_float32_matmul_precision(),  # float32's dot precision (TF32 or not)
+                None if INTERPRET else torch.cuda.current_device())  # where the kernels are loaded
+    except RuntimeError:  # a tensor without memory (data_ptr() refuses)
+        return None
 
 
 def _lengths(cache_seqlens, n_max, n_q, device):
     """Check the length values on the host; return the lengths on ``device`` and the largest."""
-    host = cache_seqlens if cache_seqlens.device.type == "cpu" else cache_seqlens.cpu()
+    on_host = cache_seqlens.is_cpu
+    host = cache_seqlens if on_host else cache_seqlens.cpu()  # the one synchronisation
     if host.numel() == 0:
         return cache_seqlens, 0
     low, high = (int(x) for x in torch.aminmax(host))
@@ -281,17 +374,15 @@ def _lengths(cache_seqlens, n_max, n_q, device):
         raise ValueError(f"cache_seqlens[{bad}] is {host[bad].item()}; each length must be 0 (an "
                          f"empty sequence) or from N_q = {n_q} (the new tokens are the last N_q "
                          f"entries of the cache) to N_max = {n_max} (the caches' dim 2)")
-    if cache_seqlens.device != device:
+    if on_host and device.type == "cuda":
         # Through pinned memory, so that the copy does not wait for the GPU's queued work.
-        host = host.contiguous()
-        if device.type == "cuda":
-            host = host.pin_memory()
-        cache_seqlens = host.to(device, non_blocking=True)
+        return host.contiguous().pin_memory().to(device, non_blocking=True), high
     return cache_seqlens.contiguous(), high
 
 
-def _check(q, k_cache, v_cache, cache_seqlens, scale, return_lse):
-    """Raise TypeError or ValueError naming the argument and what was expected."""
+def _check_tensors(q, k_cache, v_cache, cache_seqlens):
+    """Raise TypeError or ValueError naming the argument and what was expected: the checks that
+    read only the tensors' types, dtypes, shapes, strides and devices (what ``_plan_key`` holds)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -348,13 +439,17 @@ def _check(q, k_cache, v_cache, cache_seqlens, scale, return_lse):
     if cache_seqlens.device not in (q.device, torch.device("cpu")):
         raise ValueError(f"cache_seqlens is on {cache_seqlens.device}; expected {q.device} (like "
                          "q) or the CPU")
-    if torch.is_grad_enabled():
+
+
+def _check_call(q, k_cache, v_cache, scale, return_lse):
+    """The checks of every call: the grad mode, ``scale`` and ``return_lse``."""
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if t.requires_grad:
                 raise ValueError(f"{name} requires grad, but decode is forward only (no backward): "
                                  "call it under torch.no_grad() or torch.inference_mode(), or pass "
                                  f"{name}.detach()")
-    if not isinstance(return_lse, bool):
+    if return_lse is not True and return_lse is not False:
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):

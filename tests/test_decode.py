@@ -6,6 +6,9 @@ plain PyTorch in the same dtype, plus a floor) on the output and the LSE. Rows w
 reads one entry too many fails loudly. The tests marked ``gpu`` run only on a CUDA GPU: long
 caches, the tensor-core bf16 path and every split count the heuristic can choose.
 """
+import re
+import sys
+
 import pytest
 import torch
 
@@ -17,6 +20,7 @@ from flashattn.testing import judge
 
 DEVICE = flashattn.DEVICE
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DECODE = sys.modules["flashattn.decode"]  # the module (flashattn.decode is the function)
 
 
 def make_cache(lengths, n_max, heads, kv_heads, n_q, head_dim, dtype, seed=0, garbage=float("nan"),
@@ -294,6 +298,51 @@ def test_tensors_on_another_device():
         flashattn.decode(**dict(GOOD, cache_seqlens=torch.empty(2, dtype=torch.int32, device="meta")))
 
 
+def test_every_call_checks_what_the_plan_does_not_cover():
+    """decode checks the tensors' types, dtypes, shapes, strides and devices once per such
+    arguments (and plans), but the lengths, the grad mode, scale and return_lse at every call."""
+    q, k, v, lengths = make_cache([5, 9], 9, 2, 1, 1, 16, torch.float32)
+    flashattn.decode(q, k, v, lengths)
+    good = dict(q=q, k_cache=k, v_cache=v, cache_seqlens=lengths)
+    for overrides, error, words in [
+        (dict(cache_seqlens=torch.tensor([5, 10], dtype=torch.int32)), ValueError, "cache_seqlens[1] is 10"),
+        (dict(cache_seqlens=torch.tensor([-1, 9], dtype=torch.int32)), ValueError, "cache_seqlens[0] is -1"),
+        (dict(q=q.clone().requires_grad_()), ValueError, "q requires grad"),
+        (dict(v_cache=v.clone().requires_grad_()), ValueError, "v_cache requires grad"),
+        (dict(scale="0.1"), TypeError, "scale must be a real number"),
+        (dict(scale=-1.0), ValueError, "scale must be a finite positive"),
+        (dict(return_lse=1), TypeError, "return_lse must be a bool"),
+    ]:
+        args = dict(good, **overrides)
+        assert DECODE._plan_key(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"]) in DECODE._PLANS
+        with pytest.raises(error, match=re.escape(words)):
+            flashattn.decode(**args)
+    with pytest.raises(TypeError, match="cache_seqlens must be a torch.Tensor"):
+        flashattn.decode(q, k, v, [5, 9])
+    with pytest.raises(TypeError, match="v_cache must be a torch.Tensor"):
+        flashattn.decode(q, k, v.numpy(), lengths)
+
+
+def test_a_plan_for_each_layout_and_dtype(monkeypatch):
+    """The same shapes with other strides or another dtype get their own plan (and the right
+    answer), called in turns; a repeated call finds its plan."""
+    monkeypatch.setattr(DECODE, "_PLANS", {})
+    cases = [make_cache([3, 40, 17], 40, 4, 2, 1, 16, torch.float32, seed=8),
+             make_cache([3, 40, 17], 40, 4, 2, 1, 16, torch.float32, seed=8, layout="bnhd"),
+             make_cache([3, 40, 17], 40, 4, 2, 1, 16, torch.float16, seed=8)]
+    for _ in range(2):
+        for q, k, v, lengths in cases:
+            assert_rule(check(q, k, v, lengths))
+    assert len(DECODE._PLANS) == 3
+
+
+def test_the_plans_stay_few(monkeypatch):
+    monkeypatch.setattr(DECODE, "_PLANS", {i: None for i in range(DECODE.MAX_PLANS)})
+    q, k, v, lengths = make_cache([5, 9], 9, 2, 1, 1, 16, torch.float32)
+    flashattn.decode(q, k, v, lengths)
+    assert len(DECODE._PLANS) == 1
+
+
 # -- on a GPU ----------------------------------------------------------------------------------
 
 def gpu_case(lengths, n_max, dtype, heads=32, kv_heads=8, n_q=1, head_dim=128, seed=0):
@@ -343,3 +392,30 @@ def test_gpu_every_candidate_configuration(candidate):
         pt_out, pt_lse = decode_reference(q, k, v, lens)
         assert_rule(judge(dict(out=out, lse=lse), dict(out=ref_out, lse=ref_lse),
                           dict(out=pt_out, lse=pt_lse), q.dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_later_calls_launch_the_compiled_kernels_directly(dtype):
+    """After the first call, decode launches the kernels Triton compiled for it without going
+    through Triton's JIT (decode._launch): the answers stay right as the lengths change (and the
+    split count with them), with the lengths on the CPU and on the GPU."""
+    q, k, v, _ = gpu_case([4096] * 4, 4096, dtype, heads=8, kv_heads=2)
+    for lengths in ([4096, 100, 0, 3000], [1, 4096, 2000, 7], [4096] * 4, [64, 3, 0, 1]):
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        for where in ("cpu", "cuda"):
+            assert_rule(check(q, k, v, lens.to(where)))
+    plan = DECODE._PLANS[DECODE._plan_key(q, k, v, lens)]
+    assert plan.kernels, "no compiled kernel was kept for direct launches"
+
+
+@pytest.mark.gpu
+def test_gpu_capture_in_a_cuda_graph_is_refused():
+    """decode reads the lengths on the host at every call: a CUDA graph would replay the lengths
+    of its capture, so decode refuses to be captured."""
+    q, k, v, lens = gpu_case([64, 30], 64, torch.float16, heads=4, kv_heads=2)
+    flashattn.decode(q, k, v, lens)
+    for lengths in (lens, lens.cuda()):
+        with pytest.raises(ValueError, match="CUDA graph"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                flashattn.decode(q, k, v, lengths)

@@ -10,6 +10,14 @@ Like tests/test_compiled_sm90.py, the test runs this file as a child process tha
 flashattn's kernels for the compiler (``torch.cuda.is_available`` answers True there, and nothing
 is launched); the child exits 0 when all is well and SKIP when this machine cannot compile for
 CUDA at all.
+
+A second child (``launches``) runs ``flashattn.decode`` as on a GPU, with Triton's driver replaced
+by a stand-in that compiles for sm_90 and records each launch instead of running it
+(``tools/decode_host_time.py``, which times decode's host work the same way). decode sends
+the first launch of each kind through Triton's JIT and later ones straight to the compiled kernel
+it returned; the test checks that those later launches are exactly what the JIT would launch
+(same compiled kernel, grid and arguments), also for inputs that Triton compiles differently
+(misaligned pointers, strides not divisible by 16, TF32).
 """
 import os
 import subprocess
@@ -32,18 +40,26 @@ CASES = [("bf16", 128, "ieee", 16), ("fp16", 128, "ieee", 16), ("bf16", 64, "iee
 MERGES = [(128, 2), (128, 64), (256, 2), (256, 64)]  # (head dim, splits): MAX_SPLITS is 64
 
 
-def test_decode_configurations_compile_without_spills():
+def run_child(*args):
     import flashattn
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # set by flashattn on a CPU
     # the child imports the flashattn this process tests, installed or not
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(flashattn.__file__).parent.parent),
                                                       env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300,
-                            env=env, cwd=ROOT)
+    result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=ROOT)
     if result.returncode == SKIP:
         pytest.skip(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "cannot compile")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def test_decode_configurations_compile_without_spills():
+    run_child()
+
+
+def test_direct_launches_are_the_jits():
+    run_child("launches")
 
 
 # --- The child ----------------------------------------------------------------------------------------
@@ -100,5 +116,107 @@ def _child():
     sys.exit(1 if problems else 0)
 
 
+def _same(a, b):
+    """Two recorded launches are the same: kernel, grid, and each argument (the caller's tensors
+    themselves; fresh outputs by dtype, shape and strides; numbers by value and type)."""
+    import torch
+
+    (launcher_a, grid_a, args_a), (launcher_b, grid_b, args_b) = a, b
+    if launcher_a is not launcher_b or grid_a != grid_b or len(args_a) != len(args_b):
+        return False
+    for x, y in zip(args_a, args_b):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if (x.dtype, x.shape, x.stride(), x.data_ptr() % 16) != (y.dtype, y.shape, y.stride(), y.data_ptr() % 16):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _launches_child():
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from decode_host_time import install
+
+    try:
+        stand_in = install()
+    except ImportError as error:
+        print(f"no Triton CUDA compiler: {error}")
+        sys.exit(SKIP)
+    import flashattn
+
+    dec = sys.modules["flashattn.decode"]
+
+    def misaligned(shape, dtype):  # a view 2 bytes past an aligned address
+        return torch.randn(1 + torch.Size(shape).numel()).to(dtype)[1:].view(shape)
+
+    def cache(b, h, n, d, dtype, layout="bhnd"):
+        if layout == "bnhd":
+            return torch.randn(b, n, h, d).to(dtype).transpose(1, 2)
+        return torch.randn(b, h, n, d).to(dtype)
+
+    full = torch.tensor([4096, 1000, 0], dtype=torch.int32)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    q, k, v = torch.randn(3, 8, 1, 64).to(bf16), cache(3, 2, 4096, 64, bf16), cache(3, 2, 4096, 64, bf16)
+    q3, k3, v3 = torch.randn(3, 8, 3, 64), cache(3, 2, 100, 64, fp32), cache(3, 2, 100, 64, fp32)
+    cases = {  # name: (q, k_cache, v_cache, cache_seqlens, float32 matmul precision)
+        "bf16, 16 splits": (q, k, v, full, "highest"),
+        "bf16, 1 split": (q, k, v, torch.tensor([300, 5, 0], dtype=torch.int32), "highest"),
+        "q misaligned": (misaligned((3, 8, 1, 64), bf16), k, v, full, "highest"),
+        "caches (B, N, H, D)": (q, cache(3, 2, 4096, 64, bf16, "bnhd"), cache(3, 2, 4096, 64, bf16, "bnhd"),
+                                full, "highest"),
+        "k rows of 72": (q, cache(3, 2, 4096, 72, bf16)[..., :64], v, full, "highest"),
+        "v rows of 72": (q, k, cache(3, 2, 4096, 72, bf16)[..., :64], full, "highest"),
+        "lengths misaligned": (q, k, v, torch.tensor([9, 4096, 1000, 0], dtype=torch.int32)[1:], "highest"),
+        "fp32 IEEE, 1 split": (q3, k3, v3, torch.tensor([100, 3, 50]), "highest"),
+        "fp32 TF32, 1 split": (q3, k3, v3, torch.tensor([100, 3, 50]), "high"),
+    }
+    # Cases that Triton compiles differently from another case with the same shapes (else they
+    # would test nothing): decode's keys must tell them apart.
+    differs_from = {"bf16, 1 split": "bf16, 16 splits", "q misaligned": "bf16, 16 splits", "k rows of 72": "bf16, 16 splits",
+                    "v rows of 72": "bf16, 16 splits",
+                    "lengths misaligned": "bf16, 16 splits", "fp32 TF32, 1 split": "fp32 IEEE, 1 split"}
+    problems = []
+    runs = {name: [] for name in cases}
+    jit_runs = {"split": 0, "merge": 0}
+    for kernel, label in ((dec._decode_split, "split"), (dec._decode_merge, "merge")):
+        def counting(*args, _run=kernel.run, _label=label, **kwargs):
+            jit_runs[_label] += 1
+            return _run(*args, **kwargs)
+        kernel.run = counting
+    for round in range(3):  # the cases interleaved: each call must find its own plan
+        for name, (q, k, v, lengths, precision) in cases.items():
+            torch.set_float32_matmul_precision(precision)
+            before = dict(jit_runs)
+            stand_in.log = []
+            flashattn.decode(q, k, v, lengths)
+            runs[name].append(list(stand_in.log))
+            if round > 0 and jit_runs != before:
+                problems.append(f"{name}: call {round + 1} went through Triton's JIT again")
+    torch.set_float32_matmul_precision("highest")
+    for name, calls in runs.items():
+        first = calls[0]
+        print(f"{name:22} {len(first)} launches: " + ", ".join(f"{l.name} grid {g}" for l, g, _ in first))
+        for later in calls[1:]:
+            if len(later) != len(first) or not all(_same(a, b) for a, b in zip(first, later)):
+                problems.append(f"{name}: a direct launch differs from the JIT's: {first} / {later}")
+    kernel_of = {name: calls[0][0][0] for name, calls in runs.items()}
+    for name, other in differs_from.items():
+        if kernel_of[name] is kernel_of[other]:
+            problems.append(f"{name}: launched the compiled kernel of {other}")
+    if [len(calls[0]) for calls in runs.values()] != [2, 1, 2, 2, 2, 2, 2, 1, 1]:
+        problems.append("expected a split and a merge launch, or one launch for one split")
+    torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        flashattn.decode(q, k, v, full)
+        problems.append("decode ran while a CUDA graph was being captured")
+    except ValueError as error:
+        if "CUDA graph" not in str(error):
+            problems.append(f"decode under capture: {error}")
+    print("\n".join(problems) or "ok")
+    sys.exit(1 if problems else 0)
+
+
 if __name__ == "__main__":
-    _child()
+    _launches_child() if sys.argv[1:] == ["launches"] else _child()

@@ -205,10 +205,12 @@ class _Plan:
         self.kv_heads = k_cache.shape[1]
         self.group = n_heads // self.kv_heads
         self.device, self.out_dtype = q.device, q.dtype
-        # the dtype the kernels read and write: float32 for bfloat16 on the interpreter
-        self.dtype = dtype = kernel_dtype(q)[0].dtype if INTERPRET else q.dtype
+        # the dtype the kernels read and write: float32 for bfloat16 where runtime.kernel_dtype
+        # says so (the interpreter, GPUs before sm_80)
+        self.dtype = dtype = kernel_dtype(q)[0].dtype
         n_rows = self.group * n_q
-        self.block_r = min(max(16, triton.next_power_of_2(n_rows)), max_block_r(q.dtype))  # tl.dot: >= 16
+        # tl.dot needs at least 16 rows
+        self.block_r = min(max(16, triton.next_power_of_2(n_rows)), max_block_r(q.dtype))
         self.row_blocks = _cdiv(n_rows, self.block_r)
         self.precision = tuning.decode_precision(dtype)
         self.block_d = tuning.block_d(head_dim)
@@ -224,7 +226,7 @@ class _Plan:
 
     def run(self, q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, partials=False):
         """The launches, on arguments of this plan's shapes, dtypes, strides and alignment."""
-        if INTERPRET:
+        if self.dtype != self.out_dtype:
             q, k_cache, v_cache = kernel_dtype(q, k_cache, v_cache)
         rows = (self.batch, self.n_heads, self.n_q)
         out = torch.empty((*rows, self.head_dim), device=self.device, dtype=self.dtype)
@@ -254,8 +256,8 @@ class _Plan:
         if partials:
             return o_part, lse_part
         if not final:
-            _launch(self.kernels, ("merge",) + key, _decode_merge, (self.batch * self.n_heads * self.n_q,),
-                    (o_part, lse_part, out, lse, num_splits),
+            _launch(self.kernels, ("merge",) + key, _decode_merge,
+                    (self.batch * self.n_heads * self.n_q,), (o_part, lse_part, out, lse, num_splits),
                     lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
                                  BLOCK_S=triton.next_power_of_2(num_splits)))
         return (out if out.dtype == self.out_dtype else out.to(self.out_dtype)), lse
@@ -264,9 +266,9 @@ class _Plan:
 def _launch(kernels, key, fn, grid, args, constexprs):
     """``fn[grid](*args, **constexprs())``. The first launch for ``key`` goes through Triton's JIT,
     which binds the arguments, works out their specialization (dtypes, 16-byte alignment of the
-    pointers, integers equal to 1, divisible by 16 or past 32 bits), finds or compiles the kernel and launches
-    it: 5 to 12 us of Python per launch of these kernels. Later launches call that compiled kernel
-    directly (Triton's ``CompiledKernel[grid](*args)``), about 1 us of Python.
+    pointers, integers equal to 1, divisible by 16 or past 32 bits), finds or compiles the kernel
+    and launches it: 5 to 12 us of Python per launch of these kernels. Later launches call that
+    compiled kernel directly (Triton's ``CompiledKernel[grid](*args)``), about 1 us of Python.
     This is sound because nothing the specialization reads can change under the same key: the
     plan's key holds the inputs' shapes, strides, dtypes and alignment, ``key`` the split count
     and the lengths' alignment, and the outputs are fresh allocations (aligned to 512 bytes)."""
@@ -279,7 +281,8 @@ def _launch(kernels, key, fn, grid, args, constexprs):
     kernel = fn[grid](*args, **constexprs)
     if isinstance(kernel, CompiledKernel):  # the interpreter returns no compiled kernel
         # The compiled kernel takes a 3-D grid and every argument in order, the compile-time ones too.
-        kernels[key] = (kernel[(*grid, 1, 1)[:3]], [constexprs[name] for name in fn.arg_names[len(args):]])
+        constants = [constexprs[name] for name in fn.arg_names[len(args):]]
+        kernels[key] = (kernel[(*grid, 1, 1)[:3]], constants)
 
 
 #: decode's plans: (the arguments' shapes, strides, dtypes, devices, alignment) -> _Plan. An entry

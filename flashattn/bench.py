@@ -375,8 +375,8 @@ def decode_run(lengths, batch, heads, kv_heads, head_dim, dtype, out_csv, sweep=
 
 def decode_host_costs(batch=8, device="cuda", calls=200):
     """The host's time per call (us) of the steps of ``flashattn.decode`` that only a GPU can
-    time: copying the lengths (through pinned memory, as decode does, and straight from pageable
-    memory), allocating an output, asking whether a CUDA graph is being captured. Each is timed on
+    time: copying the lengths (through pinned memory and straight from pageable memory, decode's
+    two ways), allocating an output, asking whether a CUDA graph is being captured. Each is timed on
     an idle GPU and behind 20 ms of queued work: a step that waits for the GPU's queue shows there.
     The busy round runs twice and the second counts (the first grows the pinned-memory pool: while
     the GPU is behind, every copy holds its own pinned buffer). Returns lines to print."""
@@ -405,6 +405,93 @@ def decode_host_costs(batch=8, device="cuda", calls=200):
         del timed[1]
         lines.append(f"  {name:46} {timed[0]:8.1f} {timed[1]:10.1f}")
     return lines
+
+
+HOST_AB_FIELDS = ["gpu", "torch", "triton", "dtype", "batch", "heads", "kv_heads", "head_dim", "cache_len",
+                  "provider", "launch", "lengths", "buffers", "ms", "loop_ms", "host_us"]
+
+
+def decode_host_ab(lengths, batch, heads, kv_heads, head_dim, dtype, out_csv, device="cuda",
+                   profile_calls=200):
+    """decode's ways of doing its host work (``decode.HOST_CHOICES``: launching, copying the
+    lengths, allocating), switched in this process and timed at each cache length next to SDPA:
+    do_bench's ms, loop_ms and host_us as ``decode_run`` measures them. ``kernels only`` is
+    decode's plan launching, its default ways, on lengths already on the GPU (no checks, no copy).
+    Then cProfile's tables of ``profile_calls`` calls back to back at the first length, decode's
+    default ways. Writes a CSV; returns lines to print."""
+    import cProfile
+    import importlib
+    import itertools
+    import pstats
+
+    import triton
+    from torch.nn.functional import scaled_dot_product_attention
+
+    import flashattn
+
+    dec = importlib.import_module("flashattn.decode")  # the module (flashattn.decode is the function)
+    default = dict(dec._HOST)
+    ways = [dict(zip(dec.HOST_CHOICES, combo)) for combo in itertools.product(*dec.HOST_CHOICES.values())]
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                dtype=str(dtype).replace("torch.", ""), batch=batch, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim)
+    rows, lines, profiled = [], [], []
+    try:
+        for n in lengths:
+            g = torch.Generator(device=device).manual_seed(0)
+            q = torch.randn(batch, heads, 1, head_dim, device=device, generator=g).to(dtype)
+            k, v = (torch.randn(batch, kv_heads, n, head_dim, device=device, generator=g).to(dtype)
+                    for _ in range(2))
+            lens = torch.full((batch,), n, dtype=torch.int32)
+            on_gpu = lens.to(device)
+            expected = flashattn.decode(q, k, v, lens)  # decode's default ways; the others must match it
+            plan = dec._PLANS[dec._plan_key(q, k, v, lens)]
+            timed = [("decode", way, lambda: flashattn.decode(q, k, v, lens)) for way in ways]
+            timed += [("kernels only", default, lambda: plan.run(q, k, v, on_gpu, n, plan.scale, keep_lse=False)),
+                      ("sdpa-gqa", {}, lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True))]
+            lines.append(f"cache {n}:  {'provider':13} {'launch':9} {'lengths':9} {'buffers':9} {'ms':>8} "
+                         f"{'loop us':>8} {'host us':>8}")
+            for name, way, fn in timed:
+                dec._set_host(**(way or default))
+                fn()  # compile / warm up
+                loop_ms, host_us = loop_time(fn)
+                ms = triton.testing.do_bench(fn, return_mode="median")
+                rows.append(dict(meta, cache_len=n, provider=name, launch=way.get("launch", ""),
+                                 lengths=way.get("lengths", ""), buffers=way.get("buffers", ""), ms=f"{ms:.4f}",
+                                 loop_ms=f"{loop_ms:.4f}", host_us=f"{host_us:.1f}"))
+                mark = "*" if name == "decode" and way == default else " "
+                differs = name == "decode" and not torch.equal(fn(), expected)
+                lines.append(f"{'':11}{mark} {name:13} {way.get('launch', ''):9} {way.get('lengths', ''):9} "
+                             f"{way.get('buffers', ''):9} {ms:8.4f} {loop_ms * 1e3:8.1f} {host_us:8.1f}"
+                             + ("  OUTPUT DIFFERS from the default's" if differs else ""))
+            if not profiled:
+                dec._set_host(**default)
+                profile = cProfile.Profile()
+                torch.cuda.synchronize()
+                profile.enable()
+                for _ in range(profile_calls):
+                    flashattn.decode(q, k, v, lens)
+                profile.disable()
+                torch.cuda.synchronize()
+                stats = pstats.Stats(profile).stats  # (file, line, name) -> (_, calls, own s, cumulative s, _)
+                for order, column in (("cumulative", 3), ("own", 2)):
+                    profiled.append(f"cProfile of {profile_calls} decode calls back to back at cache {n}, by "
+                                    f"{order} time (us per decode call):\n{'calls':>7} {'own us':>8} {'cum us':>8}")
+                    for (file, line, func), entry in sorted(stats.items(), key=lambda e: -e[1][column])[:15]:
+                        profiled.append(f"{entry[1]:7d} {entry[2] / profile_calls * 1e6:8.2f} "
+                                        f"{entry[3] / profile_calls * 1e6:8.2f}  {os.path.basename(file)}:{line}({func})")
+            del q, k, v, plan, timed, expected
+            torch.cuda.empty_cache()
+    finally:
+        dec._set_host(**default)
+    lines.append("* decode's default ways; ms: do_bench's median; loop us: a call's share of 100 calls back "
+                 "to back; host us: the host's time per call in that loop")
+    os.makedirs(os.path.dirname(out_csv) or ".", exist_ok=True)
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=HOST_AB_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return lines + profiled
 
 
 def decode_summary(rows):
@@ -448,6 +535,9 @@ def decode_main(argv):
     call in that loop. TB/s counts the bytes of the K/V cache (2 x B x H_kv x L x D x 2 bytes),
     whatever a provider actually reads (plain attention reads H_q / H_kv times more), against the
     copy bandwidth.
+
+    ``--host-ab`` times, instead, decode's ways of doing its host work side by side (how it
+    launches, copies the lengths and allocates: ``decode_host_ab``), with a cProfile of decode.
     """
     p = argparse.ArgumentParser(prog="python -m flashattn.bench decode", description=decode_main.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -458,11 +548,21 @@ def decode_main(argv):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--no-sweep", action="store_true", help="skip timing every candidate configuration")
-    p.add_argument("--out", default=os.path.join("figures", "data", "decode.csv"))
+    p.add_argument("--host-ab", action="store_true",
+                   help="instead: time decode's ways of doing its host work side by side (decode_host_ab)")
+    p.add_argument("--out", help="the CSV (default figures/data/decode.csv, or decode_host_ab.csv)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("flashattn.bench decode needs a CUDA GPU.")
     print(f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.host_ab:
+        out = args.out or os.path.join("figures", "data", "decode_host_ab.csv")
+        print("\n".join(decode_host_ab(args.lengths, args.batch, args.heads, args.kv_heads, args.head_dim,
+                                       DTYPES[args.dtype], out)))
+        print("\n".join(decode_host_costs(args.batch)))
+        print("wrote", out)
+        return
+    args.out = args.out or os.path.join("figures", "data", "decode.csv")
     rows, _ = decode_run(args.lengths, args.batch, args.heads, args.kv_heads, args.head_dim,
                          DTYPES[args.dtype], args.out, sweep=not args.no_sweep)
     print("\n".join(decode_summary(rows)))

@@ -26,7 +26,9 @@ import numbers
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 from triton.compiler import CompiledKernel
+from triton.knobs import HookChain
 
 from . import tuning
 from .tiles import LOG2E
@@ -190,24 +192,64 @@ def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None
     With ``partials``, the merge is not run: returns the split kernel's partial states instead,
     ``o_part`` (B, H_q, N_q, num_splits, D) and ``lse_part`` (B, H_q, N_q, num_splits), float32,
     each O_s divided by its own sum and LSE_s in base 2 (-inf for a split without keys)."""
-    plan = _Plan(q, k_cache, config)
-    return plan.run(q, k_cache, v_cache, lengths, max_len, scale, num_splits, partials)
+    plan = _Plan(q, k_cache, v_cache, config)
+    out, lse = plan.run(q, k_cache, v_cache, lengths, max_len, scale, num_splits, partials)
+    return (out, lse) if partials else (out, lse.view(plan.rows))
+
+
+#: How decode does the host work of every call. Not a user setting: the decode benchmark
+#: (``python -m flashattn.bench decode --host-ab``) switches it to time the ways side by side.
+#:
+#: * ``launch``: the first launch of each kind goes through Triton's JIT (which compiles the
+#:   kernel); later ones go through the JIT again (``"jit"``), through the compiled kernel as
+#:   Triton offers it (``"compiled"``: ``CompiledKernel[grid](*args)``, which asks for the current
+#:   device and stream and builds launch metadata for the launch hooks at every launch), or
+#:   straight to the compiled kernel's launcher as the JIT calls it (``"launcher"``), without
+#:   launch metadata while no launch hook is registered (a profiler such as proton registers one;
+#:   then it goes through the compiled kernel).
+#: * ``lengths``: lengths given on the CPU are copied to the GPU without waiting for its queued
+#:   work, straight from ``"pageable"`` memory (CUDA stages so small a copy at once) or through
+#:   ``"pinned"`` memory (one more step, a pinned block from PyTorch's pool).
+#: * ``buffers``: with several splits, the partial states and the lse in ``"one"`` float32
+#:   allocation, or each in its own (``"separate"``).
+_HOST = dict(launch="launcher", lengths="pageable", buffers="one")
+HOST_CHOICES = dict(launch=("jit", "compiled", "launcher"), lengths=("pinned", "pageable"),
+                    buffers=("separate", "one"))
+
+
+def _set_host(**settings):
+    """Change some of ``_HOST`` (the benchmark's switch); returns the settings before."""
+    for name, value in settings.items():
+        if value not in HOST_CHOICES.get(name, ()):
+            raise ValueError(f"decode's host setting {name}={value!r}: expected one of "
+                             f"{HOST_CHOICES.get(name, ())} for one of {tuple(HOST_CHOICES)}")
+    before = dict(_HOST)
+    _HOST.update(settings)
+    return before
+
+
+def _round4(n):
+    return (n + 3) // 4 * 4  # float32 elements to a multiple of 16 bytes
 
 
 class _Plan:
-    """What decode decides from the shapes and dtypes alone (tile sizes, configuration, the split
-    heuristic's inputs), and the kernels compiled for them, launched directly after the first
-    launch through Triton's JIT (see ``_launch``)."""
+    """What decode decides from the shapes, strides and dtypes alone (tile sizes, configuration,
+    the split heuristic's inputs, the kernels' fixed arguments), and the kernels compiled for
+    them, launched directly after the first launch through Triton's JIT (see ``_launch``)."""
 
-    def __init__(self, q, k_cache, config=None):
+    def __init__(self, q, k_cache, v_cache, config=None):
         batch, n_heads, n_q, head_dim = q.shape
         self.batch, self.n_heads, self.n_q, self.head_dim = batch, n_heads, n_q, head_dim
-        self.kv_heads = k_cache.shape[1]
+        self.kv_heads, self.n_max = k_cache.shape[1], k_cache.shape[2]
         self.group = n_heads // self.kv_heads
+        self.rows = (batch, n_heads, n_q)
+        self.n_rows = batch * n_heads * n_q
+        self.out_shape = (batch, n_heads, n_q, head_dim)
         self.device, self.out_dtype = q.device, q.dtype
         # the dtype the kernels read and write: float32 for bfloat16 where runtime.kernel_dtype
         # says so (the interpreter, GPUs before sm_80)
         self.dtype = dtype = kernel_dtype(q)[0].dtype
+        self.strides = (*q.stride(), *k_cache.stride(), *v_cache.stride())  # kept in the plan's key
         n_rows = self.group * n_q
         # tl.dot needs at least 16 rows
         self.block_r = min(max(16, triton.next_power_of_2(n_rows)), max_block_r(q.dtype))
@@ -217,72 +259,123 @@ class _Plan:
         self.config = dict(config or tuning.decode_config(dtype, self.precision, self.block_r,
                                                           self.block_d))
         self.scale = 1.0 / math.sqrt(head_dim)
-        self.empty = batch * n_heads * n_q * head_dim == 0
-        self.kernels = {}  # (kernel, num_splits, partials, lengths' alignment) -> compiled launch
+        self.empty = self.n_rows * head_dim == 0
+        self.kernels = {}  # (kernel, num_splits, partials, lengths' alignment) -> _Compiled
 
     def num_splits(self, max_len):
         return choose_num_splits(self.batch * self.kv_heads * self.row_blocks, max_len - self.n_q + 1,
                                  self.config["BLOCK_KV"], sm_count(self.device))
 
-    def run(self, q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, partials=False):
-        """The launches, on arguments of this plan's shapes, dtypes, strides and alignment."""
+    def run(self, q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, partials=False,
+            keep_lse=True):
+        """The launches, on arguments of this plan's shapes, dtypes, strides and alignment.
+        Returns ``(out, lse)`` with lse flat (B * H_q * N_q,), or the partial states, shaped.
+        Without ``keep_lse`` (the caller drops lse), lse may be a view of the partial states'
+        buffer (it would hold that buffer's memory while it lives)."""
+        strides = self.strides
         if self.dtype != self.out_dtype:
             q, k_cache, v_cache = kernel_dtype(q, k_cache, v_cache)
-        rows = (self.batch, self.n_heads, self.n_q)
-        out = torch.empty((*rows, self.head_dim), device=self.device, dtype=self.dtype)
-        lse = torch.empty(rows, device=self.device, dtype=torch.float32)
+            strides = (*q.stride(), *k_cache.stride(), *v_cache.stride())  # a copy may be denser
         if partials and self.empty:
             raise ValueError("partials need at least one query row (q has shape "
                              f"{tuple(q.shape)})")
         if self.empty or (max_len == 0 and not partials):
             # no sequence has a key: an empty sum, like scaled_dot_product_attention
-            return out.zero_().to(self.out_dtype), lse.fill_(float("-inf"))
+            return (torch.zeros(self.out_shape, device=self.device, dtype=self.out_dtype),
+                    torch.full(self.rows, float("-inf"), device=self.device, dtype=torch.float32))
         if num_splits is None:
             num_splits = self.num_splits(max_len)
         final = num_splits == 1 and not partials
+        n_rows, f32 = self.n_rows, torch.float32
+        one = _HOST["buffers"] == "one"
+        lse_in_work = one and not (final or partials or keep_lse)
+        out = None if partials else torch.empty(self.out_shape, device=self.device, dtype=self.dtype)
+        lse = None if partials or lse_in_work else torch.empty(n_rows, device=self.device, dtype=f32)
         if final:
             o_part, lse_part = out, lse
+        elif one:
+            # O_s, LSE_s (and lse) in one allocation, each from a multiple of 16 bytes, so that
+            # every call's pointers align as the first call's (Triton specialized on them)
+            size_o, size_l = _round4(n_rows * num_splits * self.head_dim), _round4(n_rows * num_splits)
+            work = torch.empty(size_o + size_l + lse_in_work * n_rows, device=self.device, dtype=f32)
+            o_part, lse_part = work[:size_o], work[size_o:size_o + size_l]
+            if lse_in_work:
+                lse = work[size_o + size_l:]
         else:
-            o_part = torch.empty((*rows, num_splits, self.head_dim), device=self.device,
-                                 dtype=torch.float32)
-            lse_part = torch.empty((*rows, num_splits), device=self.device, dtype=torch.float32)
+            o_part = torch.empty(n_rows * num_splits * self.head_dim, device=self.device, dtype=f32)
+            lse_part = torch.empty(n_rows * num_splits, device=self.device, dtype=f32)
         key = (num_splits, partials, lengths.data_ptr() % 16)
         _launch(self.kernels, ("split",) + key, _decode_split,
                 (self.row_blocks * num_splits, self.kv_heads, self.batch),
-                (q, k_cache, v_cache, lengths, o_part, lse_part, *q.stride(), *k_cache.stride(),
-                 *v_cache.stride(), self.n_q, self.group, num_splits, scale * LOG2E),
+                (q, k_cache, v_cache, lengths, o_part, lse_part, *strides,
+                 self.n_q, self.group, num_splits, scale * LOG2E),
                 lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_R=self.block_r,
                              FINAL=final, DOT_PRECISION=self.precision, **self.config))
         if partials:
-            return o_part, lse_part
+            return (o_part[:n_rows * num_splits * self.head_dim].view(*self.rows, num_splits, self.head_dim),
+                    lse_part[:n_rows * num_splits].view(*self.rows, num_splits))
         if not final:
-            _launch(self.kernels, ("merge",) + key, _decode_merge,
-                    (self.batch * self.n_heads * self.n_q,), (o_part, lse_part, out, lse, num_splits),
+            _launch(self.kernels, ("merge",) + key, _decode_merge, (n_rows,),
+                    (o_part, lse_part, out, lse, num_splits),
                     lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
                                  BLOCK_S=triton.next_power_of_2(num_splits)))
         return (out if out.dtype == self.out_dtype else out.to(self.out_dtype)), lse
+
+
+class _Compiled:
+    """A kernel Triton compiled at a first launch, and what its later launches need."""
+
+    __slots__ = ("runner", "launcher", "function", "metadata", "grid", "constants", "constexprs",
+                 "stream", "device")
+
+    def __init__(self, fn, kernel, grid, n_args, constexprs):
+        from triton.runtime import driver
+
+        grid = (*grid, 1, 1)[:3]  # the compiled kernel takes a 3-D grid
+        self.grid, self.constexprs = grid, constexprs
+        # ... and every argument in order, the compile-time ones too
+        self.constants = tuple(constexprs[name] for name in fn.arg_names[n_args:])
+        self.runner = kernel[grid]  # CompiledKernel[grid]
+        self.launcher, self.function, self.metadata = kernel.run, kernel.function, kernel.packed_metadata
+        # what Triton's JIT launches on: the current device's current stream (the device is in
+        # the plan's key)
+        self.stream, self.device = driver.active.get_current_stream, driver.active.get_current_device()
+
+
+def _no_launch_hooks():
+    """Whether no Triton launch hook is registered (they are chains, empty unless a profiler or
+    the user adds one)."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and (type(hook) is not HookChain or hook.calls):
+            return False
+    return True
 
 
 def _launch(kernels, key, fn, grid, args, constexprs):
     """``fn[grid](*args, **constexprs())``. The first launch for ``key`` goes through Triton's JIT,
     which binds the arguments, works out their specialization (dtypes, 16-byte alignment of the
     pointers, integers equal to 1, divisible by 16 or past 32 bits), finds or compiles the kernel
-    and launches it: 5 to 12 us of Python per launch of these kernels. Later launches call that
-    compiled kernel directly (Triton's ``CompiledKernel[grid](*args)``), about 1 us of Python.
-    This is sound because nothing the specialization reads can change under the same key: the
-    plan's key holds the inputs' shapes, strides, dtypes and alignment, ``key`` the split count
-    and the lengths' alignment, and the outputs are fresh allocations (aligned to 512 bytes)."""
+    and launches it: 5 to 12 us of Python per launch of these kernels. Later launches go as
+    ``_HOST["launch"]`` says; the direct ones are sound because nothing the specialization reads
+    can change under the same key: the plan's key holds the inputs' shapes, strides, dtypes and
+    alignment, ``key`` the split count and the lengths' alignment, and the outputs are fresh
+    allocations (aligned to 512 bytes) or views at fixed offsets of one."""
     launch = kernels.get(key)
-    if launch is not None:
-        run, constants = launch
-        run(*args, *constants)
+    if launch is None:
+        constexprs = constexprs()
+        kernel = fn[grid](*args, **constexprs)
+        if isinstance(kernel, CompiledKernel):  # the interpreter returns no compiled kernel
+            kernels[key] = _Compiled(fn, kernel, grid, len(args), constexprs)
         return
-    constexprs = constexprs()
-    kernel = fn[grid](*args, **constexprs)
-    if isinstance(kernel, CompiledKernel):  # the interpreter returns no compiled kernel
-        # The compiled kernel takes a 3-D grid and every argument in order, the compile-time ones too.
-        constants = [constexprs[name] for name in fn.arg_names[len(args):]]
-        kernels[key] = (kernel[(*grid, 1, 1)[:3]], constants)
+    how = _HOST["launch"]
+    if how == "launcher" and _no_launch_hooks():
+        # Triton's JIT calls the launcher so, with launch metadata and hooks instead of the Nones
+        launch.launcher(*launch.grid, launch.stream(launch.device), launch.function, launch.metadata,
+                        None, None, None, *args, *launch.constants)
+    elif how == "jit":
+        fn[grid](*args, **launch.constexprs)
+    else:
+        launch.runner(*args, *launch.constants)
 
 
 #: decode's plans: (the arguments' shapes, strides, dtypes, devices, alignment) -> _Plan. An entry
@@ -331,7 +424,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
     plan = _PLANS.get(key)
     if plan is None:  # the first call with such arguments: check them, then plan
         _check_tensors(q, k_cache, v_cache, cache_seqlens)
-        plan = _Plan(q, k_cache)
+        plan = _Plan(q, k_cache, v_cache)
         if key is not None:
             if len(_PLANS) >= MAX_PLANS:
                 _PLANS.clear()
@@ -341,10 +434,10 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
         raise ValueError("flashattn.decode reads cache_seqlens on the host at every call, so it "
                          "cannot be captured in a CUDA graph (the graph would replay the lengths "
                          "of the capture)")
-    lengths, max_len = _lengths(cache_seqlens, k_cache.shape[2], plan.n_q, plan.device)
+    lengths, max_len = _lengths(cache_seqlens, plan.n_max, plan.n_q, plan.device)
     out, lse = plan.run(q, k_cache, v_cache, lengths, max_len,
-                        plan.scale if scale is None else float(scale))
-    return (out, lse) if return_lse else out
+                        plan.scale if scale is None else float(scale), keep_lse=return_lse)
+    return (out, lse.view(plan.rows)) if return_lse else out
 
 
 def _plan_key(q, k_cache, v_cache, cache_seqlens):
@@ -369,17 +462,26 @@ def _lengths(cache_seqlens, n_max, n_q, device):
     """Check the length values on the host; return the lengths on ``device`` and the largest."""
     on_host = cache_seqlens.is_cpu
     host = cache_seqlens if on_host else cache_seqlens.cpu()  # the one synchronisation
-    if host.numel() == 0:
+    count = host.numel()
+    if count == 0:
         return cache_seqlens, 0
-    low, high = (int(x) for x in torch.aminmax(host))
+    if count <= 64:  # a few lengths: quicker as a list than through torch.aminmax
+        values = host.tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = (int(x) for x in torch.aminmax(host))
     if low < 0 or high > n_max or (n_q > 1 and low < n_q and ((host > 0) & (host < n_q)).any()):
         bad = ((host < 0) | (host > n_max) | ((host > 0) & (host < n_q))).nonzero()[0, 0].item()
         raise ValueError(f"cache_seqlens[{bad}] is {host[bad].item()}; each length must be 0 (an "
                          f"empty sequence) or from N_q = {n_q} (the new tokens are the last N_q "
                          f"entries of the cache) to N_max = {n_max} (the caches' dim 2)")
     if on_host and device.type == "cuda":
-        # Through pinned memory, so that the copy does not wait for the GPU's queued work.
-        return host.contiguous().pin_memory().to(device, non_blocking=True), high
+        # non_blocking: the copy does not wait for the GPU's queued work (from pageable memory,
+        # CUDA stages the few bytes before the call returns; see _HOST)
+        host = host.contiguous()
+        if _HOST["lengths"] == "pinned":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True), high
     return cache_seqlens.contiguous(), high
 
 

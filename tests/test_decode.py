@@ -323,6 +323,23 @@ def test_every_call_checks_what_the_plan_does_not_cover():
         flashattn.decode(q, k, v.numpy(), lengths)
 
 
+def test_many_lengths_are_checked_too():
+    """decode reads a few lengths as a list and many with torch.aminmax: both find a bad one."""
+    lengths = [1 + b % 3 for b in range(70)]
+    q, k, v, lens = make_cache(lengths, 3, 1, 1, 1, 16, torch.float32)
+    assert_rule(check(q, k, v, lens))
+    for bad, value in ((69, 4), (3, -2)):
+        wrong = lens.clone()
+        wrong[bad] = value
+        with pytest.raises(ValueError, match=re.escape(f"cache_seqlens[{bad}] is {value}")):
+            flashattn.decode(q, k, v, wrong)
+
+
+def test_the_host_settings_are_checked():
+    with pytest.raises(ValueError, match="launch='fast'"):
+        DECODE._set_host(launch="fast")
+
+
 def test_a_plan_for_each_layout_and_dtype(monkeypatch):
     """The same shapes with other strides or another dtype get their own plan (and the right
     answer), called in turns; a repeated call finds its plan."""

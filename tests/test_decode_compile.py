@@ -207,6 +207,39 @@ def _launches_child():
             problems.append(f"{name}: launched the compiled kernel of {other}")
     if [len(calls[0]) for calls in runs.values()] != [2, 1, 2, 2, 2, 2, 2, 1, 1]:
         problems.append("expected a split and a merge launch, or one launch for one split")
+    # Every way of launching and of allocating that decode._HOST offers (the benchmark switches
+    # them) launches the same kernels on the same arguments, with lse returned or not.
+    for launch in dec.HOST_CHOICES["launch"]:
+        for buffers in dec.HOST_CHOICES["buffers"]:
+            dec._set_host(launch=launch, buffers=buffers)
+            for name, (q, k, v, lengths, precision) in cases.items():
+                for return_lse in (False, True):
+                    torch.set_float32_matmul_precision(precision)
+                    before = dict(jit_runs)
+                    stand_in.log = []
+                    flashattn.decode(q, k, v, lengths, return_lse=return_lse)
+                    if (jit_runs != before) != (launch == "jit"):
+                        problems.append(f"{name}, {launch}/{buffers}: Triton's JIT "
+                                        f"{'not ' if launch == 'jit' else ''}used")
+                    first = runs[name][0]
+                    if len(stand_in.log) != len(first) or not all(map(_same, first, stand_in.log)):
+                        problems.append(f"{name}, {launch}/{buffers}, return_lse={return_lse}: a launch "
+                                        f"differs from the JIT's: {first} / {stand_in.log}")
+    # With a launch hook registered (a profiler's), the launcher way hands the hooks their calls
+    from triton import knobs
+
+    dec._set_host(launch="launcher", buffers="one")
+    torch.set_float32_matmul_precision("highest")
+    q, k, v, lengths, _ = cases["bf16, 16 splits"]
+    hook = lambda metadata: None  # noqa: E731
+    for registered in (False, True):
+        if registered:
+            knobs.runtime.launch_enter_hook.add(hook)
+        stand_in.hooks = []
+        flashattn.decode(q, k, v, lengths)
+        knobs.runtime.launch_enter_hook.remove(hook)
+        if len(stand_in.hooks) != 2 or any((h is None) == registered for h in stand_in.hooks):
+            problems.append(f"hook registered: {registered}; the launches got {stand_in.hooks}")
     torch.cuda.is_current_stream_capturing = lambda: True
     try:
         flashattn.decode(q, k, v, full)

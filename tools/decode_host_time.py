@@ -6,7 +6,8 @@ driver is replaced by a stand-in (:func:`install`) with which the kernels compil
 each launch returns at once (recorded when asked), and ``torch.cuda`` answers as for one GPU with
 132 SMs. The tensors stay on the CPU. What only a GPU can time is left out: Triton's C launcher
 and the driver's launch (a few us per kernel), CUDA allocations instead of CPU ones, and copying
-the lengths to the GPU through pinned memory (``python -m flashattn.bench decode`` times those).
+the lengths to the GPU (``python -m flashattn.bench decode --host-ab`` times those, and decode's
+ways of launching and allocating side by side on a GPU).
 
     python tools/decode_host_time.py              # us per call, whole and by step
     python tools/decode_host_time.py --profile    # and cProfile's table of one call's functions
@@ -23,13 +24,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 class StandInDriver:
     """Triton's CUDA driver without a GPU: compiles for sm_90; a launch appends (launcher, grid,
-    arguments) to ``log`` when it is a list, and does nothing else."""
+    arguments) to ``log`` and its launch-enter hook to ``hooks`` when they are lists, and does
+    nothing else."""
 
     def __init__(self):
         import torch
         from triton.backends.compiler import GPUTarget
 
-        self.target, self.log, self.torch = GPUTarget("cuda", 90, 32), None, torch
+        self.target, self.log, self.hooks, self.torch = GPUTarget("cuda", 90, 32), None, None, torch
         driver = self
 
         class Utils:
@@ -46,6 +48,8 @@ class StandInDriver:
             def __call__(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, exit, *args):
                 if driver.log is not None:
                     driver.log.append((self, (gx, gy, gz), args))
+                if driver.hooks is not None:
+                    driver.hooks.append(enter)
 
         self.utils, self.launcher_cls = Utils(), Launcher
 
@@ -119,7 +123,16 @@ def main(argv):
     flashattn.decode(q, k, v, lengths)
     print(f"first call (compiles or loads the kernels): {time.perf_counter() - start:.2f} s")
     whole = per_call_us(lambda: flashattn.decode(q, k, v, lengths))
-    print(f"flashattn.decode, B=8 H_q=32 H_kv=8 D=128 bf16, 4k cache: {whole:6.1f} us per call")
+    print(f"flashattn.decode, B=8 H_q=32 H_kv=8 D=128 bf16, 4k cache: {whole:6.1f} us per call "
+          f"({decode._HOST['launch']} launches, {decode._HOST['buffers']} buffer(s))")
+    default = dict(decode._HOST)
+    for launch in decode.HOST_CHOICES["launch"]:  # decode's other ways (the lengths stay on the CPU here)
+        for buffers in decode.HOST_CHOICES["buffers"]:
+            if dict(default, launch=launch, buffers=buffers) != default:
+                decode._set_host(launch=launch, buffers=buffers)
+                label = f"{launch} launches, {buffers} buffer(s)"
+                print(f"  {label:40} {per_call_us(lambda: flashattn.decode(q, k, v, lengths), calls=1000, rounds=3):6.1f} us")
+    decode._set_host(**default)
     steps = {"plan lookup (_plan_key)": lambda: decode._PLANS[decode._plan_key(q, k, v, lengths)],
              "checks of every call (_check_call)": lambda: decode._check_call(q, k, v, None, False),
              "lengths checked (_lengths, no copy)": lambda: decode._lengths(lengths, 4096, 1, q.device),
@@ -136,7 +149,7 @@ def main(argv):
         for _ in range(1000):
             flashattn.decode(q, k, v, lengths)
         profile.disable()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,36 @@ else:
                       "triton module imported earlier will not run on the CPU: import flashattn "
                       "first (or set TRITON_INTERPRET=1 before starting Python).", stacklevel=2)
 
+def _exact_interpreter_dots():
+    """Make the interpreter's ``tl.dot`` sum in float64 and round once to the accumulator's dtype.
+
+    The interpreter multiplies tiles with ``numpy.matmul``, whose float32 result depends on which
+    BLAS kernel NumPy picks for the CPU at hand: the same float32 test passed on one x86 machine
+    and failed on another (OpenBLAS's Haswell and Zen kernels gave a 5x larger dV error at large
+    scores). A GPU's tensor cores accumulate in float32 in their own order, so no CPU order is "the
+    GPU's"; one exact sum makes the CPU results the same everywhere. Everything else (exp2, the
+    running max and sum, the casts) keeps the kernels' own precision, and the GPU tests check the
+    compiled dots."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    plain = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        floats = (np.float16, np.float32)
+        if a.data.dtype not in floats or b.data.dtype not in floats or d.data.dtype not in floats:
+            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+        exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)) + d.data
+        return interpreter.TensorHandle(exact.astype(d.data.dtype), d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if INTERPRET:
+    _exact_interpreter_dots()
+
+
 #: "gpu" when the kernels are compiled, "interpreter" when they run on the CPU.
 RUNTIME = "interpreter" if INTERPRET else "gpu"
 #: The device the inputs of :func:`flashattn.attention` must live on.

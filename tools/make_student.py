@@ -46,6 +46,7 @@ CHAPTERS = [
     "06_backward_kernels",
     "07_autograd_and_testing",
     "08_performance",
+    "09_gqa_windows_varlen",
     "10_decoding",
 ]
 

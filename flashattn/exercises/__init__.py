@@ -4,7 +4,7 @@
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
 One module per group of chapters (``ch00_02``, ``ch03_04`` with chapter 04's Triton ladder in
-``ch04_ladder``, ``ch05_07``, ``ch06``, ``ch08``, ``ch10``, ``ch11``), and ``common``
+``ch04_ladder``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``), and ``common``
 for what they share; every checker, and the kernels that run a learner's Triton code, are
 available from here.
 """
@@ -19,6 +19,7 @@ from .ch05_07 import check_attention_backward, check_row_lse_kernel, check_rule_
 from .ch06 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, dkdv_exercise_kernel, dq_exercise_kernel,
                    run_dkdv_inner, run_dq_inner)
 from .ch08 import check_attention_cost, check_choose_config, check_estimate_resources
+from .ch09 import check_kv_head_map, check_varlen_programs, check_window_kv_range
 from .ch10 import check_merge_split_partials
 from .ch11 import check_ring_slot
 from .common import ExerciseError, attempt, expect_close
@@ -41,6 +42,8 @@ __all__ = [
     "check_rule_test", "check_row_lse_kernel",
     # chapter 08
     "check_attention_cost", "check_estimate_resources", "check_choose_config",
+    # chapter 09
+    "check_kv_head_map", "check_window_kv_range", "check_varlen_programs",
     # chapter 10
     "check_merge_split_partials",
     # chapter 11

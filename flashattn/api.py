@@ -34,8 +34,9 @@ def attention(q, k, v, is_causal=False, scale=None, return_lse=False):
 
     Dtypes float16, bfloat16 and float32 are supported. float32 follows
     ``torch.get_float32_matmul_precision()``: 'highest' (PyTorch's default) keeps float32's
-    accuracy (3xTF32 on tensor cores, IEEE fp32 where there are none); 'high' or 'medium' let the
-    kernels use TF32 tensor cores, like PyTorch's own matmul.
+    accuracy (IEEE float32; ``FLASHATTN_TF32X3=1`` asks for 3xTF32 on tensor cores instead, which
+    is experimental and warns); 'high' or 'medium' let the kernels use TF32 tensor cores, like
+    PyTorch's own matmul.
     On the CPU (Triton's interpreter) bfloat16 inputs are computed in float32 and rounded back.
     """
     _check(q, k, v, is_causal, scale, return_lse)

@@ -244,10 +244,13 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     if dlse is not None:
         delta -= dlse
 
-    # On an H100/H200, 16-bit inputs at head dims 64 and 128 get dK/dV from flashattn.hopper_backward
-    # (the same result, scheduled by hand in Gluon) unless a configuration is given or
-    # FLASHATTN_GLUON=0 is set; dQ stays with the Triton kernel below.
-    hopper = None if configs.get("bwd_dkdv") is not None else tuning.gluon_module("hopper_backward")
+    # On an H100/H200, 16-bit inputs at the head dims of tuning.GLUON_DKDV_HEAD_DIMS (128: where it
+    # was measured faster) get dK/dV from flashattn.hopper_backward (the same result, scheduled by
+    # hand in Gluon) unless a configuration is given or FLASHATTN_GLUON=0 is set; dQ stays with
+    # the Triton kernel below.
+    hopper = None
+    if configs.get("bwd_dkdv") is None and q.shape[-1] in tuning.GLUON_DKDV_HEAD_DIMS:
+        hopper = tuning.gluon_module("hopper_backward")
     if hopper is not None and hopper.supports(q, k, v):
         dk, dv = hopper.attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale)
     else:

@@ -396,9 +396,9 @@ BLOCK_DS = (16, 32, 64, 128, 256)
 
 def dtype_paths(arch):
     """The (input dtype, dot precision) pairs the kernels run with on ``arch``: fp16 and bf16 on their
-    tensor cores; float32 as 'highest' asks (3xTF32), as 'high'/'medium' ask (TF32) and under
-    FLASHATTN_TF32X3=0 (IEEE). Before sm_80 there are no tensor cores: fp16 and IEEE float32 only
-    (bfloat16 is computed in float32 there, runtime.bf16_in_float32)."""
+    tensor cores; float32 as 'highest' asks (IEEE), as 'high'/'medium' ask (TF32) and under the
+    experimental FLASHATTN_TF32X3=1 (3xTF32). Before sm_80 there are no tensor cores: fp16 and
+    IEEE float32 only (bfloat16 is computed in float32 there, runtime.bf16_in_float32)."""
     if not arch.tensor_cores:
         return [("fp16", "ieee"), ("fp32", "ieee")]
     return [("fp16", "ieee"), ("bf16", "ieee"), ("fp32", "tf32x3"), ("fp32", "tf32"), ("fp32", "ieee")]

@@ -33,8 +33,8 @@ EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 
 #: baseline then: cuBLAS picks TF32 only for some shapes (on an H200, not for the short sequences
 #: of the test grid, where its error stays at float32's size and the kernels' missed 2x of it by
 #: 100-3000x). So with TF32 the baseline is PyTorch on inputs rounded to TF32 (what a TF32 matmul
-#: does to its operands), and the floor is at TF32's unit roundoff. 3xTF32 ('highest') keeps
-#: float32's accuracy and float32's rule.
+#: does to its operands), and the floor is at TF32's unit roundoff. IEEE float32 ('highest') and
+#: the experimental 3xTF32 (FLASHATTN_TF32X3=1) are held to float32's rule.
 DOT_EPS = {"tf32": 2.0 ** -11}
 FLOOR_UNITS = 8  # the floor, in units of the unit roundoff times the largest reference magnitude
 

@@ -16,7 +16,10 @@ log-sum-exp saved by the forward pass, ``P = 2**(S * log2(e) - LSE2)``. Three ke
    accumulating dQ, like the forward pass.
 
 Each output tile is written by exactly one program, in a fixed order, so the result is bit-identical
-from run to run (no atomics). FlashAttention-2 instead lets the dK/dV program add its share of dQ
+from run to run (no atomics). Under grouped-query attention the dK/dV program of a K/V head loops
+over the query heads that read it and sums their shares itself; under a sliding window or with
+packed sequences the kernels take the forward's ranges and tables (see flashattn.forward). Every
+program stores its tile, zeros included, so keys that no query sees get dK = dV = 0. FlashAttention-2 instead lets the dK/dV program add its share of dQ
 into memory with atomic adds (5 tile matmuls per tile pair instead of 7); docs/performance.md
 compares the two.
 

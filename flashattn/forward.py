@@ -11,6 +11,18 @@ The keys a query block visits split in two stages (chapter 03, ``tiles.kv_stage_
 1. ``[0, kv_full_end)``: whole tiles that every query of the block sees; no mask at all.
 2. ``[kv_full_end, kv_end)``: tiles on the causal diagonal or past the end of the sequence; an
    element-wise mask hides the pairs that do not exist. Keys from ``kv_end`` on are never loaded.
+
+Three variants switch on with arguments, not copies of the kernel (``flashattn.attention``'s
+``enable_gqa`` and ``window_size``, and ``flashattn.varlen``):
+
+* grouped-query attention: query head ``h`` reads K/V head ``h // n_group`` in place;
+* a sliding window (``WINDOW``): masked tiles at both edges of the window, whole tiles between,
+  none outside (``tiles.kv_window_bounds``), so the cost grows with N * window;
+* packed sequences (``VARLEN``): each program reads its (sequence, query block) from a table and
+  the sequence's offset and length from ``cu_seqlens``, then works as for one sequence.
+
+A row that sees no key under a window, or in a sequence without keys, gets the output 0 and
+the LSE -inf.
 """
 import torch
 import triton

@@ -126,8 +126,9 @@ def _check_heads(name, t, q, enable_gqa):
                          f"{tuple(q.shape[:-2])}; they must be equal (no broadcasting)")
     heads_q, heads_kv = q.shape[-3], t.shape[-3]
     if not enable_gqa:
-        raise ValueError(f"{name} has {heads_kv} heads but q has {heads_q}; they must be equal, "
-                         "or pass enable_gqa=True for grouped-query attention")
+        raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has {tuple(q.shape[:-2])}: "
+                         f"{name} has {heads_kv} heads but q has {heads_q}; they must be equal, or pass "
+                         "enable_gqa=True for grouped-query attention")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"enable_gqa=True needs q's heads to be a multiple of {name}'s heads; got "
                          f"{heads_q} query heads and {heads_kv} {name} heads")

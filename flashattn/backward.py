@@ -19,9 +19,9 @@ Each output tile is written by exactly one program, in a fixed order, so the res
 from run to run (no atomics). Under grouped-query attention the dK/dV program of a K/V head loops
 over the query heads that read it and sums their shares itself; under a sliding window or with
 packed sequences the kernels take the forward's ranges and tables (see flashattn.forward). Every
-program stores its tile, zeros included, so keys that no query sees get dK = dV = 0. FlashAttention-2 instead lets the dK/dV program add its share of dQ
-into memory with atomic adds (5 tile matmuls per tile pair instead of 7); docs/performance.md
-compares the two.
+program stores its tile, zeros included, so keys that no query sees get dK = dV = 0.
+FlashAttention-2 instead lets the dK/dV program add its share of dQ into memory with atomic adds
+(5 tile matmuls per tile pair instead of 7); docs/performance.md compares the two.
 
 Where did the ln 2 of base 2 go? The kernels rebuild ``P = 2**(s * scale * log2(e) - LSE2)`` from the
 raw score ``s = q.k``, so the chain rule gives ``dL/ds = ln(2) * scale * log2(e) * P * (dP - Delta)``:
@@ -62,10 +62,10 @@ def _attn_bwd_preprocess(O, dO, Delta,
 @triton.jit
 def _dkdv_inner(dk, dv, k, v,
                 Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
-                offs_kv, offs_d, q_lo, q_hi, n_q, qk_scale, win_left, win_right,
+                offs_kv, offs_d, q_lo, q_hi, n_q, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                WINDOW: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+                WINDOW: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False, win_left=0, win_right=0):
     """Accumulate into dK and dV the query blocks ``[q_lo, q_hi)``.
 
     Everything here is transposed (keys along rows, queries along columns) because the key block
@@ -100,7 +100,7 @@ def _dkdv_inner(dk, dv, k, v,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary for every length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
 def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -162,9 +162,7 @@ def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
         else:
             q_lo = 0
             q_full_lo = 0
-        q_full_hi = q_full_lo + tl.maximum(n_q - q_full_lo, 0) // BLOCK_Q * BLOCK_Q
-        q_full_lo = tl.minimum(q_full_lo, n_q)
-        q_full_hi = tl.minimum(q_full_hi, n_q)
+        q_full_hi = q_full_lo + tl.maximum(n_q - q_full_lo, 0) // BLOCK_Q * BLOCK_Q  # empty past n_q
         q_hi = n_q
     for g in range(0, n_group):  # the query heads that read this K/V head
         head = kv_head * n_group + g
@@ -173,17 +171,17 @@ def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
         LSE_h = LSE + head.to(tl.int64) * n_rows
         Delta_h = Delta + head.to(tl.int64) * n_rows
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
-                             stride_don, stride_dod, offs_kv, offs_d, q_lo, q_full_lo, n_q, qk_scale,
-                             win_left, win_right, HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL,
-                             DOT_PRECISION, WINDOW, WINDOW or VARLEN)
+                             stride_don, stride_dod, offs_kv, offs_d, q_lo, tl.minimum(q_full_lo, n_q),
+                             n_q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                             WINDOW, WINDOW or VARLEN, win_left, win_right)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
                              stride_don, stride_dod, offs_kv, offs_d, q_full_lo, q_full_hi, n_q, qk_scale,
-                             win_left, win_right, HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL,
-                             DOT_PRECISION, WINDOW, WINDOW or VARLEN)
+                             HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
+                             WINDOW, WINDOW or VARLEN, win_left, win_right)
         dk, dv = _dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
                              stride_don, stride_dod, offs_kv, offs_d, q_full_hi, q_hi, n_q, qk_scale,
-                             win_left, win_right, HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL,
-                             DOT_PRECISION, WINDOW, WINDOW or VARLEN)
+                             HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                             WINDOW, WINDOW or VARLEN, win_left, win_right)
 
     # Every program stores its whole tile, zeros included: keys no query sees get dK = dV = 0.
     dk *= scale  # S = scale * Q K^T, so dK carries the scale once
@@ -194,10 +192,10 @@ def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta,
               K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-              offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale, win_left, win_right,
+              offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              WINDOW: tl.constexpr):
+              WINDOW: tl.constexpr = False, win_left=0, win_right=0):
     """Accumulate into dQ the key blocks ``[kv_lo, kv_hi)``."""
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)
@@ -220,7 +218,7 @@ def _dq_inner(dq, q, do, lse, delta,
     return dq
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary for every length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
 def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                  stride_qb, stride_qh, stride_qn, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -273,22 +271,25 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
         kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
                                                                 BLOCK_Q, BLOCK_KV)
         dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale, win_left, win_right,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True)
+                       offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
+                       win_right)
         dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale, win_left, win_right,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True)
+                       offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True, win_left,
+                       win_right)
         dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale, win_left, win_right,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True)
+                       offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
+                       win_right)
     else:
         kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
         dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale, win_left, win_right,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION, False)
+                       offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
         dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale, win_left, win_right,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION, False)
+                       offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
 
     dq *= scale
     store_tile(dQ, dq, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)

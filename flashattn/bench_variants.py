@@ -109,7 +109,8 @@ def bench_varlen(s, device, dtype, quick, rows, meta):
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=device)
     # The padded batch (B, H, longest, D): sequence b in rows 0..n_b - 1, zeros after. Causal and
     # top-left aligned, its real queries see only real keys, so their outputs are the packed ones.
-    padded = [torch.zeros(len(lengths), heads, longest, head_dim, device=device, dtype=dtype) for _ in range(3)]
+    padded = [torch.zeros(len(lengths), heads, longest, head_dim, device=device, dtype=dtype)
+              for _ in range(3)]
     for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         for dst, src in zip(padded, (q, k, v)):
             dst[b, :, : e - a] = src[a:e].transpose(0, 1)
@@ -151,7 +152,8 @@ def bench_gqa(s, device, dtype, quick, rows, meta):
     providers = {
         f"flashattn-gqa{heads_kv}": (lambda: flashattn.attention(*a, is_causal=True, enable_gqa=True), a),
         f"flashattn-mha{heads_q}": (lambda: flashattn.attention(*b, is_causal=True), b),
-        f"sdpa-gqa{heads_kv}": (lambda: F.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True), a),
+        f"sdpa-gqa{heads_kv}": (lambda: F.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True),
+                                a),
         f"sdpa-mha{heads_q}": (lambda: F.scaled_dot_product_attention(*b, is_causal=True), b),
     }
     with torch.no_grad():

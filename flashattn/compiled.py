@@ -100,9 +100,10 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     packed sequences (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``)."""
     fn, tensors, fixed = KERNELS[name]
     # As flashattn.attention launches them without grouped heads, windows or packed sequences:
-    # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs. ``constexprs`` may
-    # override both (a table is then an int32 pointer, see ``VARIANT_POINTERS``).
-    variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False, "VARLEN": False}
+    # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
+    # ``constexprs`` may override them (a table is then an int32 pointer, see VARIANT_POINTERS).
+    variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False,
+                "VARLEN": False}
     constexprs = {**{arg: value for arg, value in variants.items() if arg in fn.arg_names}, **constexprs}
     constexprs.update({arg: 1 for arg in fn.arg_names if arg.startswith("stride_") and arg.endswith("d")})
     pointers = {**{arg: dtype for arg in tensors}, **fixed}

@@ -38,10 +38,10 @@ from .traversal import window_masking
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q,
                K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-               offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale, win_left, win_right,
+               offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               WINDOW: tl.constexpr):
+               WINDOW: tl.constexpr = False, win_left=0, win_right=0):
     """Fold the key/value tiles ``[kv_lo, kv_hi)`` into the running state ``(acc, m_i, l_i)``.
 
     ``m_i`` is the running row maximum and ``l_i`` the running row sum, both in base 2 and already
@@ -84,7 +84,7 @@ def _fwd_inner(acc, m_i, l_i, q,
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary for every length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
@@ -136,24 +136,27 @@ def _attn_fwd(Q, K, V, O, LSE,
         kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
                                                                 BLOCK_Q, BLOCK_KV)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale, win_left, win_right,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True)
+                                   offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
+                                   win_left, win_right)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale, win_left,
-                                   win_right, HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True)
+                                   offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True,
+                                   win_left, win_right)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale, win_left, win_right,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True)
+                                   offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
+                                   win_left, win_right)
     else:
         kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
         # Stage 1: whole tiles every query of the block sees.
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale, win_left, win_right,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION, False)
+                                   offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
         # Stage 2: the diagonal and the ragged end, with the element-wise mask.
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale, win_left, win_right,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION, False)
+                                   offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
 
     if WINDOW or VARLEN:
         # A row that saw no key (outside every window, or a sequence without keys) has L = 0 and

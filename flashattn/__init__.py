@@ -3,6 +3,8 @@
     import torch, flashattn
     out = flashattn.attention(q, k, v, is_causal=True)            # autograd flows through it
     out, lse = flashattn.attention(q, k, v, is_causal=True, return_lse=True)
+    out = flashattn.attention(q, k, v, enable_gqa=True, window_size=(256, 0))  # grouped, windowed
+    out = flashattn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # packed
 
 Importing the package picks the runtime (``flashattn.RUNTIME``): compiled kernels on a CUDA GPU,
 or the very same kernels through Triton's interpreter on CPU tensors when there is none. Inputs
@@ -12,10 +14,12 @@ from .runtime import DEVICE, INTERPRET, RUNTIME, describe  # first: it decides T
 
 from .api import attention  # noqa: E402  (the kernels must be defined after the runtime choice)
 from .decode import decode  # noqa: E402
+from .varlen import varlen_attention  # noqa: E402
 
-__all__ = ["attention", "DEVICE", "INTERPRET", "RUNTIME", "describe"]
+__all__ = ["attention", "varlen_attention", "DEVICE", "INTERPRET", "RUNTIME", "describe"]
 _SUBMODULES = {"api", "autograd", "backward", "bench", "course", "exercises", "forward", "gpus", "notebook",
-               "plotting", "reference", "runtime", "testing", "tiles", "traversal", "tuning"}
+               "plotting", "reference", "runtime", "testing", "tiles", "traversal", "tuning", "varlen",
+               "bench_variants"}
 
 
 def __getattr__(name):

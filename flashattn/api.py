@@ -17,7 +17,8 @@ MAX_HEAD_DIM = 256
 MAX_GRID_DIM = 65535  # CUDA's limit on grid axes 1 and 2 (heads, batch)
 
 
-def attention(q, k, v, is_causal=False, scale=None, return_lse=False):
+def attention(q, k, v, is_causal=False, scale=None, return_lse=False, enable_gqa=False,
+              window_size=(-1, -1)):
     """Scaled dot-product attention, ``softmax(q @ k^T * scale) @ v``, computed by FlashAttention.
 
     Args:
@@ -27,6 +28,16 @@ def attention(q, k, v, is_causal=False, scale=None, return_lse=False):
         is_causal: mask so that query ``i`` sees keys ``0..i`` (top-left aligned, like SDPA).
         scale: the factor applied to ``q @ k^T``; defaults to ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp of each row of the scaled, masked scores.
+        enable_gqa: grouped-query attention, as SDPA's flag: ``q`` is ``(..., H_q, N_q, D)`` and
+            ``k``, ``v`` are ``(..., H_kv, N_kv, D)`` with ``H_q`` a multiple of ``H_kv``; query head
+            ``h`` reads K/V head ``h // (H_q // H_kv)``. The kernels read each group's K and V in
+            place (no copy per query head), and the backward sums dK and dV over the group.
+        window_size: ``(left, right)``, a sliding window as in FlashAttention: query ``i`` sees key
+            ``j`` only if ``j >= i - left`` (when ``left >= 0``) and ``j <= i + right`` (when
+            ``right >= 0``); -1 leaves that side unbounded. Positions are aligned top-left, as for
+            ``is_causal``, which adds ``j <= i``. Tiles wholly outside the window are never
+            loaded, so the cost grows with ``N * window``, not ``N**2``. A query that sees no key
+            gets the output 0, the lse -inf and zero gradients.
 
     Returns:
         ``out`` with ``q``'s shape and dtype, or ``(out, lse)`` with ``lse`` of shape ``(..., N_q)``,
@@ -34,11 +45,13 @@ def attention(q, k, v, is_causal=False, scale=None, return_lse=False):
 
     Dtypes float16, bfloat16 and float32 are supported. float32 follows
     ``torch.get_float32_matmul_precision()``: 'highest' (PyTorch's default) keeps float32's
-    accuracy (3xTF32 on tensor cores, IEEE fp32 where there are none); 'high' or 'medium' let the
-    kernels use TF32 tensor cores, like PyTorch's own matmul.
+    accuracy (IEEE float32; ``FLASHATTN_TF32X3=1`` asks for 3xTF32 on tensor cores instead, which
+    is experimental and warns); 'high' or 'medium' let the kernels use TF32 tensor cores, like
+    PyTorch's own matmul.
     On the CPU (Triton's interpreter) bfloat16 inputs are computed in float32 and rounded back.
     """
-    _check(q, k, v, is_causal, scale, return_lse)
+    _check(q, k, v, is_causal, scale, return_lse, enable_gqa)
+    window_size = check_window_size(window_size)
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
@@ -51,14 +64,18 @@ def attention(q, k, v, is_causal=False, scale=None, return_lse=False):
     if heads > MAX_GRID_DIM or batch > MAX_GRID_DIM:
         raise ValueError(f"the leading dims {tuple(lead)} give {batch} batch x {heads} heads; "
                          f"each must be at most {MAX_GRID_DIM} (CUDA's grid limit)")
-    q4, k4, v4 = (t.reshape(batch, heads, t.shape[-2], head_dim) for t in (q, k, v))
-    out, lse = FlashAttention.apply(q4, k4, v4, is_causal, scale)
+    heads_kv = k.shape[-3] if k.dim() > 2 else 1
+    q4 = q.reshape(batch, heads, q.shape[-2], head_dim)
+    k4, v4 = (t.reshape(batch, heads_kv, t.shape[-2], head_dim) for t in (k, v))
+    out, lse = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size)
     out = out.reshape(q.shape)
     return (out, lse.reshape(q.shape[:-1])) if return_lse else out
 
 
-def _check(q, k, v, is_causal, scale, return_lse):
+def _check(q, k, v, is_causal, scale, return_lse, enable_gqa=False):
     """Raise TypeError or ValueError naming the argument and what was expected."""
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -75,11 +92,13 @@ def _check(q, k, v, is_causal, scale, return_lse):
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all three must be "
                              "on the same device")
         if t.shape[:-2] != q.shape[:-2]:
-            raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has "
-                             f"{tuple(q.shape[:-2])}; they must be equal (no broadcasting)")
+            _check_heads(name, t, q, enable_gqa)
         if t.shape[-1] != q.shape[-1]:
             raise ValueError(f"{name} has head dim {t.shape[-1]} but q has {q.shape[-1]}; "
                              "they must be equal")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"k has leading dims {tuple(k.shape[:-2])} but v has {tuple(v.shape[:-2])}; "
+                         "they must be equal")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k has {k.shape[-2]} keys but v has {v.shape[-2]} values; "
                          "their sequence lengths must be equal")
@@ -98,3 +117,34 @@ def _check(q, k, v, is_causal, scale, return_lse):
             raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a finite positive number, got {scale}")
+
+
+def _check_heads(name, t, q, enable_gqa):
+    """``t`` (k or v) has other leading dims than ``q``: fine only for grouped-query attention,
+    where they differ in the heads dim alone and H_kv divides H_q; else a ValueError."""
+    if t.dim() < 3 or q.dim() < 3 or t.shape[:-3] != q.shape[:-3] or t.dim() != q.dim():
+        raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has "
+                         f"{tuple(q.shape[:-2])}; they must be equal (no broadcasting)")
+    heads_q, heads_kv = q.shape[-3], t.shape[-3]
+    if not enable_gqa:
+        raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has {tuple(q.shape[:-2])}: "
+                         f"{name} has {heads_kv} heads but q has {heads_q}; they must be equal, or pass "
+                         "enable_gqa=True for grouped-query attention")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"enable_gqa=True needs q's heads to be a multiple of {name}'s heads; got "
+                         f"{heads_q} query heads and {heads_kv} {name} heads")
+
+
+def check_window_size(window_size):
+    """``window_size`` as a tuple ``(left, right)`` of ints >= -1, or a TypeError/ValueError
+    naming it."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError("window_size must be a pair (left, right) of ints (-1 for unbounded), got "
+                        f"{window_size!r}")
+    for side in window_size:
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+            raise TypeError(f"window_size must be a pair of ints, got {window_size!r}")
+        if side < -1:
+            raise ValueError(f"window_size={tuple(window_size)!r}: each side must be >= 0, or -1 "
+                             "for unbounded")
+    return int(window_size[0]), int(window_size[1])

@@ -12,13 +12,17 @@ from .tiles import LN2
 
 
 class FlashAttention(torch.autograd.Function):
-    """``apply(q, k, v, is_causal, scale) -> (out, lse)``, lse in natural log like torch.logsumexp."""
+    """``apply(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None) -> (out, lse)``, lse
+    in natural log like torch.logsumexp. ``k``/``v`` may have fewer heads than ``q`` (grouped-query
+    attention); ``sequences`` marks packed sequences (``flashattn.varlen``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale):
-        o, lse2 = attention_forward(q, k, v, is_causal, scale)
+    def forward(ctx, q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None):
+        o, lse2 = attention_forward(q, k, v, is_causal, scale, window_size=window_size,
+                                    sequences=sequences)
         ctx.save_for_backward(q, k, v, o, lse2)
         ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.window_size, ctx.sequences = window_size, sequences
         ctx.set_materialize_grads(False)  # an unused output gets None, not a tensor of zeros
         lse = lse2 * LN2
         return o, lse
@@ -28,5 +32,6 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, o, lse2 = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = attention_backward(q, k, v, o, lse2, do, ctx.is_causal, ctx.scale, dlse=dlse)
-        return dq, dk, dv, None, None
+        dq, dk, dv = attention_backward(q, k, v, o, lse2, do, ctx.is_causal, ctx.scale, dlse=dlse,
+                                        window_size=ctx.window_size, sequences=ctx.sequences)
+        return dq, dk, dv, None, None, None, None

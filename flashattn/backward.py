@@ -16,9 +16,12 @@ log-sum-exp saved by the forward pass, ``P = 2**(S * log2(e) - LSE2)``. Three ke
    accumulating dQ, like the forward pass.
 
 Each output tile is written by exactly one program, in a fixed order, so the result is bit-identical
-from run to run (no atomics). FlashAttention-2 instead lets the dK/dV program add its share of dQ
-into memory with atomic adds (5 tile matmuls per tile pair instead of 7); docs/performance.md
-compares the two.
+from run to run (no atomics). Under grouped-query attention the dK/dV program of a K/V head loops
+over the query heads that read it and sums their shares itself; under a sliding window or with
+packed sequences the kernels take the forward's ranges and tables (see flashattn.forward). Every
+program stores its tile, zeros included, so keys that no query sees get dK = dV = 0.
+FlashAttention-2 instead lets the dK/dV program add its share of dQ into memory with atomic adds
+(5 tile matmuls per tile pair instead of 7); docs/performance.md compares the two.
 
 Where did the ln 2 of base 2 go? The kernels rebuild ``P = 2**(s * scale * log2(e) - LSE2)`` from the
 raw score ``s = q.k``, so the chain rule gives ``dL/ds = ln(2) * scale * log2(e) * P * (dP - Delta)``:
@@ -32,7 +35,9 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import LOG2E, dot_acc, kv_stage_bounds, load_tile, store_tile
+from .tiles import (LOG2E, dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, q_window_bounds,
+                    sequence_of_program, store_tile)
+from .traversal import window_masking
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_q"])  # one binary for every length
@@ -59,7 +64,8 @@ def _dkdv_inner(dk, dv, k, v,
                 Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
                 offs_kv, offs_d, q_lo, q_hi, n_q, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                WINDOW: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False, win_left=0, win_right=0):
     """Accumulate into dK and dV the query blocks ``[q_lo, q_hi)``.
 
     Everything here is transposed (keys along rows, queries along columns) because the key block
@@ -75,11 +81,16 @@ def _dkdv_inner(dk, dv, k, v,
         else:
             lse = tl.load(LSE + offs_q)
             delta = tl.load(Delta + offs_q)
+        if EMPTY_ROWS:  # a row that saw no key has LSE -inf: 2**(-inf - +inf) = 0, not NaN
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)   # S^T / scale
         if MASKED:  # hidden pairs get a score of -inf, hence a probability of exactly 0
             visible = offs_q[None, :] < n_q
             if IS_CAUSAL:
                 visible = visible & (offs_q[None, :] >= offs_kv[:, None])
+            if WINDOW:
+                visible = visible & (offs_kv[:, None] >= offs_q[None, :] - win_left) \
+                    & (offs_kv[:, None] <= offs_q[None, :] + win_right)
             sT = tl.where(visible, sT, float("-inf"))
         pT = tl.exp2(sT * qk_scale - lse[None, :])                   # P^T, rebuilt from the LSE
         dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                    # dV += P^T dO
@@ -89,7 +100,7 @@ def _dkdv_inner(dk, dv, k, v,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv"])  # one binary for every length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
 def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -98,18 +109,36 @@ def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    n_heads, n_q, n_kv, scale, qk_scale,
+                   n_group, win_left, win_right, Programs, CuSeqQ, CuSeqK,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    kv_block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    K += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
-    V += batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
-    dO += batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-    dK += batch.to(tl.int64) * stride_dkb + head.to(tl.int64) * stride_dkh
-    dV += batch.to(tl.int64) * stride_dvb + head.to(tl.int64) * stride_dvh
-    LSE += (batch.to(tl.int64) * n_heads + head) * n_q
-    Delta += (batch.to(tl.int64) * n_heads + head) * n_q
+                   IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
+    # Grid: (key blocks, K/V heads, batch). Under grouped-query attention K/V head ``kv_head`` is
+    # read by the n_group query heads kv_head * n_group + g: this program sums their shares of
+    # dK and dV itself, in a fixed order (no atomics, no copy of K and V per query head).
+    # Packed sequences (VARLEN): axis 0 walks the table ``Programs`` of (sequence, key block).
+    kv_block, kv_head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    dK += batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+    dV += batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+    Q += batch.to(tl.int64) * stride_qb
+    dO += batch.to(tl.int64) * stride_dob
+    LSE += batch.to(tl.int64) * n_heads * n_q
+    Delta += batch.to(tl.int64) * n_heads * n_q
+    n_rows = n_q  # the LSE's row length: all sequences' queries under VARLEN
+    if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
+        kv_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
+                                                                       kv_block)
+        K += kv_offset * stride_kn
+        V += kv_offset * stride_vn
+        dK += kv_offset * stride_dkn
+        dV += kv_offset * stride_dvn
+        Q += q_offset * stride_qn
+        dO += q_offset * stride_don
+        LSE += q_offset
+        Delta += q_offset
 
     kv_start = kv_block * BLOCK_KV
     offs_kv = kv_start + tl.arange(0, BLOCK_KV)
@@ -121,24 +150,40 @@ def _attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
 
     # Which queries see this key block (flashattn.traversal.q_ranges is the same in Python):
     # [q_lo, q_full_lo) cross the diagonal, [q_full_lo, q_full_hi) are whole unmasked blocks and
-    # [q_full_hi, n_q) is the ragged end. Queries before q_lo see none of these keys.
-    if IS_CAUSAL:
-        q_lo = kv_start
-        q_full_lo = kv_start + BLOCK_KV  # BLOCK_Q divides BLOCK_KV (checked by the launcher)
+    # [q_full_hi, q_hi) is the ragged end. Queries before q_lo see none of these keys. Under a
+    # window (traversal.q_window_ranges) both ends are masked and the queries past q_hi skipped.
+    if WINDOW:
+        q_lo, q_full_lo, q_full_hi, q_hi = q_window_bounds(kv_start, n_q, win_left, win_right,
+                                                           BLOCK_Q, BLOCK_KV)
     else:
-        q_lo = 0
-        q_full_lo = 0
-    q_full_hi = q_full_lo + tl.maximum(n_q - q_full_lo, 0) // BLOCK_Q * BLOCK_Q
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
-                         offs_kv, offs_d, q_lo, tl.minimum(q_full_lo, n_q), n_q, qk_scale,
-                         HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
-                         offs_kv, offs_d, q_full_lo, q_full_hi, n_q, qk_scale,
-                         HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
-                         offs_kv, offs_d, q_full_hi, n_q, n_q, qk_scale,
-                         HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION)
+        if IS_CAUSAL:
+            q_lo = kv_start
+            q_full_lo = kv_start + BLOCK_KV  # BLOCK_Q divides BLOCK_KV (checked by the launcher)
+        else:
+            q_lo = 0
+            q_full_lo = 0
+        q_full_hi = q_full_lo + tl.maximum(n_q - q_full_lo, 0) // BLOCK_Q * BLOCK_Q  # empty past n_q
+        q_hi = n_q
+    for g in range(0, n_group):  # the query heads that read this K/V head
+        head = kv_head * n_group + g
+        Q_h = Q + head.to(tl.int64) * stride_qh
+        dO_h = dO + head.to(tl.int64) * stride_doh
+        LSE_h = LSE + head.to(tl.int64) * n_rows
+        Delta_h = Delta + head.to(tl.int64) * n_rows
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                             stride_don, stride_dod, offs_kv, offs_d, q_lo, tl.minimum(q_full_lo, n_q),
+                             n_q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                             WINDOW, WINDOW or VARLEN, win_left, win_right)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                             stride_don, stride_dod, offs_kv, offs_d, q_full_lo, q_full_hi, n_q, qk_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
+                             WINDOW, WINDOW or VARLEN, win_left, win_right)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                             stride_don, stride_dod, offs_kv, offs_d, q_full_hi, q_hi, n_q, qk_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                             WINDOW, WINDOW or VARLEN, win_left, win_right)
 
+    # Every program stores its whole tile, zeros included: keys no query sees get dK = dV = 0.
     dk *= scale  # S = scale * Q K^T, so dK carries the scale once
     store_tile(dK, dk, offs_kv, offs_d, stride_dkn, stride_dkd, n_kv, HEAD_DIM, HEAD_DIM < BLOCK_D)
     store_tile(dV, dv, offs_kv, offs_d, stride_dvn, stride_dvd, n_kv, HEAD_DIM, HEAD_DIM < BLOCK_D)
@@ -149,7 +194,8 @@ def _dq_inner(dq, q, do, lse, delta,
               K, V, stride_kn, stride_kd, stride_vn, stride_vd,
               offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
-              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              WINDOW: tl.constexpr = False, win_left=0, win_right=0):
     """Accumulate into dQ the key blocks ``[kv_lo, kv_hi)``."""
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)
@@ -161,6 +207,9 @@ def _dq_inner(dq, q, do, lse, delta,
             visible = offs_kv[None, :] < n_kv
             if IS_CAUSAL:
                 visible = visible & (offs_q[:, None] >= offs_kv[None, :])
+            if WINDOW:
+                visible = visible & (offs_kv[None, :] >= offs_q[:, None] - win_left) \
+                    & (offs_kv[None, :] <= offs_q[:, None] + win_right)
             s = tl.where(visible, s, float("-inf"))
         p = tl.exp2(s * qk_scale - lse[:, None])                      # P, rebuilt from the LSE
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
@@ -169,7 +218,7 @@ def _dq_inner(dq, q, do, lse, delta,
     return dq
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv"])  # one binary for every length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
 def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                  stride_qb, stride_qh, stride_qn, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -177,20 +226,34 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                  stride_dob, stride_doh, stride_don, stride_dod,
                  stride_dqb, stride_dqh, stride_dqn, stride_dqd,
                  n_heads, n_q, n_kv, scale, qk_scale,
+                 n_group, win_left, win_right, Programs, CuSeqQ, CuSeqK,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                 IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
+    # The forward kernel's grid and its grouped heads and packed sequences (see _attn_fwd).
     q_block = tl.program_id(0)
-    if IS_CAUSAL:  # the last query blocks visit the most keys: start them first
+    if IS_CAUSAL and not VARLEN:  # the last query blocks visit the most keys: start them first
         q_block = tl.num_programs(0) - 1 - q_block
     head, batch = tl.program_id(1), tl.program_id(2)
+    kv_head = head // n_group
     Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    K += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
-    V += batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+    K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     dO += batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
     dQ += batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
     LSE += (batch.to(tl.int64) * n_heads + head) * n_q
     Delta += (batch.to(tl.int64) * n_heads + head) * n_q
+    if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
+        q_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
+                                                                      q_block)
+        Q += q_offset * stride_qn
+        dO += q_offset * stride_don
+        dQ += q_offset * stride_dqn
+        LSE += q_offset
+        Delta += q_offset
+        K += kv_offset * stride_kn
+        V += kv_offset * stride_vn
 
     q_start = q_block * BLOCK_Q
     offs_q = q_start + tl.arange(0, BLOCK_Q)
@@ -199,44 +262,67 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
     do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
     lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
     delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
+    if WINDOW or VARLEN:  # a row that saw no key has LSE -inf: 2**(-inf - +inf) = 0, not NaN
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
 
-    # The same two stages as the forward kernel.
-    kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                   offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                   offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
+    # The same stages as the forward kernel.
+    if WINDOW:
+        kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
+                                                                BLOCK_Q, BLOCK_KV)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
+                       win_right)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True, win_left,
+                       win_right)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
+                       win_right)
+    else:
+        kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
 
     dq *= scale
     store_tile(dQ, dq, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
 
 
-def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None):
+def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
+                       window_size=(-1, -1), sequences=None):
     """Launch the three backward kernels on (B, H, N, D) tensors of any strides.
 
     ``lse2`` is the forward's base-2 log-sum-exp. ``dlse``, if given, is the gradient reaching the
     natural-log LSE output: since d lse_i / d S_ij = P_ij, it only shifts Delta (Delta - dlse).
     ``configs`` may fix the tiles per kernel: ``{"bwd_dkdv": {...}, "bwd_dq": {...}, ...}``.
-    Returns ``(dq, dk, dv)`` in the dtypes of q, k and v.
+    ``k``/``v`` with fewer heads than ``q``, ``window_size`` and ``sequences`` as in
+    ``forward.attention_forward``. Returns ``(dq, dk, dv)`` in the dtypes of q, k and v.
     """
     configs = configs or {}
     batch, heads, n_q, head_dim = q.shape
-    n_kv = k.shape[2]
+    heads_kv, n_kv = k.shape[1], k.shape[2]
     dtypes = q.dtype, k.dtype, v.dtype
     q, k, v, o, do = kernel_dtype(q, k, v, o, do)
     dq = torch.empty_like(q)
     if n_q == 0 or n_kv == 0:
         return tuple(torch.zeros_like(t, dtype=d) for t, d in zip((q, k, v), dtypes))
+    causal, window, win_left, win_right = window_masking(is_causal, window_size, n_q + n_kv)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
-    masking = dict(common, IS_CAUSAL=bool(is_causal),
-                   DOT_PRECISION=tuning.dot_precision(q.dtype, common["BLOCK_D"]))
+    masking = dict(common, IS_CAUSAL=causal,
+                   DOT_PRECISION=tuning.dot_precision(q.dtype, common["BLOCK_D"]),
+                   WINDOW=window, VARLEN=sequences is not None)
     seq_len = max(n_q, n_kv)
+    variants = (heads // heads_kv, win_left, win_right)
 
     delta = torch.empty_like(lse2)
-    tuning.launch(
+    tuning.launch(  # rows are independent here: packed sequences need no table
         "bwd_preprocess", _attn_bwd_preprocess,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
         (o, do, delta, *o.stride(), *do.stride(), heads, n_q),
@@ -244,26 +330,42 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     if dlse is not None:
         delta -= dlse
 
-    # On an H100/H200, 16-bit inputs at head dims 64 and 128 get dK/dV from flashattn.hopper_backward
-    # (the same result, scheduled by hand in Gluon) unless a configuration is given or
-    # FLASHATTN_GLUON=0 is set; dQ stays with the Triton kernel below.
-    hopper = None if configs.get("bwd_dkdv") is not None else tuning.gluon_module("hopper_backward")
+    def grid_and_tables(name, side, block_name, blocks, grid_heads):
+        """The grid and the table arguments of the dK/dV (side "kv") or dQ (side "q") kernel."""
+        config = configs.get(name)
+        if sequences is None:
+            return config, (lambda meta: (triton.cdiv(blocks, meta[block_name]), grid_heads, batch)), \
+                (None, None, None)
+        config = config or sequences.config(name, q.dtype, masking)
+        table = sequences.programs(side, config[block_name], win_left, win_right)
+        return config, (table.shape[0], grid_heads, 1), \
+            (table, sequences.cu_seqlens_q, sequences.cu_seqlens_k)
+
+    # On an H100/H200, 16-bit inputs at the head dims of tuning.GLUON_DKDV_HEAD_DIMS (128: where it
+    # was measured faster) get dK/dV from flashattn.hopper_backward (the same result, scheduled by
+    # hand in Gluon) unless a configuration is given or FLASHATTN_GLUON=0 is set; dQ stays with
+    # the Triton kernel below. Grouped heads, windows and packed sequences take the Triton kernel.
+    plain = heads_kv == heads and not window and sequences is None
+    hopper = None
+    if configs.get("bwd_dkdv") is None and plain and q.shape[-1] in tuning.GLUON_DKDV_HEAD_DIMS:
+        hopper = tuning.gluon_module("hopper_backward")
     if hopper is not None and hopper.supports(q, k, v):
-        dk, dv = hopper.attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale)
+        dk, dv = hopper.attention_backward_dkdv(q, k, v, do, lse2, delta, causal, scale)
     else:
+        # Every element of dK and dV is written by a program (zeros where no query looks).
         dk, dv = torch.empty_like(k), torch.empty_like(v)
+        config, grid, tables = grid_and_tables("bwd_dkdv", "kv", "BLOCK_KV", n_kv, heads_kv)
         tuning.launch(
-            "bwd_dkdv", _attn_bwd_dkdv,
-            lambda meta: (triton.cdiv(n_kv, meta["BLOCK_KV"]), heads, batch),
+            "bwd_dkdv", _attn_bwd_dkdv, grid,
             (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-             *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
-            masking, seq_len, _checked_dkdv(configs.get("bwd_dkdv")))
+             *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, scale * LOG2E, *variants, *tables),
+            masking, seq_len, _checked_dkdv(config))
+    config, grid, tables = grid_and_tables("bwd_dq", "q", "BLOCK_Q", n_q, heads)
     tuning.launch(
-        "bwd_dq", _attn_bwd_dq,
-        lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
+        "bwd_dq", _attn_bwd_dq, grid,
         (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-         *dq.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
-        masking, seq_len, configs.get("bwd_dq"))
+         *dq.stride(), heads, n_q, n_kv, scale, scale * LOG2E, *variants, *tables),
+        masking, seq_len, config)
     return tuple(t.to(d) for t, d in zip((dq, dk, dv), dtypes))
 
 

@@ -34,7 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import backward, forward, tuning
+from . import backward, forward, gpus, tuning
 from .decode import _decode_merge, _decode_split  # (flashattn.decode is the function)
 
 def target(capability: int) -> GPUTarget:
@@ -87,15 +87,32 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), target=SM90, *
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
 
 
+#: The tables of packed sequences (flashattn.varlen): ``constexprs`` of :func:`compile_kernel`
+#: gives them as "pointer" to compile the VARLEN kernels.
+VARIANT_POINTERS = ("Programs", "CuSeqQ", "CuSeqK")
+
+
 def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM90):
     """Compile one of the package's kernels (a key of :data:`KERNELS`) for contiguous inputs of
     ``dtype`` ("fp16", "bf16", "fp32"), as a launch would, for ``target`` (see :func:`target`): the
     head-dim strides equal 1 (Triton turns such ints into constants), the pointers and other strides
-    are divisible by 16."""
+    are divisible by 16. Without grouped heads (``n_group="runtime"`` compiles them) and without
+    packed sequences (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``)."""
     fn, tensors, fixed = KERNELS[name]
-    constexprs = dict(constexprs)
+    # As flashattn.attention launches them without grouped heads, windows or packed sequences:
+    # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
+    # ``constexprs`` may override them (a table is then an int32 pointer, see VARIANT_POINTERS).
+    variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False,
+                "VARLEN": False}
+    constexprs = {**{arg: value for arg, value in variants.items() if arg in fn.arg_names}, **constexprs}
     constexprs.update({arg: 1 for arg in fn.arg_names if arg.startswith("stride_") and arg.endswith("d")})
     pointers = {**{arg: dtype for arg in tensors}, **fixed}
+    for arg in VARIANT_POINTERS:
+        if constexprs.get(arg, 0) == "pointer":  # a packed batch's table: an int32 pointer
+            del constexprs[arg]
+            pointers[arg] = "i32"
+    if constexprs.get("n_group") == "runtime":  # grouped-query attention: a run-time int
+        del constexprs["n_group"]
     aligned = set(pointers) | {arg for arg in fn.arg_names if arg.startswith("stride_")}
     return compile_sm90(fn, pointers, constexprs, floats=("scale", "qk_scale"), aligned=aligned, target=target,
                         num_warps=num_warps, num_stages=num_stages)
@@ -251,6 +268,32 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
     return rows
 
 
+def variant_report(dtype="bf16", head_dim=128, arch=90):
+    """The attention kernels compiled for sm_``arch`` with each variant switched on (grouped heads,
+    a sliding window, packed sequences, and all three), in ``dtype`` with the default tiles of
+    ``flashattn.defaults`` for that architecture: one dict per kernel and variant with its registers,
+    spilled bytes and shared memory. Run it through :func:`in_child` from the interpreter."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    rows = []
+    for name in ("fwd", "bwd_dkdv", "bwd_dq"):
+        precision = tuning.dot_precision(torch_dtype, head_dim)
+        config = tuning.default_config(name, torch_dtype, precision, head_dim, gpus.ARCHS[arch])
+        for variant, extra in (("gqa", dict(n_group="runtime", IS_CAUSAL=True)),
+                               ("window", dict(WINDOW=True, IS_CAUSAL=False)),
+                               ("varlen", dict(VARLEN=True, IS_CAUSAL=True, Programs="pointer",
+                                               CuSeqQ="pointer", CuSeqK="pointer")),
+                               ("all", dict(n_group="runtime", WINDOW=True, VARLEN=True, IS_CAUSAL=False,
+                                            Programs="pointer", CuSeqQ="pointer", CuSeqK="pointer"))):
+            constexprs = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION=precision,
+                              **extra)
+            kernel = compile_kernel(name, dtype, constexprs, num_warps=config.num_warps,
+                                    num_stages=config.num_stages, target=target(arch))
+            registers, spilled, smem = resources(kernel)
+            rows.append(dict(kernel=name, variant=variant, config=str(config), registers=registers,
+                             spilled=spilled, smem=smem))
+    return rows
+
+
 def gluon_reports(jobs):
     """:func:`gluon_report` for each dict of arguments in ``jobs``, one list of rows: several
     reports from one child process."""
@@ -396,9 +439,9 @@ BLOCK_DS = (16, 32, 64, 128, 256)
 
 def dtype_paths(arch):
     """The (input dtype, dot precision) pairs the kernels run with on ``arch``: fp16 and bf16 on their
-    tensor cores; float32 as 'highest' asks (3xTF32), as 'high'/'medium' ask (TF32) and under
-    FLASHATTN_TF32X3=0 (IEEE). Before sm_80 there are no tensor cores: fp16 and IEEE float32 only
-    (bfloat16 is computed in float32 there, runtime.bf16_in_float32)."""
+    tensor cores; float32 as 'highest' asks (IEEE), as 'high'/'medium' ask (TF32) and under the
+    experimental FLASHATTN_TF32X3=1 (3xTF32). Before sm_80 there are no tensor cores: fp16 and
+    IEEE float32 only (bfloat16 is computed in float32 there, runtime.bf16_in_float32)."""
     if not arch.tensor_cores:
         return [("fp16", "ieee"), ("fp32", "ieee")]
     return [("fp16", "ieee"), ("bf16", "ieee"), ("fp32", "tf32x3"), ("fp32", "tf32"), ("fp32", "ieee")]

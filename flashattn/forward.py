@@ -11,6 +11,18 @@ The keys a query block visits split in two stages (chapter 03, ``tiles.kv_stage_
 1. ``[0, kv_full_end)``: whole tiles that every query of the block sees; no mask at all.
 2. ``[kv_full_end, kv_end)``: tiles on the causal diagonal or past the end of the sequence; an
    element-wise mask hides the pairs that do not exist. Keys from ``kv_end`` on are never loaded.
+
+Three variants switch on with arguments, not copies of the kernel (``flashattn.attention``'s
+``enable_gqa`` and ``window_size``, and ``flashattn.varlen``):
+
+* grouped-query attention: query head ``h`` reads K/V head ``h // n_group`` in place;
+* a sliding window (``WINDOW``): masked tiles at both edges of the window, whole tiles between,
+  none outside (``tiles.kv_window_bounds``), so the cost grows with N * window;
+* packed sequences (``VARLEN``): each program reads its (sequence, query block) from a table and
+  the sequence's offset and length from ``cu_seqlens``, then works as for one sequence.
+
+A row that sees no key under a window, or in a sequence without keys, gets the output 0 and
+the LSE -inf.
 """
 import torch
 import triton
@@ -18,7 +30,9 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import LOG2E, dot_acc, kv_stage_bounds, load_tile, store_tile
+from .tiles import (LOG2E, dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, sequence_of_program,
+                    store_tile)
+from .traversal import window_masking
 
 
 @triton.jit
@@ -26,11 +40,13 @@ def _fwd_inner(acc, m_i, l_i, q,
                K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
-               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               WINDOW: tl.constexpr = False, win_left=0, win_right=0):
     """Fold the key/value tiles ``[kv_lo, kv_hi)`` into the running state ``(acc, m_i, l_i)``.
 
     ``m_i`` is the running row maximum and ``l_i`` the running row sum, both in base 2 and already
-    multiplied by the softmax scale; ``acc`` is the unnormalised output.
+    multiplied by the softmax scale; ``acc`` is the unnormalised output. With ``WINDOW`` query
+    ``i`` sees only keys ``i - win_left .. i + win_right``.
     """
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)  # lets the compiler prove aligned addresses
@@ -42,14 +58,23 @@ def _fwd_inner(acc, m_i, l_i, q,
             visible = offs_kv[None, :] < n_kv                       # keys past the end do not exist
             if IS_CAUSAL:
                 visible = visible & (offs_q[:, None] >= offs_kv[None, :])
+            if WINDOW:
+                visible = visible & (offs_kv[None, :] >= offs_q[:, None] - win_left) \
+                    & (offs_kv[None, :] <= offs_q[:, None] + win_right)
             # -inf is safe: key 0 comes first and every row sees it, so m_i is finite by the time
             # a row meets a tile where all its keys are hidden (then 2**(-inf - m_i) = 0).
             s = tl.where(visible, s, float("-inf"))
         # The scale (times log2 e) is applied to the row max and folded into one fused
         # multiply-add inside exp2, so the loop spends no extra instruction on scaling S.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)                                # rescales what came before
+        if MASKED and WINDOW:
+            # Under a window a row may meet hidden keys before its first visible one: while its
+            # max is still -inf, subtract 0 instead, so 2**(-inf - 0) = 0 rather than NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        p = tl.exp2(s * qk_scale - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)                                # rescales what came before
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
                       MASKED, HEAD_DIM < BLOCK_D)
@@ -59,29 +84,43 @@ def _fwd_inner(acc, m_i, l_i, q,
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv"])  # one binary for every length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_on, stride_od,
               n_heads, n_q, n_kv, qk_scale,
+              n_group, win_left, win_right, Programs, CuSeqQ, CuSeqK,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
     # Grid: axis 0 = query blocks, axis 1 = heads, axis 2 = batch. Programs are started in axis-0
     # order, so the blocks running side by side belong to one head and share its K and V in L2.
+    # Grouped-query attention: query head ``head`` reads K/V head ``head // n_group`` in place.
+    # Packed sequences (VARLEN): axis 0 walks the table ``Programs`` of (sequence, query block),
+    # the batch axis is 1, and n_q counts the rows of all sequences until the table says which one.
     q_block = tl.program_id(0)
-    if IS_CAUSAL:  # the last query blocks visit the most keys: start them first
+    if IS_CAUSAL and not VARLEN:  # the last query blocks visit the most keys: start them first
         q_block = tl.num_programs(0) - 1 - q_block
     head = tl.program_id(1)
     batch = tl.program_id(2)
+    kv_head = head // n_group
     # 64-bit offsets: batch * stride can pass 2**31 elements for large inputs.
     Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    K += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
-    V += batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+    K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     O += batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     LSE += (batch.to(tl.int64) * n_heads + head) * n_q
+    if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
+        q_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
+                                                                      q_block)
+        Q += q_offset * stride_qn
+        O += q_offset * stride_on
+        LSE += q_offset
+        K += kv_offset * stride_kn
+        V += kv_offset * stride_vn
 
     q_start = q_block * BLOCK_Q
     offs_q = q_start + tl.arange(0, BLOCK_Q)
@@ -92,16 +131,37 @@ def _attn_fwd(Q, K, V, O, LSE,
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
 
-    kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
-    # Stage 1: whole tiles every query of the block sees.
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                               offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
-    # Stage 2: the diagonal and the ragged end, with the element-wise mask.
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                               offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
+    if WINDOW:
+        # A sliding window: masked tiles at its two edges, whole tiles between, none outside.
+        kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
+                                                                BLOCK_Q, BLOCK_KV)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
+                                   win_left, win_right)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True,
+                                   win_left, win_right)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
+                                   win_left, win_right)
+    else:
+        kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
+        # Stage 1: whole tiles every query of the block sees.
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
+        # Stage 2: the diagonal and the ragged end, with the element-wise mask.
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
 
+    if WINDOW or VARLEN:
+        # A row that saw no key (outside every window, or a sequence without keys) has L = 0 and
+        # acc = 0: dividing by 1 gives the output 0 and LSE = -inf + log2(1) = -inf, not NaN.
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     # Divide by the softmax denominator once, at the end (chapter 01), and keep
     # LSE = M + log2(L): one number per row from which the backward rebuilds P = 2**(S' - LSE).
     acc = acc / l_i[:, None]
@@ -110,21 +170,28 @@ def _attn_fwd(Q, K, V, O, LSE,
     store_tile(O, acc, offs_q, offs_d, stride_on, stride_od, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
 
 
-def attention_forward(q, k, v, is_causal, scale, config=None):
+def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None):
     """Launch the forward kernel on (B, H, N, D) tensors of any strides.
 
     Returns ``(o, lse2)``: the output, shaped and typed like ``q``, and the base-2 log-sum-exp of
     the scaled scores, float32 of shape (B, H, N_q). ``config`` fixes the tile sizes (a dict such as
     ``{"BLOCK_Q": 64, "BLOCK_KV": 32}``); by default they are tuned on a GPU and fixed on the CPU.
 
+    ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention: query head ``h`` reads
+    K/V head ``h // (H_q / H_kv)``). ``window_size = (left, right)`` limits what each query sees
+    (``traversal.window_masking``). ``sequences`` (a ``flashattn.varlen.Sequences``) says that the
+    tensors are packed sequences, (1, H, total, D), each attending only within itself.
+
     On an H100/H200, 16-bit inputs at head dims 64 and 128 go to ``flashattn.hopper`` (the same
     result, scheduled by hand in Gluon) unless ``config`` is given or FLASHATTN_GLUON=0 is set.
     """
-    hopper = None if config is not None else tuning.gluon_module("hopper")
-    if hopper is not None and hopper.supports(q, k, v):
-        return hopper.attention_forward(q, k, v, is_causal, scale)
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
+    causal, window, win_left, win_right = window_masking(is_causal, window_size, n_q + n_kv)
+    plain = k.shape[1] == heads and not window and sequences is None
+    hopper = None if config is not None or not plain else tuning.gluon_module("hopper")
+    if hopper is not None and hopper.supports(q, k, v):
+        return hopper.attention_forward(q, k, v, causal, scale)
     out_dtype = q.dtype
     q, k, v = kernel_dtype(q, k, v)
     o = torch.empty_like(q)
@@ -134,15 +201,24 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
     if n_kv == 0:  # softmax over no keys: an empty sum, like scaled_dot_product_attention
         return o.zero_().to(out_dtype), lse2.fill_(float("-inf"))
 
-    def grid(meta):
-        return (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch)
-
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim), IS_CAUSAL=causal,
+                      DOT_PRECISION=tuning.dot_precision(q.dtype, tuning.block_d(head_dim)),
+                      WINDOW=window, VARLEN=sequences is not None)
+    programs = cu_seqlens_q = cu_seqlens_k = None
+    if sequences is None:
+        def grid(meta):
+            return (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch)
+    else:  # the table of (sequence, query block) depends on the tile, so the tile is fixed first
+        config = config or sequences.config("fwd", q.dtype, constexprs)
+        programs = sequences.programs("q", config["BLOCK_Q"], win_left, win_right)
+        cu_seqlens_q, cu_seqlens_k = sequences.cu_seqlens_q, sequences.cu_seqlens_k
+        grid = (programs.shape[0], heads, 1)
+        if programs.shape[0] == 0:  # every sequence empty
+            return o.to(out_dtype), lse2
     tuning.launch(
         "fwd", _attn_fwd, grid,
         (q, k, v, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-         heads, n_q, n_kv, scale * LOG2E),
-        dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim), IS_CAUSAL=bool(is_causal),
-             DOT_PRECISION=tuning.dot_precision(q.dtype, tuning.block_d(head_dim))),
-        seq_len=max(n_q, n_kv), config=config)
+         heads, n_q, n_kv, scale * LOG2E,
+         heads // k.shape[1], win_left, win_right, programs, cu_seqlens_q, cu_seqlens_k),
+        constexprs, seq_len=max(n_q, n_kv), config=config)
     return o.to(out_dtype), lse2
-

@@ -140,7 +140,7 @@ def child_gluon(args):
     """Each case of one (dtype, head dim, causal) group through flashattn.attention, with counters
     proving the Gluon kernels ran, and the Gluon results next to the Triton kernels' own."""
     import torch
-    from . import backward, forward, hopper, hopper_backward
+    from . import backward, forward, hopper, hopper_backward, tuning
     from .testing import compare_with_reference
 
     os.environ["FLASHATTN_AUTOTUNE"] = "0"  # the Triton kernels' first candidates: fewer compilations
@@ -162,7 +162,11 @@ def child_gluon(args):
             checks = compare_with_reference(q, k, v, is_causal=causal, backward=bwd)
             torch.cuda.synchronize()
             assert "attention_forward" in calls, "flashattn.attention did not call the Gluon forward"
-            assert not bwd or "attention_backward_dkdv" in calls, "the backward did not call the Gluon dK/dV"
+            # The backward takes the Gluon dK/dV only at tuning.GLUON_DKDV_HEAD_DIMS (compared
+            # with the Triton kernel's below at every head dim).
+            wanted = bwd and d in tuning.GLUON_DKDV_HEAD_DIMS
+            assert ("attention_backward_dkdv" in calls) == wanted, (
+                f"the backward {'did not call' if wanted else 'called'} the Gluon dK/dV at head dim {d}")
             # The Gluon results next to the Triton kernels' (FLASHATTN_GLUON=0 turns Gluon off).
             o, lse2 = fwd(q, k, v, causal, scale)
             os.environ["FLASHATTN_GLUON"] = "0"

@@ -207,3 +207,68 @@ def decode_split_partials(q, k_cache, v_cache, cache_seqlens, num_splits, block_
             lse_part[b, :, :, split] = torch.logsumexp(s, dim=-1) * LOG2E
             o_part[b, :, :, split] = torch.softmax(s, dim=-1) @ v
     return o_part, lse_part
+
+
+def window_mask(n_q: int, n_kv: int, window_size=(-1, -1), is_causal=False, device=None) -> torch.Tensor:
+    """Boolean (n_q, n_kv) mask, True where query i may see key j: ``j >= i - left`` (when
+    ``left >= 0``), ``j <= i + right`` (when ``right >= 0``), and ``j <= i`` with ``is_causal``;
+    top-left aligned like :func:`causal_mask`."""
+    left, right = window_size
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_kv, device=device)[None, :]
+    seen = torch.ones(n_q, n_kv, dtype=torch.bool, device=device)
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    if is_causal:
+        seen &= j <= i
+    return seen
+
+
+def masked_attention(q, k, v, is_causal=False, scale=None, enable_gqa=False, window_size=(-1, -1)):
+    """Attention as the formula reads, with grouped heads and a sliding window
+    (``flashattn.attention``'s ``enable_gqa`` and ``window_size``).
+
+    ``q`` is ``(..., H_q, N_q, D)``; with ``enable_gqa`` ``k`` and ``v`` may have ``H_kv`` heads, a
+    divisor of ``H_q``, and query head ``h`` uses K/V head ``h // (H_q // H_kv)``. A row that sees
+    no key gets the output 0 and lse -inf, and gradients of 0 (never NaN): its scores are left
+    unmasked inside the softmax and its probabilities multiplied by the all-False mask.
+    Computes in the inputs' dtype; returns ``(out, lse)`` like :func:`naive_attention`.
+    """
+    scale = default_scale(q.shape[-1], scale)
+    if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    s = (q @ k.transpose(-2, -1)) * scale
+    seen = window_mask(q.shape[-2], k.shape[-2], window_size, is_causal, q.device)
+    empty = ~seen.any(dim=-1, keepdim=True)                  # rows that see no key
+    s = s.masked_fill(~seen & ~empty, float("-inf"))
+    lse = torch.logsumexp(s.to(_accumulator_dtype(s.dtype)), dim=-1)
+    lse = lse.masked_fill(empty[..., 0], float("-inf"))
+    p = torch.softmax(s, dim=-1) * seen
+    return p @ v, lse
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale=None,
+                     enable_gqa=False, window_size=(-1, -1)):
+    """Packed sequences (``flashattn.varlen_attention``) as the formula reads, one sequence at a
+    time with :func:`masked_attention`: ``q`` is ``(total_q, H_q, D)``, ``k`` and ``v`` are
+    ``(total_k, H_kv, D)``, sequence ``b`` holds rows ``cu_seqlens[b]:cu_seqlens[b + 1]``. Returns
+    ``(out, lse)`` with ``lse`` of shape ``(H_q, total_q)``."""
+    outs, lses = [], []
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        qs = q[bounds_q[b]:bounds_q[b + 1]].transpose(0, 1)       # (H_q, n_q, D)
+        ks = k[bounds_k[b]:bounds_k[b + 1]].transpose(0, 1)
+        vs = v[bounds_k[b]:bounds_k[b + 1]].transpose(0, 1)
+        if ks.shape[1] == 0:  # no keys: an empty sum
+            outs.append(torch.zeros_like(qs.transpose(0, 1)) + 0 * q.sum())
+            lses.append(torch.full(qs.shape[:2], float("-inf"), dtype=_accumulator_dtype(q.dtype),
+                                   device=q.device))
+            continue
+        o, lse = masked_attention(qs, ks, vs, is_causal, scale, enable_gqa, window_size)
+        outs.append(o.transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)

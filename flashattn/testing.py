@@ -33,8 +33,8 @@ EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 
 #: baseline then: cuBLAS picks TF32 only for some shapes (on an H200, not for the short sequences
 #: of the test grid, where its error stays at float32's size and the kernels' missed 2x of it by
 #: 100-3000x). So with TF32 the baseline is PyTorch on inputs rounded to TF32 (what a TF32 matmul
-#: does to its operands), and the floor is at TF32's unit roundoff. 3xTF32 ('highest') keeps
-#: float32's accuracy and float32's rule.
+#: does to its operands), and the floor is at TF32's unit roundoff. IEEE float32 ('highest') and
+#: the experimental 3xTF32 (FLASHATTN_TF32X3=1) are held to float32's rule.
 DOT_EPS = {"tf32": 2.0 ** -11}
 FLOOR_UNITS = 8  # the floor, in units of the unit roundoff times the largest reference magnitude
 
@@ -63,16 +63,20 @@ def baseline_inputs(*tensors):
 
 
 def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest absolute difference, computed in float64; NaN anywhere gives NaN."""
+    """Largest absolute difference, computed in float64; NaN anywhere gives NaN. Equal infinities
+    (the lse -inf of a row that sees no key) count as exact; an infinity against anything else
+    gives inf."""
     if x.numel() == 0:
         return 0.0
-    return (x.double() - ref.double()).abs().max().item()
+    x, ref = x.double(), ref.double()
+    return (x - ref).abs().masked_fill(x == ref, 0.0).max().item()
 
 
 def floor(ref: torch.Tensor, dtype: torch.dtype, at_least: float = 1.0) -> float:
     """The rule's floor: FLOOR_UNITS roundings (``unit_roundoff(dtype)``) at the magnitude of
     ``ref`` (or ``at_least``, if larger)."""
-    scale = ref.abs().max().item() if ref.numel() else 0.0
+    finite = ref[torch.isfinite(ref)]  # an lse of -inf (a row without keys) sets no scale
+    scale = finite.abs().max().item() if finite.numel() else 0.0
     return FLOOR_UNITS * unit_roundoff(dtype) * max(scale, at_least)
 
 
@@ -95,16 +99,21 @@ class Check:
 
 
 def _grads(out, lse, inputs, do, dlse):
-    loss = (out.double() * do).sum() + (lse.double() * dlse).sum()
+    lse = lse.double()
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)  # an lse of -inf is a constant: no gradient
+    loss = (out.double() * do).sum() + (lse * dlse).sum()
     return torch.autograd.grad(loss, inputs)
 
 
 def compare_with_reference(q, k, v, is_causal=False, scale=None, backward=True, seed=0,
-                           impl=attention):
+                           impl=attention, reference=naive_attention):
     """Run ``impl`` (flashattn.attention by default) and plain PyTorch on ``q, k, v`` (in their
     dtype), and a float64 reference.
 
-    ``impl`` is called as ``impl(q, k, v, is_causal=..., scale=..., return_lse=True)``. Returns a
+    ``impl`` is called as ``impl(q, k, v, is_causal=..., scale=..., return_lse=True)``, and
+    ``reference`` (the formula run in float64 and, as plain PyTorch, in the inputs' dtype) as
+    ``reference(q, k, v, is_causal=..., scale=...)``; give both the same extra arguments (with
+    ``functools.partial``) to check a variant such as ``enable_gqa`` or ``window_size``. Returns a
     list of :class:`Check` for out, lse and (with ``backward``) dq, dk, dv. The upstream gradients
     (for the output and for the LSE) are random, drawn from ``seed``.
     """
@@ -114,8 +123,8 @@ def compare_with_reference(q, k, v, is_causal=False, scale=None, backward=True, 
     base = [t.detach().clone().requires_grad_(backward) for t in baseline_inputs(q, k, v)]
 
     out, lse = impl(*leaves, is_causal=is_causal, scale=scale, return_lse=True)
-    out_ref, lse_ref = naive_attention(*ref64, is_causal=is_causal, scale=scale)
-    out_pt, lse_pt = naive_attention(*base, is_causal=is_causal, scale=scale)
+    out_ref, lse_ref = reference(*ref64, is_causal=is_causal, scale=scale)
+    out_pt, lse_pt = reference(*base, is_causal=is_causal, scale=scale)
 
     results = {"out": (out, out_ref, out_pt), "lse": (lse, lse_ref, lse_pt)}
     if backward:

@@ -82,3 +82,55 @@ def kv_stage_bounds(q_start, n_kv, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr
         kv_end = n_kv
         kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
     return kv_full_end, kv_end
+
+
+@triton.jit
+def kv_window_bounds(q_start, n_kv, win_left, win_right,
+                     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """``(kv_lo, kv_full_lo, kv_full_hi, kv_hi)`` for the query block starting at ``q_start`` under a
+    sliding window, where query ``i`` sees keys ``i - win_left .. i + win_right`` (both >= 0 here:
+    the launcher turns an unbounded side into a bound past every key, and causal into
+    ``win_right = 0``). Keys ``[kv_lo, kv_full_lo)`` and ``[kv_full_hi, kv_hi)`` need the mask,
+    ``[kv_full_lo, kv_full_hi)`` are whole tiles every query of the block sees, and the tiles
+    outside ``[kv_lo, kv_hi)`` are never loaded: the cost follows the window, not N_kv.
+    ``flashattn.traversal.kv_window_ranges`` is the same in plain Python."""
+    # Seen by some query of the block: keys q_start - win_left .. q_start + BLOCK_Q - 1 + win_right.
+    kv_lo = tl.maximum(q_start - win_left, 0) // BLOCK_KV * BLOCK_KV
+    kv_hi = tl.minimum(q_start + BLOCK_Q + win_right, n_kv)
+    # Seen by every query of the block: keys q_start + BLOCK_Q - 1 - win_left .. q_start + win_right.
+    kv_full_lo = tl.maximum(q_start + BLOCK_Q - 1 - win_left + BLOCK_KV - 1, 0) // BLOCK_KV * BLOCK_KV
+    kv_full_hi = tl.minimum(q_start + win_right + 1, n_kv) // BLOCK_KV * BLOCK_KV
+    kv_full_lo = tl.minimum(tl.maximum(kv_full_lo, kv_lo), kv_hi)
+    kv_full_hi = tl.maximum(kv_full_hi, kv_full_lo)
+    return kv_lo, kv_full_lo, kv_full_hi, kv_hi
+
+
+@triton.jit
+def q_window_bounds(kv_start, n_q, win_left, win_right,
+                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """``(q_lo, q_full_lo, q_full_hi, q_hi)`` for the key block starting at ``kv_start`` under a
+    sliding window (the dK/dV kernel's view of :func:`kv_window_bounds`): key ``j`` is seen by
+    queries ``j - win_right .. j + win_left``. Queries ``[q_full_lo, q_full_hi)`` come in whole
+    blocks that see every key of the block; the two ranges around them need the mask; the rest
+    are skipped. ``flashattn.traversal.q_window_ranges`` is the same in plain Python."""
+    q_lo = tl.maximum(kv_start - win_right, 0) // BLOCK_Q * BLOCK_Q
+    q_hi = tl.minimum(kv_start + BLOCK_KV + win_left, n_q)
+    q_full_lo = tl.maximum(kv_start + BLOCK_KV - 1 - win_right + BLOCK_Q - 1, 0) // BLOCK_Q * BLOCK_Q
+    q_full_hi = tl.minimum(kv_start + win_left + 1, n_q) // BLOCK_Q * BLOCK_Q
+    q_full_lo = tl.minimum(tl.maximum(q_full_lo, q_lo), q_hi)
+    q_full_hi = tl.maximum(q_full_hi, q_full_lo)
+    return q_lo, q_full_lo, q_full_hi, q_hi
+
+
+@triton.jit
+def sequence_of_program(Programs, CuSeqQ, CuSeqK, program):
+    """Packed sequences (``flashattn.varlen``): the ``program``-th entry of the offset table
+    ``Programs`` (pairs ``(sequence, block)``) and that sequence's place in the packed tensors.
+    Returns ``(block, q_offset, n_q, kv_offset, n_kv)``; offsets are 64-bit."""
+    sequence = tl.load(Programs + 2 * program)
+    block = tl.load(Programs + 2 * program + 1)
+    q_offset = tl.load(CuSeqQ + sequence)
+    n_q = tl.load(CuSeqQ + sequence + 1) - q_offset
+    kv_offset = tl.load(CuSeqK + sequence)
+    n_kv = tl.load(CuSeqK + sequence + 1) - kv_offset
+    return block, q_offset.to(tl.int64), n_q, kv_offset.to(tl.int64), n_kv

@@ -103,3 +103,75 @@ def decode_split_bounds(n_kv: int, n_q: int, num_splits: int, block_kv: int):
         hi = (lo + span if lo + span < n_seen else n_kv) if lo < n_seen else lo
         bounds.append((lo, hi))
     return bounds
+
+
+# -- Sliding windows (``window_size``) ---------------------------------------------------------
+# Query i sees key j iff j >= i - left (when left >= 0) and j <= i + right (when right >= 0), top-left
+# aligned like the causal mask; is_causal adds j <= i. The kernels take both bounds as numbers >= 0:
+# an unbounded side becomes a bound past every key.
+
+def window_masking(is_causal: bool, window_size, span: int):
+    """How the kernels run ``is_causal`` with ``window_size = (left, right)``.
+
+    Returns ``(causal, window, left, right)``: the kernels' IS_CAUSAL and WINDOW switches and the
+    two bounds, both >= 0 (``span``, a number at least the longest distance between a query and a
+    key, stands for "unbounded"). No bound at all is the dense path (``window`` False); a window
+    that is just the causal mask takes the causal path; any other window sets ``window`` and folds
+    is_causal into ``right = min(right, 0)``.
+    """
+    left, right = window_size
+    if is_causal:
+        right = 0
+    if left < 0 and right < 0:
+        return False, False, span, span
+    if left < 0 and right == 0:
+        return True, False, span, 0
+    return False, True, (span if left < 0 else left), (span if right < 0 else right)
+
+
+def kv_window_ranges(q_start: int, block_q: int, block_kv: int, n_kv: int, left: int, right: int):
+    """Keys visited by the query block starting at ``q_start`` under a window whose bounds
+    ``left, right`` are >= 0 (the kernels' ``tiles.kv_window_bounds``, in plain Python).
+
+    Returns ``(lo, full_lo, full_hi, hi)``: ``[lo, full_lo)`` and ``[full_hi, hi)`` are masked,
+    ``[full_lo, full_hi)`` are whole tiles every query of the block sees, the rest are skipped.
+    """
+    lo = max(q_start - left, 0) // block_kv * block_kv
+    hi = min(q_start + block_q + right, n_kv)
+    full_lo = max(q_start + block_q - 1 - left + block_kv - 1, 0) // block_kv * block_kv
+    full_hi = min(q_start + right + 1, n_kv) // block_kv * block_kv
+    full_lo = min(max(full_lo, lo), hi)
+    return lo, full_lo, max(full_hi, full_lo), hi
+
+
+def q_window_ranges(kv_start: int, block_kv: int, block_q: int, n_q: int, left: int, right: int):
+    """Queries visited by the key block starting at ``kv_start`` under a window (the dK/dV kernel's
+    ``tiles.q_window_bounds`` in plain Python). Returns ``(lo, full_lo, full_hi, hi)`` as
+    :func:`kv_window_ranges` does, along the queries."""
+    lo = max(kv_start - right, 0) // block_q * block_q
+    hi = min(kv_start + block_kv + left, n_q)
+    full_lo = max(kv_start + block_kv - 1 - right + block_q - 1, 0) // block_q * block_q
+    full_hi = min(kv_start + left + 1, n_q) // block_q * block_q
+    full_lo = min(max(full_lo, lo), hi)
+    return lo, full_lo, max(full_hi, full_lo), hi
+
+
+def classify_blocks_window(n_q: int, n_kv: int, block_q: int, block_kv: int, left: int, right: int,
+                           dkdv: bool = False) -> np.ndarray:
+    """The map of tiles under a window (bounds >= 0, as :func:`window_masking` gives them): an int
+    array of shape (query blocks, key blocks) holding ``FULL``, ``MASKED`` or ``SKIPPED``, for the
+    forward and dQ kernels, or with ``dkdv`` for the dK/dV kernel."""
+    kinds = np.full((cdiv(n_q, block_q), cdiv(n_kv, block_kv)), SKIPPED, dtype=np.int8)
+    if dkdv:
+        for kb in range(kinds.shape[1]):
+            lo, full_lo, full_hi, hi = q_window_ranges(kb * block_kv, block_kv, block_q, n_q, left, right)
+            for a, b, kind in ((lo, full_lo, MASKED), (full_lo, full_hi, FULL), (full_hi, hi, MASKED)):
+                if b > a:
+                    kinds[a // block_q: cdiv(b, block_q), kb] = kind
+        return kinds
+    for qb in range(kinds.shape[0]):
+        lo, full_lo, full_hi, hi = kv_window_ranges(qb * block_q, block_q, block_kv, n_kv, left, right)
+        for a, b, kind in ((lo, full_lo, MASKED), (full_lo, full_hi, FULL), (full_hi, hi, MASKED)):
+            if b > a:
+                kinds[qb, a // block_kv: cdiv(b, block_kv)] = kind
+    return kinds

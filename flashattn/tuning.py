@@ -23,6 +23,7 @@ every tile costs Python time): each kernel gets one fixed configuration.
 import importlib
 import json
 import os
+import warnings
 
 import torch
 import triton
@@ -394,6 +395,14 @@ def gluon_module(name):
         return None
 
 
+#: Head dims at which the backward takes dK/dV from the Gluon kernel (flashattn.hopper_backward)
+#: on Hopper. On an H200 (B = 4, H = 32, N = 4096 and 8192, fp16 and bf16) the whole backward with
+#: it reached 0.72-0.80x of SDPA's default (cuDNN) at head dim 128, against 0.69-0.72x with the
+#: Triton dK/dV kernel, but 0.74-0.82x at head dim 64, where the Triton kernel reached 0.80-0.87x
+#: (docs/gpu-record/2026-12-01-0832-gluon-forward-backward-bench.csv).
+GLUON_DKDV_HEAD_DIMS = (128,)
+
+
 def block_d(head_dim: int) -> int:
     """Head dims are padded to a power of two of at least 16, the smallest tile tl.dot accepts."""
     return max(16, triton.next_power_of_2(head_dim))
@@ -409,12 +418,13 @@ def dot_precision(dtype: torch.dtype, block_d=None) -> str:
 
     * 'high' and 'medium' allow TF32 (10-bit mantissa products, fp32 accumulation), like
       PyTorch's own matmul: ``"tf32"``;
-    * 'highest' (PyTorch's default) asks for float32 accuracy. On GPUs with tensor cores (sm_80
-      and later) that is ``"tf32x3"``: each operand is split into a TF32 high part and a TF32
-      low part and three tensor-core products are summed, which keeps float32's accuracy within
-      the tolerance rule at several times the speed of float32 fused multiply-adds. Elsewhere
-      (the interpreter, older GPUs, head dims padded past ``TF32X3_MAX_BLOCK_D``, or
-      FLASHATTN_TF32X3=0) it is ``"ieee"``.
+    * 'highest' (PyTorch's default) asks for float32 accuracy: ``"ieee"``, float32 fused
+      multiply-adds. 3xTF32 (``"tf32x3"``: each operand split into a TF32 high and low part, three
+      tensor-core products summed) is taken only when FLASHATTN_TF32X3=1 asks for it, on GPUs with
+      tensor cores and head dims up to ``TF32X3_MAX_BLOCK_D``. It is experimental: with Triton 3.6
+      on an H200 some of its tiles gave wrong gradients (error/bound up to 782749 at head dims up
+      to 64) and others an illegal memory access (docs/gpu-record/2026-12-01-0832-*), so
+      :func:`warn_tf32x3` warns once when it is used.
 
     GPUs before sm_80 have no TF32: there float32 is always ``"ieee"``. 16-bit inputs always use
     their tensor-core path and ignore this."""
@@ -422,10 +432,29 @@ def dot_precision(dtype: torch.dtype, block_d=None) -> str:
         return "ieee"
     if torch.get_float32_matmul_precision() != "highest":
         return "tf32"
-    if (_tensor_cores() and os.environ.get("FLASHATTN_TF32X3") != "0"
+    if (tf32x3_asked() and _tensor_cores()
             and (block_d is None or block_d <= TF32X3_MAX_BLOCK_D)):
+        warn_tf32x3()
         return "tf32x3"
     return "ieee"
+
+
+def tf32x3_asked() -> bool:
+    """Whether FLASHATTN_TF32X3=1 asks 'highest' float32 to run as 3xTF32 (off by default)."""
+    return os.environ.get("FLASHATTN_TF32X3", "0") == "1"
+
+
+_TF32X3_WARNED = []
+
+
+def warn_tf32x3():
+    """Warn, once per process, that 3xTF32 is experimental."""
+    if not _TF32X3_WARNED:
+        _TF32X3_WARNED.append(True)
+        warnings.warn("FLASHATTN_TF32X3=1: float32 at 'highest' runs as 3xTF32, which is "
+                      "experimental: with Triton 3.6 on an H200 some tile configurations gave wrong "
+                      "gradients or an illegal memory access. Unset it for IEEE float32.",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _tensor_cores() -> bool:

@@ -12,6 +12,7 @@ architecture's limits, bfloat16 before sm_80) are the ones the table was built w
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -135,11 +136,33 @@ def test_what_no_tile_fits_is_refused_by_name():
         (75, ("bwd_dkdv", "fp16"), 256), (75, ("bwd_dkdv", "fp32"), 256), (75, ("bwd_dq", "fp16"), 256)]
 
 
-def test_float32_past_head_dim_128_multiplies_in_ieee(monkeypatch):
-    """3xTF32 spills in the backward at BLOCK_D 256 on every GPU: 'highest' float32 uses IEEE there."""
+def _on_sm90(monkeypatch):
     monkeypatch.setattr(tuning, "_tensor_cores", lambda: True)
     monkeypatch.setattr(gpus, "_assumed", gpus.ARCHS[90])
     monkeypatch.setattr(tuning, "INTERPRET", False)
+
+
+def test_highest_float32_multiplies_in_ieee_by_default(monkeypatch):
+    """3xTF32 gave wrong gradients and illegal memory accesses on an H200 (triton 3.6): 'highest'
+    float32 is IEEE unless FLASHATTN_TF32X3=1 asks; 'high' stays TF32."""
+    _on_sm90(monkeypatch)
     monkeypatch.delenv("FLASHATTN_TF32X3", raising=False)
-    assert [tuning.dot_precision(torch.float32, d) for d in (16, 64, 128, 256)] == ["tf32x3"] * 3 + ["ieee"]
+    assert [tuning.dot_precision(torch.float32, d) for d in (16, 64, 128, 256, None)] == ["ieee"] * 5
+    monkeypatch.setenv("FLASHATTN_TF32X3", "0")
+    assert tuning.dot_precision(torch.float32, 64) == "ieee"
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert tuning.dot_precision(torch.float32, 64) == "tf32"
+
+
+def test_tf32x3_on_request_warns_once_and_stops_at_head_dim_128(monkeypatch):
+    """FLASHATTN_TF32X3=1 takes 3xTF32 up to BLOCK_D 128 (past it the backward spills on every
+    GPU: IEEE there), with one warning per process that it is experimental."""
+    _on_sm90(monkeypatch)
+    monkeypatch.setenv("FLASHATTN_TF32X3", "1")
+    monkeypatch.setattr(tuning, "_TF32X3_WARNED", [])
+    with pytest.warns(RuntimeWarning, match="experimental"):
+        assert [tuning.dot_precision(torch.float32, d) for d in (16, 64, 128, 256)] == ["tf32x3"] * 3 + ["ieee"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuning.dot_precision(torch.float32, 32) == "tf32x3"  # no second warning
     assert tuning.dot_precision(torch.float16, 256) == "ieee"

@@ -221,8 +221,9 @@ def test_split_heuristic():
 
 @pytest.mark.parametrize("asked, used", [("tf32x3", "ieee"), ("ieee", "ieee"), ("tf32", "tf32")])
 def test_float32_decoding_never_takes_3xtf32(monkeypatch, asked, used):
-    """'highest' float32 is 3xTF32 for the attention kernels on a GPU, IEEE float32 for decode
-    (3xTF32 decode tiles spill and overflow shared memory: tests/test_decode_compile.py)."""
+    """Where the attention kernels take 3xTF32 for 'highest' float32 (FLASHATTN_TF32X3=1 on a GPU),
+    decode still multiplies in IEEE float32 (3xTF32 decode tiles spill and overflow shared
+    memory: tests/test_decode_compile.py)."""
     from flashattn import tuning
 
     monkeypatch.setattr(tuning, "dot_precision", lambda dtype: asked)

@@ -121,3 +121,33 @@ def test_without_autotuning_the_default_runs_untimed(monkeypatch):
     expected = as_dict(tuning.default_config("bwd_dkdv", torch.bfloat16, "ieee", 128))
     assert ran == expected and len(launched) == 2
     assert all({k: v for k, v in kw.items() if k in expected} == expected for kw in launched)
+
+
+@pytest.mark.parametrize("head_dim, gluon", [(64, False), (128, True)])
+def test_gluon_dkdv_only_where_it_was_measured_faster(monkeypatch, head_dim, gluon):
+    """The backward asks for the Gluon dK/dV kernel only at tuning.GLUON_DKDV_HEAD_DIMS (head dim
+    128: faster than the Triton kernel there on an H200, slower at 64). A fake Gluon module stands
+    in on the CPU; dQ always comes from the Triton kernel."""
+    from flashattn import backward
+
+    assert tuning.GLUON_DKDV_HEAD_DIMS == (128,)
+    asked, calls = [], []
+
+    class FakeGluon:
+        @staticmethod
+        def supports(q, k, v):
+            return True
+
+        @staticmethod
+        def attention_backward_dkdv(q, k, v, *args):
+            calls.append(q.shape[-1])
+            return torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(tuning, "gluon_module", lambda name: asked.append(name) or FakeGluon)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, o, do = (torch.randn(1, 1, 5, head_dim, generator=g) for _ in range(5))
+    lse2 = torch.randn(1, 1, 5, generator=g)
+    dq, dk, dv = backward.attention_backward(q, k, v, o, lse2, do, False, head_dim ** -0.5)
+    assert (asked, calls) == ((["hopper_backward"], [head_dim]) if gluon else ([], []))
+    assert dk.abs().max().item() == 0.0 if gluon else dk.abs().max().item() > 0.0
+    assert dq.abs().max().item() > 0.0

@@ -8,18 +8,19 @@ it was running is reported as HANG, and the child is started again after it.
 
   checks     the Gluon forward and dK/dV through flashattn.attention against float64, per (dtype,
              head dim, causal) group, and each Gluon forward variant (flashattn.gpu_checks).
-  fp32       float32 under the rule, in separate children per precision ('highest' = 3xTF32,
-             'high' = TF32): the test grid through flashattn.attention, and every candidate tile
-             configuration of every kernel at head dims 32, 64 and 128 launched explicitly, plus
-             the configurations excluded for a compiler fault (expected to fail).
+  fp32       float32 under the rule, in separate children per precision ('highest' = IEEE, or
+             3xTF32 with FLASHATTN_TF32X3=1; 'high' = TF32): the test grid through
+             flashattn.attention, and every candidate tile configuration of every kernel at head
+             dims 32, 64 and 128 launched explicitly, plus the configurations excluded for a
+             compiler fault (expected to fail).
   bench      16-bit TFLOPS at B=4, H=32, N in {4096, 8192} (and 16384 with --full), side by side
              and interleaved (3 rounds, median): the forward (Gluon, Triton autotuned with Gluon
              off, SDPA's default), the backward (flashattn with the Gluon dK/dV, flashattn with
              the Triton one, SDPA's default) and the Gluon dK/dV kernel alone; then every Gluon
              variant (forward and dK/dV) at N = 8192. Writes OUT_DIR/hopper_bench.csv.
   fp32bench  float32 forward and backward TFLOPS, causal, N = 4096 (and 8192 with --full):
-             flashattn at 'highest' (3xTF32) and 'high' (TF32), SDPA at 'highest' and 'high',
-             each in its own child. Writes OUT_DIR/fp32_bench.csv.
+             flashattn at 'highest' (IEEE, or 3xTF32 with FLASHATTN_TF32X3=1) and 'high' (TF32),
+             SDPA at 'highest' and 'high', each in its own child. Writes OUT_DIR/fp32_bench.csv.
 
 Lines start with ok / FAIL / HANG / SKIP / info; everything printed is also in OUT_DIR/log.txt.
 """

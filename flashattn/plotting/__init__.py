@@ -11,7 +11,7 @@ from .ch03_04 import (TILE_COLORS, TILE_NAMES, error_heatmap, error_heatmaps, ga
                       tile_kinds_map, tile_map, visibility_map, work_fraction_curve)
 from .ch05_07 import backward_ownership, backward_tile_maps, rule_ratios
 from .ch08 import config_bars, ladder_bars, roofline, tflops_curves
-from .ch09 import (measured_bars, padded_blocks, tiles_against_n, varlen_programs, window_pairs, window_tile_kinds,
+from .ch09 import (measured_bars, padded_blocks, tiles_against_n, varlen_programs, window_tile_kinds,
                    window_tile_map, window_times)
 from .ch10 import decode_bandwidth, place_programs, sm_map, tile_rows
 from .ch11 import provider_bars
@@ -22,7 +22,7 @@ __all__ = [
     "launch_strips", "gantt", "int_table", "error_heatmap", "error_heatmaps",
     "backward_ownership", "backward_tile_maps", "rule_ratios",
     "roofline", "tflops_curves", "ladder_bars", "config_bars",
-    "window_pairs", "window_tile_kinds", "window_tile_map", "tiles_against_n", "varlen_programs", "padded_blocks",
+    "window_tile_kinds", "window_tile_map", "tiles_against_n", "varlen_programs", "padded_blocks",
     "measured_bars", "window_times",
     "place_programs", "sm_map", "tile_rows", "decode_bandwidth",
     "provider_bars",

@@ -6,35 +6,18 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from .. import traversal
+from .. import reference, traversal
 from .ch03_04 import tile_kinds_map
 from .common import axes_for
 
 
-def window_pairs(n_q, n_kv, window_size=(-1, -1), is_causal=False):
-    """The pairs (query i, key j) that exist, as a boolean (n_q, n_kv) array: FlashAttention's
-    ``window_size=(left, right)`` keeps j >= i - left when left >= 0 and j <= i + right when
-    right >= 0 (-1: no bound), top-left aligned; ``is_causal`` also keeps only j <= i."""
-    left, right = window_size
-    i = np.arange(n_q)[:, None]
-    j = np.arange(n_kv)[None, :]
-    seen = np.ones((n_q, n_kv), bool)
-    if left >= 0:
-        seen &= j >= i - left
-    if right >= 0:
-        seen &= j <= i + right
-    if is_causal:
-        seen &= j <= i
-    return seen
-
-
 def window_tile_kinds(n_q, n_kv, block_q, block_kv, window_size=(-1, -1), is_causal=False):
-    """The tile map of a window, from the pairs themselves: ``FULL`` when every pair of the tile
+    """The tile map of a window, from the pairs themselves (``reference.window_mask``): ``FULL`` when every pair of the tile
     exists, ``SKIPPED`` when none does, ``MASKED`` otherwise. Rows past n_q count (a block computes
     all its rows, chapter 03); keys past n_kv do not exist."""
     rows = traversal.cdiv(n_q, block_q) * block_q
     seen = np.zeros((rows, traversal.cdiv(n_kv, block_kv) * block_kv), bool)
-    seen[:, :n_kv] = window_pairs(rows, n_kv, window_size, is_causal)
+    seen[:, :n_kv] = reference.window_mask(rows, n_kv, window_size, is_causal).numpy()
     tiles = seen.reshape(rows // block_q, block_q, -1, block_kv)
     every, some = tiles.all(axis=(1, 3)), tiles.any(axis=(1, 3))
     return np.where(every, traversal.FULL, np.where(some, traversal.MASKED, traversal.SKIPPED)).astype(np.int8)
@@ -53,10 +36,12 @@ def window_tile_map(n_q, n_kv, block_q, block_kv, window_size=(-1, -1), is_causa
     ax = tile_kinds_map(kinds, n_q, n_kv, block_q, block_kv, False, ax=ax, legend=legend, title=title or (
         f"{_window_name(window_size, is_causal)}\n{visited} of {kinds.size} tiles visited"))
     if show_pairs:
-        seen = window_pairs(n_q, n_kv, window_size, is_causal)
+        seen = reference.window_mask(n_q, n_kv, window_size, is_causal).numpy()
         shade = np.ma.masked_where(~seen, np.ones(seen.shape))
-        ax.imshow(shade, cmap=ListedColormap(["#1f4e79"]), alpha=0.35, extent=(0, n_kv, n_q, 0),
-                  interpolation="nearest", aspect="equal")
+        ax.imshow(shade, cmap=ListedColormap(["#1f4e79"]), vmin=0, vmax=1, alpha=0.45, extent=(0, n_kv, n_q, 0),
+                  interpolation="nearest", aspect="equal", zorder=3)
+        ax.set_xlim(0, n_kv)
+        ax.set_ylim(n_q, 0)
     return ax
 
 

@@ -3,6 +3,11 @@
 The forward saves Q, K, V, the output O and the base-2 log-sum-exp, nothing of size N_q x N_kv;
 the backward rebuilds what it needs from them. Tensors here are (B, H, N, D); flashattn.api
 reshapes whatever the user passed to that.
+
+The two launchers are registered as PyTorch operators (``torch.ops.flashattn.forward`` and
+``torch.ops.flashattn.backward``, with ``torch.library.custom_op``), so that ``torch.compile`` sees
+them as single opaque calls with known output shapes instead of trying to trace Triton's launch
+machinery, and ``torch.func.vmap`` folds its extra dim into the batch.
 """
 import torch
 
@@ -10,23 +15,134 @@ from .backward import attention_backward
 from .forward import attention_forward
 from .tiles import LN2
 
+#: CUDA's limit on grid axes 1 and 2 (heads, batch): larger inputs are launched in slices.
+MAX_GRID_DIM = 65535
+
 
 class FlashAttention(torch.autograd.Function):
     """``apply(q, k, v, is_causal, scale) -> (out, lse)``, lse in natural log like torch.logsumexp."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale):
-        o, lse2 = attention_forward(q, k, v, is_causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse2)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        ctx.set_materialize_grads(False)  # an unused output gets None, not a tensor of zeros
-        lse = lse2 * LN2
-        return o, lse
+    generate_vmap_rule = True  # torch.func.vmap runs forward and backward on batched tensors
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def forward(q, k, v, is_causal, scale):
+        o, lse2 = torch.ops.flashattn.forward(q, k, v, is_causal, scale)
+        return o, lse2 * LN2, lse2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, is_causal, scale = inputs
+        o, _, lse2 = output
+        ctx.save_for_backward(q, k, v, o, lse2)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.mark_non_differentiable(lse2)  # kept for the backward only; api.py drops it
+        ctx.set_materialize_grads(False)  # an unused output gets None, not a tensor of zeros
+
+    @staticmethod
+    def backward(ctx, do, dlse, _):
         q, k, v, o, lse2 = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = attention_backward(q, k, v, o, lse2, do, ctx.is_causal, ctx.scale, dlse=dlse)
+        differentiable = torch.is_grad_enabled()
+        with torch.no_grad():
+            dq, dk, dv = torch.ops.flashattn.backward(q, k, v, o, lse2, do, dlse, ctx.is_causal, ctx.scale)
+        if differentiable:  # create_graph=True: these gradients may be differentiated
+            dq, dk, dv = _FirstOrderOnly.apply(dq, dk, dv, q, k, v, o, do)
         return dq, dk, dv, None, None
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """``apply(dq, dk, dv, *inputs) -> (dq, dk, dv)``, copies whose own backward refuses.
+
+    The backward kernels compute dQ, dK, dV but not their derivatives: differentiating them again
+    needs second-order terms that no kernel here computes. Refuse, rather than return a second
+    derivative that silently misses those terms."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(dq, dk, dv, *inputs):
+        return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "flashattn.attention does not support double backward (a gradient of its gradients, "
+            "e.g. torch.autograd.grad(..., create_graph=True) followed by a second grad). Use "
+            "torch.nn.functional.scaled_dot_product_attention with the math backend "
+            "(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)) for that.")
+
+
+# -- The operators -----------------------------------------------------------------------------
+
+def _sliced(fn, tensors, *args):
+    """``fn(*tensors, *args)`` on (B, H, ...) tensors, run on (batch, heads) slices of at most
+    MAX_GRID_DIM each and joined: one launch per slice. A single call when the whole input fits
+    (the usual case: no copy)."""
+    batch, heads = tensors[0].shape[:2]
+    if (batch <= MAX_GRID_DIM and heads <= MAX_GRID_DIM) or batch * heads == 0:
+        return fn(*tensors, *args)
+    rows = []
+    for b in range(0, batch, MAX_GRID_DIM):
+        row = [fn(*(None if t is None else t[b:b + MAX_GRID_DIM, h:h + MAX_GRID_DIM] for t in tensors), *args)
+               for h in range(0, heads, MAX_GRID_DIM)]
+        rows.append([torch.cat(parts, dim=1) for parts in zip(*row)])
+    return tuple(torch.cat(parts, dim=0) for parts in zip(*rows))
+
+
+@torch.library.custom_op("flashattn::forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse2)`` of :func:`flashattn.forward.attention_forward`."""
+    return _sliced(attention_forward, (q, k, v), is_causal, scale)
+
+
+@_forward_op.register_fake
+def _(q, k, v, is_causal, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashattn::backward", mutates_args=())
+def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse2: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, is_causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`flashattn.backward.attention_backward`."""
+    def run(q, k, v, o, lse2, do, dlse, is_causal, scale):
+        return attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=dlse)
+    return _sliced(run, (q, k, v, o, lse2, do, dlse), is_causal, scale)
+
+
+@_backward_op.register_fake
+def _(q, k, v, o, lse2, do, dlse, is_causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _folded(tensor, in_dim, size):
+    """``tensor`` with vmap's dim ``in_dim`` (None: not batched) folded into the leading dim."""
+    if tensor is None:
+        return None
+    tensor = tensor.unsqueeze(0).expand(size, *tensor.shape) if in_dim is None else tensor.movedim(in_dim, 0)
+    return tensor.reshape(size * tensor.shape[1], *tensor.shape[2:])
+
+
+def _unfolded(tensor, size):
+    return tensor.reshape(size, tensor.shape[0] // size, *tensor.shape[1:])
+
+
+@_forward_op.register_vmap
+def _(info, in_dims, q, k, v, is_causal, scale):
+    n = info.batch_size
+    o, lse2 = _forward_op(*(_folded(t, d, n) for t, d in zip((q, k, v), in_dims[:3])), is_causal, scale)
+    return (_unfolded(o, n), _unfolded(lse2, n)), (0, 0)
+
+
+@_backward_op.register_vmap
+def _(info, in_dims, q, k, v, o, lse2, do, dlse, is_causal, scale):
+    n = info.batch_size
+    tensors = (_folded(t, d, n) for t, d in zip((q, k, v, o, lse2, do, dlse), in_dims[:7]))
+    grads = _backward_op(*tensors, is_causal, scale)
+    return tuple(_unfolded(g, n) for g in grads), (0, 0, 0)

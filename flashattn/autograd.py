@@ -112,7 +112,8 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`flashattn.backward.attention_backward`."""
     def run(q, k, v, o, lse2, do, dlse, is_causal, scale):
-        return attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=dlse)
+        # The kernels index the LSE as a contiguous (B, H, N_q) array: a slice of it is not one.
+        return attention_backward(q, k, v, o, lse2.contiguous(), do, is_causal, scale, dlse=dlse)
     return _sliced(run, (q, k, v, o, lse2, do, dlse), is_causal, scale)
 
 

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import LOG2E, dot_acc, kv_stage_bounds, load_tile, store_tile
+from .tiles import dot_acc, kv_stage_bounds, load_tile, qk_scale, store_tile
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_q"])  # one binary for every length
@@ -85,6 +85,8 @@ def _dkdv_inner(dk, dv, k, v,
         dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                    # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
+        if MASKED:  # 0 * (an inf or NaN of dP) must stay 0 on hidden pairs
+            dsT = tl.where(visible, dsT, 0.0)
         dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_PRECISION)                     # dK += dS^T Q
     return dk, dv
 
@@ -165,6 +167,8 @@ def _dq_inner(dq, q, do, lse, delta,
         p = tl.exp2(s * qk_scale - lse[:, None])                      # P, rebuilt from the LSE
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
         ds = p * (dp - delta[:, None])                                 # dS (unscaled)
+        if MASKED:  # 0 * (an inf or NaN of dP) must stay 0 on hidden pairs
+            ds = tl.where(visible, ds, 0.0)
         dq = dot_acc(ds.to(k.dtype), k, dq, DOT_PRECISION)                # dQ += dS K
     return dq
 
@@ -256,13 +260,13 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
             "bwd_dkdv", _attn_bwd_dkdv,
             lambda meta: (triton.cdiv(n_kv, meta["BLOCK_KV"]), heads, batch),
             (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-             *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
+             *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, qk_scale(scale)),
             masking, seq_len, _checked_dkdv(configs.get("bwd_dkdv")))
     tuning.launch(
         "bwd_dq", _attn_bwd_dq,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
         (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-         *dq.stride(), heads, n_q, n_kv, scale, scale * LOG2E),
+         *dq.stride(), heads, n_q, n_kv, scale, qk_scale(scale)),
         masking, seq_len, configs.get("bwd_dq"))
     return tuple(t.to(d) for t, d in zip((dq, dk, dv), dtypes))
 

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import LOG2E, dot_acc, kv_stage_bounds, load_tile, store_tile
+from .tiles import dot_acc, dot_acc_visible, kv_stage_bounds, load_tile, qk_scale, store_tile
 
 
 @triton.jit
@@ -54,7 +54,10 @@ def _fwd_inner(acc, m_i, l_i, q,
         v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
                       MASKED, HEAD_DIM < BLOCK_D)
         acc = acc * alpha[:, None]
-        acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
+        if MASKED and IS_CAUSAL:  # keys on the diagonal: an inf or NaN value reaches only its rows
+            acc = dot_acc_visible(p, v, acc, visible, DOT_PRECISION)
+        else:
+            acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -140,7 +143,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
     tuning.launch(
         "fwd", _attn_fwd, grid,
         (q, k, v, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-         heads, n_q, n_kv, scale * LOG2E),
+         heads, n_q, n_kv, qk_scale(scale)),
         dict(HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim), IS_CAUSAL=bool(is_causal),
              DOT_PRECISION=tuning.dot_precision(q.dtype, tuning.block_d(head_dim))),
         seq_len=max(n_q, n_kv), config=config)

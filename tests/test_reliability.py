@@ -1,0 +1,231 @@
+"""flashattn.attention gives a right answer or a clear error, never a silent wrong answer: double
+backward, threads, torch.compile and torch.func, extreme scales, non-finite inputs, numpy flags,
+autocast, batches past CUDA's grid limit, and a seeded random sweep of all of these.
+
+Sizes are tiny: on a CPU the kernels run in Triton's interpreter. The tests marked ``gpu`` repeat
+what needs the compiler (inductor, compiled launches from several threads)."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashattn
+from flashattn.reference import naive_attention
+from flashattn.testing import compare_with_reference
+
+DEVICE = flashattn.DEVICE
+
+
+def randn(*shape, seed=0, dtype=torch.float32, magnitude=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * magnitude).to(DEVICE, dtype)
+
+
+def qkv(*shape, seed=0, dtype=torch.float32, requires_grad=False):
+    return [randn(*shape, seed=seed + i, dtype=dtype).requires_grad_(requires_grad) for i in range(3)]
+
+
+def assert_rule(checks):
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))
+
+
+# -- Double backward -----------------------------------------------------------------------------
+
+def test_double_backward_raises_instead_of_dropping_the_second_order_term():
+    q, k, v = qkv(1, 2, 9, 8, requires_grad=True)
+    out = flashattn.attention(q, k, v, is_causal=True)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    # The first-order gradient itself is right.
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    (dq_ref,) = torch.autograd.grad(naive_attention(*ref, is_causal=True)[0].square().sum(), ref[0])
+    torch.testing.assert_close(dq.double(), dq_ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="does not support double backward.*scaled_dot_product_attention"):
+        torch.autograd.grad(dq.square().sum(), (q, k, v))
+
+
+def test_create_graph_alone_still_works():
+    """create_graph=True for the sake of other terms of the loss is fine, as long as flashattn's
+    gradient is not differentiated again."""
+    q, k, v = qkv(1, 1, 5, 4, requires_grad=True)
+    w = torch.ones((), requires_grad=True)
+    (dw,) = torch.autograd.grad((w * flashattn.attention(q, k, v)).sum() + w ** 3, w, create_graph=True)
+    (d2w,) = torch.autograd.grad(dw, w)
+    assert d2w.item() == pytest.approx(6.0)
+
+
+# -- Threads --------------------------------------------------------------------------------------
+
+def run_in_threads(n_threads, calls, work):
+    """Run ``work(thread, call)`` for ``calls`` calls in each of ``n_threads`` threads started together;
+    returns the exceptions raised, if any."""
+    errors = []
+    start = threading.Barrier(n_threads)
+
+    def body(thread):
+        start.wait()
+        try:
+            for call in range(calls):
+                work(thread, call)
+        except Exception as e:  # noqa: BLE001 (reported by the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def check_one_call(thread, call, backward=True):
+    """flashattn on a shape of its own (each thread and call differs) against float64."""
+    n_q, n_kv, d = 3 + 4 * thread + call, 5 + 3 * call + thread, (4, 8, 16)[(thread + call) % 3]
+    q, k, v = qkv(1, 1 + thread % 2, n_q, d, seed=10 * thread + call, requires_grad=backward)
+    k, v = (randn(1, 1 + thread % 2, n_kv, d, seed=100 + 10 * thread + call + i).requires_grad_(backward)
+            for i in range(2))
+    causal = (thread + call) % 2 == 0
+    out = flashattn.attention(q, k, v, is_causal=causal)
+    ref = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
+    out_ref = naive_attention(*ref, is_causal=causal)[0]
+    torch.testing.assert_close(out.double(), out_ref, atol=1e-5, rtol=1e-5)
+    if backward:
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        grads_ref = torch.autograd.grad(out_ref.sum(), ref)
+        for got, want in zip(grads, grads_ref):
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_threads_get_right_answers():
+    errors = run_in_threads(4, 3, check_one_call)
+    assert not errors, errors[0]
+
+
+@pytest.mark.gpu
+def test_threads_get_right_answers_on_the_gpu():
+    """Compiled launches from several threads: the configuration caches are shared."""
+    from flashattn import tuning
+
+    tuning._defaults.clear()  # every thread asks for a configuration at once
+    errors = run_in_threads(8, 6, check_one_call)
+    assert not errors, errors[0]
+
+
+# -- torch.compile and torch.func -------------------------------------------------------------------
+
+def compiled_matches_eager(backend, dtype=torch.float32, shape=(1, 2, 9, 8)):
+    torch._dynamo.reset()
+    compiled = torch.compile(flashattn.attention, fullgraph=True, backend=backend)  # a break raises
+    leaves = qkv(*shape, dtype=dtype, requires_grad=True)
+    eager_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    do = randn(*shape, seed=7, dtype=dtype)
+    for causal in (False, True):
+        out, lse = compiled(*leaves, is_causal=causal, scale=0.3, return_lse=True)
+        out_e, lse_e = flashattn.attention(*eager_leaves, is_causal=causal, scale=0.3, return_lse=True)
+        assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+        grads = torch.autograd.grad((out * do).sum() + lse.sum(), leaves)
+        grads_e = torch.autograd.grad((out_e * do).sum() + lse_e.sum(), eager_leaves)
+        for g, g_e in zip(grads, grads_e):
+            assert torch.equal(g, g_e)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    # aot_eager: dynamo and AOTAutograd as with inductor, without its minute of C++ compiling on
+    # a CPU; the GPU test below uses inductor.
+    compiled_matches_eager("aot_eager")
+
+
+def test_no_graph_break():
+    q, k, v = qkv(1, 2, 9, 8)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(flashattn.attention)(q, k, v, is_causal=True)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_torch_compile_inductor_on_the_gpu(dtype):
+    compiled_matches_eager("inductor", dtype, shape=(2, 3, 100, 64))
+
+
+def test_vmap_folds_into_the_batch():
+    q, k, v = qkv(3, 2, 9, 8)
+    for causal in (False, True):
+        out = torch.func.vmap(lambda a, b, c: flashattn.attention(a, b, c, is_causal=causal))(q, k, v)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                   atol=1e-6, rtol=1e-6)
+    # Only q batched, along dim 1; k and v shared.
+    out = torch.func.vmap(lambda a: flashattn.attention(a, k[0], v[0]), in_dims=1)(q.transpose(0, 1))
+    want = F.scaled_dot_product_attention(q, k[0], v[0])
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
+def test_func_grad_and_vmap_of_grad():
+    q, k, v = qkv(3, 2, 9, 8)
+
+    def loss(q, k, v):
+        return flashattn.attention(q, k, v, is_causal=True).square().sum()
+
+    def loss_ref(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+
+    for got, want in ((torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v),
+                       torch.func.grad(loss_ref, argnums=(0, 1, 2))(q, k, v)),
+                      (torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v),
+                       torch.func.vmap(torch.func.grad(loss_ref, argnums=(0, 1, 2)))(q, k, v))):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+# -- Flags, autocast, large batches ----------------------------------------------------------------
+
+def test_numpy_bools_are_bools():
+    q, k, v = qkv(1, 2, 9, 8)
+    out, lse = flashattn.attention(q, k, v, is_causal=np.True_, return_lse=np.bool_(True))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               atol=1e-6, rtol=1e-6)
+    with pytest.raises(TypeError, match=r"is_causal must be a bool, got numpy\.int64"):
+        flashattn.attention(q, k, v, is_causal=np.int64(1))
+    with pytest.raises(TypeError, match=r"return_lse must be a bool, got int$"):
+        flashattn.attention(q, k, v, return_lse=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_casts_like_sdpa(dtype):
+    device = DEVICE.type
+    q = randn(1, 2, 9, 8, dtype=dtype)
+    k, v = randn(1, 2, 9, 8, seed=1), randn(1, 2, 9, 8, seed=2)  # float32
+    with torch.autocast(device, dtype=dtype):
+        out = flashattn.attention(q, k, v, is_causal=True)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == want.dtype == dtype
+    assert torch.equal(out, flashattn.attention(q, k.to(dtype), v.to(dtype), is_causal=True))
+    assert_rule(compare_with_reference(q, k.to(dtype), v.to(dtype), is_causal=True))
+    # Outside autocast, mixed dtypes stay an error.
+    with pytest.raises(TypeError, match=f"k has dtype torch.float32 but q has {dtype}"):
+        flashattn.attention(q, k, v)
+
+
+@pytest.mark.gpu
+def test_batch_past_the_grid_limit():
+    """CUDA allows at most 65535 programs along grid axes 1 and 2 (heads, batch): larger products
+    are launched in slices, with the same answer. (The interpreter takes minutes for 70000
+    programs: the CPU test below cuts a small input on a small limit.)"""
+    q, k, v = qkv(70_000, 1, 1, requires_grad=True)  # B = 70000 rows of one query, one key, D = 1
+    q2, k2, v2 = qkv(2, 70_000, 1, 1, seed=5)         # H = 70000
+    out = flashattn.attention(q, k, v)
+    torch.testing.assert_close(out, v)                # one key: the output is its value
+    (dv,) = torch.autograd.grad(out.sum(), v)
+    assert torch.equal(dv, torch.ones_like(v))
+    torch.testing.assert_close(flashattn.attention(q2, k2, v2), v2)
+
+
+def test_grid_slices_join_in_order(monkeypatch):
+    """The slicing on a small limit: batch and heads both cut, against float64."""
+    from flashattn import autograd
+
+    monkeypatch.setattr(autograd, "MAX_GRID_DIM", 2)
+    q, k, v = (randn(5, 3, n, 8, seed=s) for s, n in ((0, 7), (1, 6), (2, 6)))
+    assert_rule(compare_with_reference(q, k, v, is_causal=True))

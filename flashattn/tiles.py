@@ -77,7 +77,7 @@ def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
         # back into ``tl.dot(a, b, acc)``. Starting from ``acc * 0.0`` instead (0, but not a
         # constant) keeps the two levels apart. Where ``acc`` is inf or NaN, ``acc * 0.0`` is NaN
         # and would make the whole row NaN; those elements start from 0 (``acc +`` keeps them).
-        zero = tl.where(tl.abs(acc) < float("inf"), acc * 0.0, 0.0)
+        zero = tl.where(tl.abs(acc) < float("inf"), acc, 0.0) * 0.0
         return acc + tl.dot(a, b, zero, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 

@@ -229,3 +229,72 @@ def test_grid_slices_join_in_order(monkeypatch):
     monkeypatch.setattr(autograd, "MAX_GRID_DIM", 2)
     q, k, v = (randn(5, 3, n, 8, seed=s) for s, n in ((0, 7), (1, 6), (2, 6)))
     assert_rule(compare_with_reference(q, k, v, is_causal=True))
+
+
+# -- Extreme scales and non-finite values -----------------------------------------------------------
+
+def exact_attention(q, k, v, is_causal=False, scale=None):
+    """float64 attention that sums, for each row, only the keys the row sees: an inf or NaN value
+    of a hidden key cannot reach it (a masked product, ``0 * inf``, would)."""
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    rows = []
+    for i in range(q.shape[-2]):
+        seen = min(i + 1, k.shape[-2]) if is_causal else k.shape[-2]
+        s = (q[..., i:i + 1, :] @ k[..., :seen, :].transpose(-2, -1)) * scale
+        rows.append(torch.softmax(s, dim=-1) @ v[..., :seen, :])
+    return torch.cat(rows, dim=-2)
+
+
+@pytest.mark.parametrize("scale", [1e-46, 1e-40, 2.0 ** -130])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_tiny_scale_gives_the_mean_of_the_values(scale, is_causal):
+    """scale * log2(e) underflows float32 (to 0 or a denormal); -inf * 0 must not make NaN.
+    Every score is ~0: each row averages the values it sees."""
+    q, k, v = qkv(1, 2, 37, 8, requires_grad=True)
+    out = flashattn.attention(q, k, v, is_causal=is_causal, scale=scale)
+    torch.testing.assert_close(out.double(), exact_attention(q, k, v, is_causal, scale), atol=1e-6, rtol=1e-6)
+    if not is_causal:  # SDPA agrees (its causal path returns NaN here)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=scale),
+                                   atol=1e-6, rtol=1e-6)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    n_seen = torch.arange(1, 38).double() if is_causal else torch.full((37,), 37.0, dtype=torch.float64)
+    want_dv = (1 / n_seen).flip(0).cumsum(0).flip(0) if is_causal else torch.ones(37, dtype=torch.float64)
+    torch.testing.assert_close(dv[0, 0, :, 0].double(), want_dv, atol=1e-6, rtol=1e-6)
+
+
+def nonfinite_pattern(t):
+    return torch.isnan(t), torch.isposinf(t), torch.isneginf(t)
+
+
+def assert_same_nonfinite(got, want):
+    for g, w, kind in zip(nonfinite_pattern(got), nonfinite_pattern(want), ("NaN", "+inf", "-inf")):
+        assert torch.equal(g, w), f"{kind} at {g.nonzero().tolist()[:6]}, expected at {w.nonzero().tolist()[:6]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_nonfinite_value_reaches_only_the_rows_that_see_it(value, is_causal, dtype):
+    q, k, v = qkv(1, 2, 70, 8, dtype=dtype)
+    v[0, 0, 40, 3] = value
+    v[0, 1, 45, 2] = value
+    v[0, 1, 45, 5] = -value  # +inf and -inf in one row of one head: NaN where both are seen
+    out = flashattn.attention(q, k, v, is_causal=is_causal)
+    assert_same_nonfinite(out, exact_attention(q, k, v, is_causal))
+    finite = torch.isfinite(exact_attention(q, k, v, is_causal))
+    want = exact_attention(q, k, v, is_causal)
+    assert torch.allclose(out.double()[finite], want[finite], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nonfinite_gradients_stay_where_the_exact_ones_are(is_causal):
+    """A NaN value of key 40: dQ of the rows before 40 (which cannot see it) stays finite."""
+    q, k, v = qkv(1, 1, 70, 8, requires_grad=True)
+    with torch.no_grad():
+        v[0, 0, 40, 3] = float("nan")
+    do = randn(1, 1, 70, 8, seed=9)
+    (dq,) = torch.autograd.grad(flashattn.attention(q, k, v, is_causal=is_causal), q, do)
+    bad_rows = (~torch.isfinite(dq[0, 0])).any(-1).nonzero().flatten().tolist()
+    assert bad_rows == (list(range(40, 70)) if is_causal else list(range(70)))

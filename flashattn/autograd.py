@@ -13,6 +13,7 @@ import torch
 
 from .backward import attention_backward
 from .forward import attention_forward
+from .runtime import kernel_dtype
 from .tiles import LN2
 
 #: CUDA's limit on grid axes 1 and 2 (heads, batch): larger inputs are launched in slices.
@@ -27,7 +28,7 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, is_causal, scale):
         o, lse2 = torch.ops.flashattn.forward(q, k, v, is_causal, scale)
-        return o, lse2 * LN2, lse2
+        return o, (lse2 * LN2).to(torch.float32), lse2
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -98,12 +99,17 @@ def _sliced(fn, tensors, *args):
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse2)`` of :func:`flashattn.forward.attention_forward`."""
-    return _sliced(attention_forward, (q, k, v), is_causal, scale)
+    return _sliced(attention_forward, (q, k, v), is_causal, scale, None, _lse_dtype(q))
 
 
 @_forward_op.register_fake
 def _(q, k, v, is_causal, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+
+
+def _lse_dtype(q):
+    """float64 where the kernels compute in float32: see attention_forward's ``lse_dtype``."""
+    return torch.float64 if kernel_dtype(q)[0].dtype == torch.float32 else torch.float32
 
 
 @torch.library.custom_op("flashattn::backward", mutates_args=())

@@ -81,7 +81,12 @@ def _dkdv_inner(dk, dv, k, v,
             if IS_CAUSAL:
                 visible = visible & (offs_q[None, :] >= offs_kv[:, None])
             sT = tl.where(visible, sT, float("-inf"))
-        pT = tl.exp2(sT * qk_scale - lse[None, :])                   # P^T, rebuilt from the LSE
+        if LSE.dtype.element_ty == tl.float64:  # the LSE to more than float32's precision
+            lse_hi = lse.to(tl.float32)
+            lse_lo = (lse - lse_hi.to(tl.float64)).to(tl.float32)
+            pT = tl.exp2(sT * qk_scale - lse_hi[None, :] - lse_lo[None, :])
+        else:
+            pT = tl.exp2(sT * qk_scale - lse[None, :])               # P^T, rebuilt from the LSE
         dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                    # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
@@ -202,6 +207,14 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
     q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
     do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
     lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
+    if LSE.dtype.element_ty == tl.float64:
+        # The LSE to more than float32's precision: P = 2**(S' - hi) * 2**-lo, and dQ is linear in
+        # P, so the loop uses hi and dQ is multiplied by 2**-lo once, at the end.
+        lse_hi = lse.to(tl.float32)
+        row_factor = tl.exp2(-(lse - lse_hi.to(tl.float64)).to(tl.float32))
+        lse = lse_hi
+    else:
+        row_factor = tl.full([BLOCK_Q], 1.0, dtype=tl.float32)
     delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
 
@@ -214,7 +227,7 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                    offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
                    HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
 
-    dq *= scale
+    dq *= scale * row_factor[:, None]
     store_tile(dQ, dq, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
 
 
@@ -239,7 +252,7 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
                    DOT_PRECISION=tuning.dot_precision(q.dtype, common["BLOCK_D"]))
     seq_len = max(n_q, n_kv)
 
-    delta = torch.empty_like(lse2)
+    delta = torch.empty_like(lse2, dtype=torch.float32)
     tuning.launch(
         "bwd_preprocess", _attn_bwd_preprocess,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),

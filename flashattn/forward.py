@@ -108,17 +108,24 @@ def _attn_fwd(Q, K, V, O, LSE,
     # Divide by the softmax denominator once, at the end (chapter 01), and keep
     # LSE = M + log2(L): one number per row from which the backward rebuilds P = 2**(S' - LSE).
     acc = acc / l_i[:, None]
-    lse = m_i + tl.log2(l_i)
+    # In float64 when the launcher asks for it: at large scores M + log2(L) rounded to float32
+    # shifts every P the backward rebuilds from it by the same factor (see attention_forward).
+    lse = m_i.to(LSE.dtype.element_ty) + tl.log2(l_i).to(LSE.dtype.element_ty)
     tl.store(LSE + offs_q, lse, mask=offs_q < n_q)
     store_tile(O, acc, offs_q, offs_d, stride_on, stride_od, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
 
 
-def attention_forward(q, k, v, is_causal, scale, config=None):
+def attention_forward(q, k, v, is_causal, scale, config=None, lse_dtype=torch.float32):
     """Launch the forward kernel on (B, H, N, D) tensors of any strides.
 
     Returns ``(o, lse2)``: the output, shaped and typed like ``q``, and the base-2 log-sum-exp of
     the scaled scores, float32 of shape (B, H, N_q). ``config`` fixes the tile sizes (a dict such as
     ``{"BLOCK_Q": 64, "BLOCK_KV": 32}``); by default they are tuned on a GPU and fixed on the CPU.
+
+    ``lse_dtype`` float64 keeps the LSE to more than float32's precision, for float32 inputs:
+    at scores of +-100 a float32 LSE is off by up to 4e-6, and every P the backward rebuilds from
+    it is off by the same factor, which made dV's error several times PyTorch's (whose largest P
+    are exact). flashattn.attention asks for it; the backward kernels read either.
 
     On an H100/H200, 16-bit inputs at head dims 64 and 128 go to ``flashattn.hopper`` (the same
     result, scheduled by hand in Gluon) unless ``config`` is given or FLASHATTN_GLUON=0 is set.
@@ -131,7 +138,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
     out_dtype = q.dtype
     q, k, v = kernel_dtype(q, k, v)
     o = torch.empty_like(q)
-    lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
+    lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=lse_dtype)
     if n_q == 0:
         return o.to(out_dtype), lse2
     if n_kv == 0:  # softmax over no keys: an empty sum, like scaled_dot_product_attention

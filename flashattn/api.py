@@ -67,7 +67,7 @@ def _autocast(q, k, v):
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return tensors  # _check names the culprit
     device = q.device.type
-    if not torch.is_autocast_enabled(device):
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):  # _check refuses others
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return tuple(t.to(dtype) if t.dtype in SUPPORTED_DTYPES else t for t in tensors)

@@ -7,6 +7,7 @@ arguments, not as a crash inside Triton), brings any number of leading dims to t
 import math
 import numbers
 
+import numpy as np
 import torch
 
 from .autograd import FlashAttention
@@ -14,7 +15,6 @@ from .runtime import DEVICE, RUNTIME
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-MAX_GRID_DIM = 65535  # CUDA's limit on grid axes 1 and 2 (heads, batch)
 
 
 def attention(q, k, v, is_causal=False, scale=None, return_lse=False, enable_gqa=False,
@@ -49,9 +49,15 @@ def attention(q, k, v, is_causal=False, scale=None, return_lse=False, enable_gqa
     is experimental and warns); 'high' or 'medium' let the kernels use TF32 tensor cores, like
     PyTorch's own matmul.
     On the CPU (Triton's interpreter) bfloat16 inputs are computed in float32 and rounded back.
+    Under ``torch.autocast``, q, k and v are cast to the autocast dtype first, as
+    scaled_dot_product_attention does. It works under ``torch.compile`` (as one opaque operator),
+    ``torch.func.vmap`` and ``torch.func.grad``; it has no double backward (a gradient of the
+    gradients raises a RuntimeError).
     """
+    q, k, v = _autocast(q, k, v)
     _check(q, k, v, is_causal, scale, return_lse, enable_gqa)
     window_size = check_window_size(window_size)
+    is_causal, return_lse = bool(is_causal), bool(return_lse)  # numpy bools too
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
@@ -61,24 +67,41 @@ def attention(q, k, v, is_causal=False, scale=None, return_lse=False, enable_gqa
     lead = q.shape[:-2]
     heads = lead[-1] if lead else 1
     batch = math.prod(lead[:-1])
-    if heads > MAX_GRID_DIM or batch > MAX_GRID_DIM:
-        raise ValueError(f"the leading dims {tuple(lead)} give {batch} batch x {heads} heads; "
-                         f"each must be at most {MAX_GRID_DIM} (CUDA's grid limit)")
     heads_kv = k.shape[-3] if k.dim() > 2 else 1
     q4 = q.reshape(batch, heads, q.shape[-2], head_dim)
     k4, v4 = (t.reshape(batch, heads_kv, t.shape[-2], head_dim) for t in (k, v))
-    out, lse = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size)
+    out, lse, _ = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size)
     out = out.reshape(q.shape)
     return (out, lse.reshape(q.shape[:-1])) if return_lse else out
 
 
+def _autocast(q, k, v):
+    """Under ``torch.autocast`` on the inputs' device, the 16- and 32-bit float inputs cast to the
+    autocast dtype (what autocast does for scaled_dot_product_attention); else unchanged."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors  # _check names the culprit
+    device = q.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):  # _check refuses others
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.dtype in SUPPORTED_DTYPES else t for t in tensors)
+
+
+def _type_name(x):
+    """``bool``, ``int``, ``numpy.float64``: the type's name, with its module where not built in."""
+    kind = type(x)
+    module = kind.__module__.split(".")[0]
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
 def _check(q, k, v, is_causal, scale, return_lse, enable_gqa=False):
     """Raise TypeError or ValueError naming the argument and what was expected."""
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be a bool, got {_type_name(enable_gqa)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(t)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float16, torch.bfloat16 "
                             "or torch.float32")
@@ -110,11 +133,11 @@ def _check(q, k, v, is_causal, scale, return_lse, enable_gqa=False):
         raise ValueError(f"q is on {q.device}, but flashattn runs on {where} here: pass tensors "
                          f"on {DEVICE.type} (flashattn.RUNTIME is {RUNTIME!r})")
     for name, flag in (("is_causal", is_causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {_type_name(flag)}")
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+            raise TypeError(f"scale must be a real number or None, got {_type_name(scale)}")
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a finite positive number, got {scale}")
 

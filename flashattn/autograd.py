@@ -3,35 +3,202 @@
 The forward saves Q, K, V, the output O and the base-2 log-sum-exp, nothing of size N_q x N_kv;
 the backward rebuilds what it needs from them. Tensors here are (B, H, N, D); flashattn.api
 reshapes whatever the user passed to that.
+
+The two launchers are registered as PyTorch operators (``torch.ops.flashattn.forward`` and
+``torch.ops.flashattn.backward``, with ``torch.library.custom_op``), so that ``torch.compile`` sees
+them as single opaque calls with known output shapes instead of trying to trace Triton's launch
+machinery, and ``torch.func.vmap`` folds its extra dim into the batch.
 """
 import torch
 
 from .backward import attention_backward
 from .forward import attention_forward
+from .runtime import kernel_dtype
 from .tiles import LN2
+
+#: CUDA's limit on grid axes 1 and 2 (heads, batch): larger inputs are launched in slices.
+MAX_GRID_DIM = 65535
 
 
 class FlashAttention(torch.autograd.Function):
-    """``apply(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None) -> (out, lse)``, lse
-    in natural log like torch.logsumexp. ``k``/``v`` may have fewer heads than ``q`` (grouped-query
+    """``apply(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None) -> (out, lse, lse2)``,
+    lse in natural log like torch.logsumexp (lse2, base 2, is kept for the backward). ``k``/``v`` may have fewer heads than ``q`` (grouped-query
     attention); ``sequences`` marks packed sequences (``flashattn.varlen``)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None):
-        o, lse2 = attention_forward(q, k, v, is_causal, scale, window_size=window_size,
-                                    sequences=sequences)
-        ctx.save_for_backward(q, k, v, o, lse2)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        ctx.window_size, ctx.sequences = window_size, sequences
-        ctx.set_materialize_grads(False)  # an unused output gets None, not a tensor of zeros
-        lse = lse2 * LN2
-        return o, lse
+    generate_vmap_rule = True  # torch.func.vmap runs forward and backward on batched tensors
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def forward(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None):
+        o, lse2 = torch.ops.flashattn.forward(q, k, v, is_causal, scale, *window_size,
+                                              *_sequence_args(sequences))
+        return o, (lse2 * LN2).to(torch.float32), lse2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, is_causal, scale, *rest = inputs
+        o, _, lse2 = output
+        ctx.save_for_backward(q, k, v, o, lse2)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.window_size = tuple(rest[0]) if rest else (-1, -1)
+        ctx.sequences = rest[1] if len(rest) > 1 else None
+        ctx.mark_non_differentiable(lse2)  # kept for the backward only; api.py drops it
+        ctx.set_materialize_grads(False)  # an unused output gets None, not a tensor of zeros
+
+    @staticmethod
+    def backward(ctx, do, dlse, _):
         q, k, v, o, lse2 = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = attention_backward(q, k, v, o, lse2, do, ctx.is_causal, ctx.scale, dlse=dlse,
-                                        window_size=ctx.window_size, sequences=ctx.sequences)
+        differentiable = torch.is_grad_enabled()
+        with torch.no_grad():
+            dq, dk, dv = torch.ops.flashattn.backward(q, k, v, o, lse2, do, dlse, ctx.is_causal, ctx.scale,
+                                                      *ctx.window_size, *_sequence_args(ctx.sequences))
+        if differentiable:  # create_graph=True: these gradients may be differentiated
+            dq, dk, dv = _FirstOrderOnly.apply(dq, dk, dv, q, k, v, o, do)
         return dq, dk, dv, None, None, None, None
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """``apply(dq, dk, dv, *inputs) -> (dq, dk, dv)``, copies whose own backward refuses.
+
+    The backward kernels compute dQ, dK, dV but not their derivatives: differentiating them again
+    needs second-order terms that no kernel here computes. Refuse, rather than return a second
+    derivative that silently misses those terms."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(dq, dk, dv, *inputs):
+        return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "flashattn.attention does not support double backward (a gradient of its gradients, "
+            "e.g. torch.autograd.grad(..., create_graph=True) followed by a second grad). Use "
+            "torch.nn.functional.scaled_dot_product_attention with the math backend "
+            "(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)) for that.")
+
+
+# -- The operators -----------------------------------------------------------------------------
+# Operators take tensors, numbers and lists only: the window is two ints, and packed sequences
+# (flashattn.varlen.Sequences) travel as their cu_seqlens tensors and their lengths on the host.
+
+def _sequence_args(sequences):
+    if sequences is None:
+        return None, None, None, None
+    return (sequences.cu_seqlens_q, sequences.cu_seqlens_k,
+            [int(n) for n in sequences.lengths_q], [int(n) for n in sequences.lengths_k])
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k):
+    if cu_seqlens_q is None:
+        return None
+    from .varlen import Sequences  # varlen builds on this module
+
+    return Sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
+
+
+def _sliced(fn, tensors, *args):
+    """``fn(*tensors, *args)`` on (B, H, ...) tensors, run on (batch, heads) slices of at most
+    MAX_GRID_DIM each and joined: one launch per slice. A single call when the whole input fits
+    (the usual case: no copy). ``tensors[1:3]`` are K and V, whose heads may be fewer (grouped
+    heads): a slice of query heads takes the K/V heads of its groups."""
+    batch, heads = tensors[0].shape[:2]
+    if (batch <= MAX_GRID_DIM and heads <= MAX_GRID_DIM) or batch * heads == 0:
+        return fn(*tensors, *args)
+    group = heads // tensors[1].shape[1]
+    step = MAX_GRID_DIM // group * group
+
+    def piece(i, t, b, h):
+        if t is None:
+            return None
+        h0, h1 = (h // group, (h + step) // group) if i in (1, 2) else (h, h + step)
+        return t[b:b + MAX_GRID_DIM, h0:h1]
+
+    rows = []
+    for b in range(0, batch, MAX_GRID_DIM):
+        row = [fn(*(piece(i, t, b, h) for i, t in enumerate(tensors)), *args) for h in range(0, heads, step)]
+        rows.append([torch.cat(parts, dim=1) for parts in zip(*row)])
+    return tuple(torch.cat(parts, dim=0) for parts in zip(*rows))
+
+
+@torch.library.custom_op("flashattn::forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+                window_left: int, window_right: int, cu_seqlens_q: torch.Tensor | None,
+                cu_seqlens_k: torch.Tensor | None, lengths_q: list[int] | None,
+                lengths_k: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse2)`` of :func:`flashattn.forward.attention_forward`."""
+    sequences = _sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
+
+    def run(q, k, v):
+        return attention_forward(q, k, v, is_causal, scale, None, (window_left, window_right),
+                                 sequences, _lse_dtype(q))
+    return _sliced(run, (q, k, v))
+
+
+@_forward_op.register_fake
+def _(q, k, v, is_causal, scale, *variants):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+
+
+def _lse_dtype(q):
+    """float64 where the kernels compute in float32: see attention_forward's ``lse_dtype``."""
+    return torch.float64 if kernel_dtype(q)[0].dtype == torch.float32 else torch.float32
+
+
+@torch.library.custom_op("flashattn::backward", mutates_args=())
+def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse2: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, is_causal: bool,
+                 scale: float, window_left: int, window_right: int, cu_seqlens_q: torch.Tensor | None,
+                 cu_seqlens_k: torch.Tensor | None, lengths_q: list[int] | None,
+                 lengths_k: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`flashattn.backward.attention_backward`."""
+    sequences = _sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
+
+    def run(q, k, v, o, lse2, do, dlse):
+        # The kernels index the LSE as a contiguous (B, H, N_q) array: a slice of it is not one.
+        return attention_backward(q, k, v, o, lse2.contiguous(), do, is_causal, scale, dlse=dlse,
+                                  window_size=(window_left, window_right), sequences=sequences)
+    return _sliced(run, (q, k, v, o, lse2, do, dlse))
+
+
+@_backward_op.register_fake
+def _(q, k, v, o, lse2, do, dlse, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _folded(tensor, in_dim, size):
+    """``tensor`` with vmap's dim ``in_dim`` (None: not batched) folded into the leading dim."""
+    if tensor is None:
+        return None
+    tensor = tensor.unsqueeze(0).expand(size, *tensor.shape) if in_dim is None else tensor.movedim(in_dim, 0)
+    return tensor.reshape(size * tensor.shape[1], *tensor.shape[2:])
+
+
+def _unfolded(tensor, size):
+    return tensor.reshape(size, tensor.shape[0] // size, *tensor.shape[1:])
+
+
+@_forward_op.register_vmap
+def _(info, in_dims, q, k, v, is_causal, scale, *variants):
+    if variants[2] is not None:
+        raise NotImplementedError("torch.func.vmap over flashattn.varlen_attention is not supported")
+    n = info.batch_size
+    o, lse2 = _forward_op(*(_folded(t, d, n) for t, d in zip((q, k, v), in_dims[:3])), is_causal, scale,
+                          *variants)
+    return (_unfolded(o, n), _unfolded(lse2, n)), (0, 0)
+
+
+@_backward_op.register_vmap
+def _(info, in_dims, q, k, v, o, lse2, do, dlse, is_causal, scale, *variants):
+    if variants[2] is not None:
+        raise NotImplementedError("torch.func.vmap over flashattn.varlen_attention is not supported")
+    n = info.batch_size
+    tensors = (_folded(t, d, n) for t, d in zip((q, k, v, o, lse2, do, dlse), in_dims[:7]))
+    grads = _backward_op(*tensors, is_causal, scale, *variants)
+    return tuple(_unfolded(g, n) for g in grads), (0, 0, 0)

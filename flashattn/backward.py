@@ -35,7 +35,7 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import (LOG2E, dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, q_window_bounds,
+from .tiles import (dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, q_window_bounds, qk_scale,
                     sequence_of_program, store_tile)
 from .traversal import window_masking
 
@@ -92,10 +92,18 @@ def _dkdv_inner(dk, dv, k, v,
                 visible = visible & (offs_kv[:, None] >= offs_q[None, :] - win_left) \
                     & (offs_kv[:, None] <= offs_q[None, :] + win_right)
             sT = tl.where(visible, sT, float("-inf"))
-        pT = tl.exp2(sT * qk_scale - lse[None, :])                   # P^T, rebuilt from the LSE
+        if LSE.dtype.element_ty == tl.float64:  # the LSE to more than float32's precision
+            lse_hi = lse.to(tl.float32)
+            # (a row that saw no key has an infinite LSE, and no low part: inf - inf is NaN)
+            lse_lo = tl.where(tl.abs(lse_hi) < float("inf"), (lse - lse_hi.to(tl.float64)).to(tl.float32), 0.0)
+            pT = tl.exp2(sT * qk_scale - lse_hi[None, :] - lse_lo[None, :])
+        else:
+            pT = tl.exp2(sT * qk_scale - lse[None, :])               # P^T, rebuilt from the LSE
         dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                    # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
+        if MASKED:  # 0 * (an inf or NaN of dP) must stay 0 on hidden pairs
+            dsT = tl.where(visible, dsT, 0.0)
         dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_PRECISION)                     # dK += dS^T Q
     return dk, dv
 
@@ -214,6 +222,8 @@ def _dq_inner(dq, q, do, lse, delta,
         p = tl.exp2(s * qk_scale - lse[:, None])                      # P, rebuilt from the LSE
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
         ds = p * (dp - delta[:, None])                                 # dS (unscaled)
+        if MASKED:  # 0 * (an inf or NaN of dP) must stay 0 on hidden pairs
+            ds = tl.where(visible, ds, 0.0)
         dq = dot_acc(ds.to(k.dtype), k, dq, DOT_PRECISION)                # dQ += dS K
     return dq
 
@@ -261,6 +271,15 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
     q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
     do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
     lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
+    if LSE.dtype.element_ty == tl.float64:
+        # The LSE to more than float32's precision: P = 2**(S' - hi) * 2**-lo, and dQ is linear in
+        # P, so the loop uses hi and dQ is multiplied by 2**-lo once, at the end.
+        lse_hi = lse.to(tl.float32)
+        lse_lo = tl.where(tl.abs(lse_hi) < float("inf"), (lse - lse_hi.to(tl.float64)).to(tl.float32), 0.0)
+        row_factor = tl.exp2(-lse_lo)
+        lse = lse_hi
+    else:
+        row_factor = tl.full([BLOCK_Q], 1.0, dtype=tl.float32)
     delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
     if WINDOW or VARLEN:  # a row that saw no key has LSE -inf: 2**(-inf - +inf) = 0, not NaN
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -291,7 +310,7 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                        offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
                        HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
 
-    dq *= scale
+    dq *= scale * row_factor[:, None]
     store_tile(dQ, dq, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
 
 
@@ -321,7 +340,7 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     seq_len = max(n_q, n_kv)
     variants = (heads // heads_kv, win_left, win_right)
 
-    delta = torch.empty_like(lse2)
+    delta = torch.empty_like(lse2, dtype=torch.float32)
     tuning.launch(  # rows are independent here: packed sequences need no table
         "bwd_preprocess", _attn_bwd_preprocess,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
@@ -358,13 +377,13 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
         tuning.launch(
             "bwd_dkdv", _attn_bwd_dkdv, grid,
             (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-             *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, scale * LOG2E, *variants, *tables),
+             *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
             masking, seq_len, _checked_dkdv(config))
     config, grid, tables = grid_and_tables("bwd_dq", "q", "BLOCK_Q", n_q, heads)
     tuning.launch(
         "bwd_dq", _attn_bwd_dq, grid,
         (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-         *dq.stride(), heads, n_q, n_kv, scale, scale * LOG2E, *variants, *tables),
+         *dq.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
         masking, seq_len, config)
     return tuple(t.to(d) for t, d in zip((dq, dk, dv), dtypes))
 

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import (LOG2E, dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, sequence_of_program,
-                    store_tile)
+from .tiles import (dot_acc, dot_acc_visible, kv_stage_bounds, kv_window_bounds, load_tile, qk_scale,
+                    sequence_of_program, store_tile)
 from .traversal import window_masking
 
 
@@ -79,7 +79,10 @@ def _fwd_inner(acc, m_i, l_i, q,
         v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
                       MASKED, HEAD_DIM < BLOCK_D)
         acc = acc * alpha[:, None]
-        acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
+        if MASKED and (IS_CAUSAL or WINDOW):  # an inf or NaN value reaches only the rows that see it
+            acc = dot_acc_visible(p, v, acc, visible, DOT_PRECISION)
+        else:
+            acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -165,12 +168,15 @@ def _attn_fwd(Q, K, V, O, LSE,
     # Divide by the softmax denominator once, at the end (chapter 01), and keep
     # LSE = M + log2(L): one number per row from which the backward rebuilds P = 2**(S' - LSE).
     acc = acc / l_i[:, None]
-    lse = m_i + tl.log2(l_i)
+    # In float64 when the launcher asks for it: at large scores M + log2(L) rounded to float32
+    # shifts every P the backward rebuilds from it by the same factor (see attention_forward).
+    lse = m_i.to(LSE.dtype.element_ty) + tl.log2(l_i).to(LSE.dtype.element_ty)
     tl.store(LSE + offs_q, lse, mask=offs_q < n_q)
     store_tile(O, acc, offs_q, offs_d, stride_on, stride_od, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
 
 
-def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None):
+def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
+                      lse_dtype=torch.float32):
     """Launch the forward kernel on (B, H, N, D) tensors of any strides.
 
     Returns ``(o, lse2)``: the output, shaped and typed like ``q``, and the base-2 log-sum-exp of
@@ -181,6 +187,11 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
     K/V head ``h // (H_q / H_kv)``). ``window_size = (left, right)`` limits what each query sees
     (``traversal.window_masking``). ``sequences`` (a ``flashattn.varlen.Sequences``) says that the
     tensors are packed sequences, (1, H, total, D), each attending only within itself.
+
+    ``lse_dtype`` float64 keeps the LSE to more than float32's precision, for float32 inputs:
+    at scores of +-100 a float32 LSE is off by up to 4e-6, and every P the backward rebuilds from
+    it is off by the same factor, which made dV's error several times PyTorch's (whose largest P
+    are exact). flashattn.attention asks for it; the backward kernels read either.
 
     On an H100/H200, 16-bit inputs at head dims 64 and 128 go to ``flashattn.hopper`` (the same
     result, scheduled by hand in Gluon) unless ``config`` is given or FLASHATTN_GLUON=0 is set.
@@ -195,7 +206,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
     out_dtype = q.dtype
     q, k, v = kernel_dtype(q, k, v)
     o = torch.empty_like(q)
-    lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
+    lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=lse_dtype)
     if n_q == 0:
         return o.to(out_dtype), lse2
     if n_kv == 0:  # softmax over no keys: an empty sum, like scaled_dot_product_attention
@@ -218,7 +229,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
     tuning.launch(
         "fwd", _attn_fwd, grid,
         (q, k, v, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-         heads, n_q, n_kv, scale * LOG2E,
+         heads, n_q, n_kv, qk_scale(scale),
          heads // k.shape[1], win_left, win_right, programs, cu_seqlens_q, cu_seqlens_k),
         constexprs, seq_len=max(n_q, n_kv), config=config)
     return o.to(out_dtype), lse2

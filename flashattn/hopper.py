@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .tiles import LOG2E
+from .tiles import qk_scale
 
 #: Head dims this kernel is compiled and tested for.
 HEAD_DIMS = (64, 128)
@@ -404,7 +404,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(n_q, cfg["CONSUMERS"] * bm), heads, batch)
     _attn_fwd_sm90[grid](descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(o, bm),
-                         lse2, heads, n_q, n_kv, scale * LOG2E,
+                         lse2, heads, n_q, n_kv, qk_scale(scale),
                          HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
                          IS_CAUSAL=bool(is_causal), PINGPONG=bool(cfg["PINGPONG"]),
                          CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], **regs, **options)

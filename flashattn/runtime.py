@@ -11,6 +11,7 @@ the interpreter, which executes each program with NumPy on CPU tensors.
 import functools
 import os
 import sys
+import threading
 import warnings
 
 import torch
@@ -65,6 +66,12 @@ def _exact_interpreter_dots():
 if INTERPRET:
     _exact_interpreter_dots()
 
+
+#: Held around every interpreter launch: Triton's interpreter swaps module-level state (the
+#: ``tl`` functions it patches, the program ids) for the duration of a launch, so two threads
+#: interpreting at once read each other's state and get wrong results or errors. Compiled launches
+#: need no lock.
+INTERPRETER_LOCK = threading.RLock()
 
 #: "gpu" when the kernels are compiled, "interpreter" when they run on the CPU.
 RUNTIME = "interpreter" if INTERPRET else "gpu"

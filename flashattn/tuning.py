@@ -23,6 +23,7 @@ every tile costs Python time): each kernel gets one fixed configuration.
 import importlib
 import json
 import os
+import threading
 import warnings
 
 import torch
@@ -30,7 +31,7 @@ import triton
 
 from . import gpus
 from .defaults import DEFAULTS
-from .runtime import INTERPRET, cache_dir
+from .runtime import INTERPRET, INTERPRETER_LOCK, cache_dir
 
 #: The configuration each kernel uses on the interpreter: small tiles, so that short test
 #: sequences already have several blocks, a diagonal and a ragged end.
@@ -279,14 +280,23 @@ def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
     """Run ``kernel`` with ``config`` if given (the fixed one on the interpreter), autotuned under
     FLASHATTN_AUTOTUNE=1, else with the default configuration. Returns the configuration that ran,
     as a dict."""
-    if config is None and INTERPRET:
-        config = INTERPRETER_CONFIGS[name]
+    if INTERPRET:
+        with INTERPRETER_LOCK:  # the interpreter is not thread-safe
+            config = INTERPRETER_CONFIGS[name] if config is None else config
+            kernel[grid](*args, **constexprs, **config)
+        return dict(config)
     if config is not None:
         kernel[grid](*args, **constexprs, **config)
         return dict(config)
     if autotuning():
-        return _autotuned(name, kernel, grid, args, constexprs, seq_len)
+        with _choosing:  # an autotuner times one candidate at a time and keeps its state
+            return _autotuned(name, kernel, grid, args, constexprs, seq_len)
     return _default(name, kernel, grid, args, constexprs)
+
+
+#: Held while a configuration is chosen (the first launch of a key, or autotuning), so that threads
+#: launching at once neither time candidates against each other nor race on the caches below.
+_choosing = threading.RLock()
 
 
 def _as_dict(config):
@@ -301,9 +311,16 @@ def _default(name, kernel, grid, args, constexprs):
     estimates), the next that fits, and so on."""
     precision, bd = constexprs.get("DOT_PRECISION"), constexprs.get("BLOCK_D")
     key = (name, args[0].dtype, precision, bd, args[0].device.index)
-    if key in _defaults:
-        kernel[grid](*args, **constexprs, **_defaults[key])
-        return dict(_defaults[key])
+    chosen = _defaults.get(key)
+    if chosen is not None:
+        kernel[grid](*args, **constexprs, **chosen)
+        return dict(chosen)
+    with _choosing:
+        return _first_default(name, kernel, grid, args, constexprs, key)
+
+
+def _first_default(name, kernel, grid, args, constexprs, key):
+    precision, bd = constexprs.get("DOT_PRECISION"), constexprs.get("BLOCK_D")
     first = default_config(name, args[0].dtype, precision, bd)
     configs = [first] + [c for c in ranked(name, args[0].dtype, precision, bd) if _as_dict(c) != _as_dict(first)]
     for i, c in enumerate(configs):

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import tuning
-from .api import MAX_GRID_DIM, _check, check_window_size
+from .api import _check, check_window_size
 from .autograd import FlashAttention
 from .runtime import INTERPRET
 
@@ -118,8 +118,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if bound < longest:
             raise ValueError(f"{name} is {bound} but the longest sequence in cu_seqlens_{name[-1]} "
                              f"has {longest} tokens")
-    if q.shape[1] > MAX_GRID_DIM:
-        raise ValueError(f"q has {q.shape[1]} heads; at most {MAX_GRID_DIM} (CUDA's grid limit)")
 
     head_dim = q.shape[-1]
     scale = head_dim ** -0.5 if scale is None else float(scale)

@@ -94,8 +94,9 @@ def _dkdv_inner(dk, dv, k, v,
             sT = tl.where(visible, sT, float("-inf"))
         if LSE.dtype.element_ty == tl.float64:  # the LSE to more than float32's precision
             lse_hi = lse.to(tl.float32)
-            # (a row that saw no key has an infinite LSE, and no low part: inf - inf is NaN)
-            lse_lo = tl.where(tl.abs(lse_hi) < float("inf"), (lse - lse_hi.to(tl.float64)).to(tl.float32), 0.0)
+            # (a row that saw no key has an infinite LSE and no low part: inf - inf would be NaN)
+            finite = tl.abs(lse_hi) < float("inf")
+            lse_lo = (tl.where(finite, lse, 0.0) - tl.where(finite, lse_hi, 0.0).to(tl.float64)).to(tl.float32)
             pT = tl.exp2(sT * qk_scale - lse_hi[None, :] - lse_lo[None, :])
         else:
             pT = tl.exp2(sT * qk_scale - lse[None, :])               # P^T, rebuilt from the LSE
@@ -275,7 +276,8 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
         # The LSE to more than float32's precision: P = 2**(S' - hi) * 2**-lo, and dQ is linear in
         # P, so the loop uses hi and dQ is multiplied by 2**-lo once, at the end.
         lse_hi = lse.to(tl.float32)
-        lse_lo = tl.where(tl.abs(lse_hi) < float("inf"), (lse - lse_hi.to(tl.float64)).to(tl.float32), 0.0)
+        finite = tl.abs(lse_hi) < float("inf")  # a row that saw no key: no low part
+        lse_lo = (tl.where(finite, lse, 0.0) - tl.where(finite, lse_hi, 0.0).to(tl.float64)).to(tl.float32)
         row_factor = tl.exp2(-lse_lo)
         lse = lse_hi
     else:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import dot_acc, dot_acc_visible, kv_stage_bounds, load_tile, qk_scale, store_tile
+from .tiles import dot_acc, kv_stage_bounds, load_tile, qk_scale, store_tile
 
 
 @triton.jit
@@ -54,10 +54,7 @@ def _fwd_inner(acc, m_i, l_i, q,
         v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
                       MASKED, HEAD_DIM < BLOCK_D)
         acc = acc * alpha[:, None]
-        if MASKED and IS_CAUSAL:  # keys on the diagonal: an inf or NaN value reaches only its rows
-            acc = dot_acc_visible(p, v, acc, visible, DOT_PRECISION)
-        else:
-            acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
+        acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 

@@ -74,11 +74,9 @@ def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
     """
     if DOT_PRECISION == "ieee" and a.dtype == tl.float32:
         # Triton's compiler rewrites ``acc + tl.dot(a, b)`` (a dot started from the constant 0)
-        # back into ``tl.dot(a, b, acc)``. Starting from ``acc * 0.0`` instead (0, but not a
-        # constant) keeps the two levels apart. Not ``acc * 0.0``: where ``acc`` is inf that is
-        # NaN, and an inf value would make its whole row NaN. (A NaN ``acc`` stays NaN either way.)
-        zero = tl.minimum(tl.abs(acc), 0.0)
-        return acc + tl.dot(a, b, zero, input_precision="ieee")
+        # back into ``tl.dot(a, b, acc)``. Starting from ``acc * 0.0`` instead (0 for the finite
+        # sums here, but not a constant) keeps the two levels apart, for one multiply per element.
+        return acc + tl.dot(a, b, acc * 0.0, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 

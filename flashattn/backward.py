@@ -103,8 +103,6 @@ def _dkdv_inner(dk, dv, k, v,
         dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                    # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
-        if MASKED:  # 0 * (an inf or NaN of dP) must stay 0 on hidden pairs
-            dsT = tl.where(visible, dsT, 0.0)
         dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_PRECISION)                     # dK += dS^T Q
     return dk, dv
 
@@ -223,8 +221,6 @@ def _dq_inner(dq, q, do, lse, delta,
         p = tl.exp2(s * qk_scale - lse[:, None])                      # P, rebuilt from the LSE
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
         ds = p * (dp - delta[:, None])                                 # dS (unscaled)
-        if MASKED:  # 0 * (an inf or NaN of dP) must stay 0 on hidden pairs
-            ds = tl.where(visible, ds, 0.0)
         dq = dot_acc(ds.to(k.dtype), k, dq, DOT_PRECISION)                # dQ += dS K
     return dq
 

@@ -116,7 +116,12 @@ def test_threads_get_right_answers_on_the_gpu():
 
 # -- torch.compile and torch.func -------------------------------------------------------------------
 
-def compiled_matches_eager(backend, dtype=torch.float32, shape=(1, 2, 9, 8)):
+def compiled_matches_eager(backend, dtype=torch.float32, shape=(1, 2, 9, 8), exact=True):
+    """The compiled call against the eager one: bit-identical where nothing around the operators is
+    compiled (aot_eager); within the dtype's rounding under inductor, which generates its own code
+    for what surrounds them (the LSE's conversion to natural log, the gradients' sums)."""
+    same = (lambda a, b: torch.equal(a, b)) if exact else \
+        (lambda a, b: torch.allclose(a, b, rtol=1e-3 if dtype != torch.float32 else 1e-5, atol=1e-5))
     torch._dynamo.reset()
     compiled = torch.compile(flashattn.attention, fullgraph=True, backend=backend)  # a break raises
     leaves = qkv(*shape, dtype=dtype, requires_grad=True)
@@ -125,11 +130,11 @@ def compiled_matches_eager(backend, dtype=torch.float32, shape=(1, 2, 9, 8)):
     for causal in (False, True):
         out, lse = compiled(*leaves, is_causal=causal, scale=0.3, return_lse=True)
         out_e, lse_e = flashattn.attention(*eager_leaves, is_causal=causal, scale=0.3, return_lse=True)
-        assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+        assert same(out, out_e) and same(lse, lse_e)
         grads = torch.autograd.grad((out * do).sum() + lse.sum(), leaves)
         grads_e = torch.autograd.grad((out_e * do).sum() + lse_e.sum(), eager_leaves)
         for g, g_e in zip(grads, grads_e):
-            assert torch.equal(g, g_e)
+            assert same(g, g_e)
 
 
 def test_torch_compile_fullgraph_forward_and_backward():
@@ -149,7 +154,7 @@ def test_no_graph_break():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_torch_compile_inductor_on_the_gpu(dtype):
-    compiled_matches_eager("inductor", dtype, shape=(2, 3, 100, 64))
+    compiled_matches_eager("inductor", dtype, shape=(2, 3, 100, 64), exact=False)
 
 
 def test_vmap_folds_into_the_batch():
@@ -220,7 +225,8 @@ def test_batch_past_the_grid_limit():
     out = flashattn.attention(q, k, v)
     torch.testing.assert_close(out, v)                # one key: the output is its value
     (dv,) = torch.autograd.grad(out.sum(), v)
-    assert torch.equal(dv, torch.ones_like(v))
+    # P = 1 up to exp2's rounding on a GPU (the score's product with the scale is fused there)
+    torch.testing.assert_close(dv, torch.ones_like(v))
     torch.testing.assert_close(flashattn.attention(q2, k2, v2), v2)
 
 
@@ -255,7 +261,8 @@ def test_tiny_scale_gives_the_mean_of_the_values(scale, is_causal):
     Every score is ~0: each row averages the values it sees."""
     q, k, v = qkv(1, 2, 37, 8, requires_grad=True)
     out = flashattn.attention(q, k, v, is_causal=is_causal, scale=scale)
-    torch.testing.assert_close(out.double(), exact_attention(q, k, v, is_causal, scale), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.double().cpu(), exact_attention(q, k, v, is_causal, scale).cpu(),
+                               atol=1e-6, rtol=1e-6)
     if not is_causal:  # SDPA agrees (its causal path returns NaN here)
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=scale),
                                    atol=1e-6, rtol=1e-6)
@@ -263,7 +270,7 @@ def test_tiny_scale_gives_the_mean_of_the_values(scale, is_causal):
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
     n_seen = torch.arange(1, 38).double() if is_causal else torch.full((37,), 37.0, dtype=torch.float64)
     want_dv = (1 / n_seen).flip(0).cumsum(0).flip(0) if is_causal else torch.ones(37, dtype=torch.float64)
-    torch.testing.assert_close(dv[0, 0, :, 0].double(), want_dv, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(dv[0, 0, :, 0].double().cpu(), want_dv, atol=1e-6, rtol=1e-6)
 
 
 @contextlib.contextmanager

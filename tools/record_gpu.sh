@@ -18,7 +18,7 @@ mkdir -p "$out"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 # pytest-xdist, where installed, spreads the tests over processes (compiling dominates them)
 workers=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
-pytest="python -m pytest -q -p no:cacheprovider -o addopts= -rfE $workers"
+pytest="python -m pytest -q -p no:cacheprovider -p no:benchmark -o addopts= -rfE $workers"
 variant_tests="tests/test_reliability.py tests/test_gqa.py tests/test_window.py tests/test_varlen.py"
 
 python -c "import torch, triton; print(torch.cuda.get_device_name(), torch.version.cuda, 'torch', torch.__version__, 'triton', triton.__version__)" | tee "$out/versions.txt"

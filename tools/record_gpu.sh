@@ -16,7 +16,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-# pytest-xdist, where installed, spreads the tests over processes (compiling dominates them)
+# pytest-xdist, where installed, spreads the variants' tests over processes (compiling dominates
+# them); the other GPU tests run in one process, as their module fixtures compile and check once
 workers=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
 pytest="python -m pytest -q -p no:cacheprovider -p no:benchmark -o addopts= -rfE $workers"
 variant_tests="tests/test_reliability.py tests/test_gqa.py tests/test_window.py tests/test_varlen.py"
@@ -37,6 +38,6 @@ part() {  # part NAME SECONDS COMMAND...
 part tests-variants 180 $pytest $variant_tests
 part bench-variants 150 python -m flashattn.bench_variants --out-dir "$out"
 part decode-host 50 python -m flashattn.bench decode --host-ab --out "$out/decode_host_ab.csv"
-part tests-gpu 180 $pytest -m gpu tests $(for f in $variant_tests; do echo --ignore="$f"; done)
+part tests-gpu 180 ${pytest/$workers/} -m gpu tests $(for f in $variant_tests; do echo --ignore="$f"; done)
 part first-call 120 python tools/first_call.py --quick
 part chapters 150 python tools/time_chapters.py 09 10 11

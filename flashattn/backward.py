@@ -94,16 +94,15 @@ def _dkdv_inner(dk, dv, k, v,
             sT = tl.where(visible, sT, float("-inf"))
         if LSE.dtype.element_ty == tl.float64:  # the LSE to more than float32's precision
             lse_hi = lse.to(tl.float32)
-            # (a row that saw no key has an infinite LSE, and no low part: inf - inf is NaN)
-            lse_lo = tl.where(tl.abs(lse_hi) < float("inf"), (lse - lse_hi.to(tl.float64)).to(tl.float32), 0.0)
+            # (a row that saw no key has an infinite LSE and no low part: inf - inf would be NaN)
+            finite = tl.abs(lse_hi) < float("inf")
+            lse_lo = (tl.where(finite, lse, 0.0) - tl.where(finite, lse_hi, 0.0).to(tl.float64)).to(tl.float32)
             pT = tl.exp2(sT * qk_scale - lse_hi[None, :] - lse_lo[None, :])
         else:
             pT = tl.exp2(sT * qk_scale - lse[None, :])               # P^T, rebuilt from the LSE
         dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                    # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
-        if MASKED:  # 0 * (an inf or NaN of dP) must stay 0 on hidden pairs
-            dsT = tl.where(visible, dsT, 0.0)
         dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_PRECISION)                     # dK += dS^T Q
     return dk, dv
 
@@ -222,8 +221,6 @@ def _dq_inner(dq, q, do, lse, delta,
         p = tl.exp2(s * qk_scale - lse[:, None])                      # P, rebuilt from the LSE
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
         ds = p * (dp - delta[:, None])                                 # dS (unscaled)
-        if MASKED:  # 0 * (an inf or NaN of dP) must stay 0 on hidden pairs
-            ds = tl.where(visible, ds, 0.0)
         dq = dot_acc(ds.to(k.dtype), k, dq, DOT_PRECISION)                # dQ += dS K
     return dq
 
@@ -275,7 +272,8 @@ def _attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
         # The LSE to more than float32's precision: P = 2**(S' - hi) * 2**-lo, and dQ is linear in
         # P, so the loop uses hi and dQ is multiplied by 2**-lo once, at the end.
         lse_hi = lse.to(tl.float32)
-        lse_lo = tl.where(tl.abs(lse_hi) < float("inf"), (lse - lse_hi.to(tl.float64)).to(tl.float32), 0.0)
+        finite = tl.abs(lse_hi) < float("inf")  # a row that saw no key: no low part
+        lse_lo = (tl.where(finite, lse, 0.0) - tl.where(finite, lse_hi, 0.0).to(tl.float64)).to(tl.float32)
         row_factor = tl.exp2(-lse_lo)
         lse = lse_hi
     else:

@@ -212,7 +212,11 @@ def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None
 #:   ``"pinned"`` memory (one more step, a pinned block from PyTorch's pool).
 #: * ``buffers``: with several splits, the partial states and the lse in ``"one"`` float32
 #:   allocation, or each in its own (``"separate"``).
-_HOST = dict(launch="launcher", lengths="pageable", buffers="one")
+#:
+#: The default is what an H200 measured fastest on the host (torch 2.11, triton 3.6, 2026-12-01:
+#: 47 us per call at a 4k cache against 54 us for one buffer, 55-127 us for the other ways;
+#: figures/data/h200_decode_host_ab.csv).
+_HOST = dict(launch="launcher", lengths="pageable", buffers="separate")
 HOST_CHOICES = dict(launch=("jit", "compiled", "launcher"), lengths=("pinned", "pageable"),
                     buffers=("separate", "one"))
 

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from . import tuning
 from .runtime import kernel_dtype
-from .tiles import (dot_acc, dot_acc_visible, kv_stage_bounds, kv_window_bounds, load_tile, qk_scale,
-                    sequence_of_program, store_tile)
+from .tiles import (dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, qk_scale, sequence_of_program,
+                    store_tile)
 from .traversal import window_masking
 
 
@@ -79,10 +79,7 @@ def _fwd_inner(acc, m_i, l_i, q,
         v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
                       MASKED, HEAD_DIM < BLOCK_D)
         acc = acc * alpha[:, None]
-        if MASKED and (IS_CAUSAL or WINDOW):  # an inf or NaN value reaches only the rows that see it
-            acc = dot_acc_visible(p, v, acc, visible, DOT_PRECISION)
-        else:
-            acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
+        acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 

@@ -74,36 +74,10 @@ def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
     """
     if DOT_PRECISION == "ieee" and a.dtype == tl.float32:
         # Triton's compiler rewrites ``acc + tl.dot(a, b)`` (a dot started from the constant 0)
-        # back into ``tl.dot(a, b, acc)``. Starting from ``acc * 0.0`` instead (0, but not a
-        # constant) keeps the two levels apart. Where ``acc`` is inf or NaN, ``acc * 0.0`` is NaN
-        # and would make the whole row NaN; those elements start from 0 (``acc +`` keeps them).
-        zero = tl.where(tl.abs(acc) < float("inf"), acc, 0.0) * 0.0
-        return acc + tl.dot(a, b, zero, input_precision="ieee")
+        # back into ``tl.dot(a, b, acc)``. Starting from ``acc * 0.0`` instead (0 for the finite
+        # sums here, but not a constant) keeps the two levels apart, for one multiply per element.
+        return acc + tl.dot(a, b, acc * 0.0, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def dot_acc_visible(p, v, acc, visible, DOT_PRECISION: tl.constexpr):
-    """``acc + p @ v`` for a tile where ``p`` is 0 on the hidden pairs (``visible`` False), with an
-    inf or NaN of ``v`` reaching only the rows that see its key.
-
-    In a plain product a hidden pair still adds ``0 * inf = NaN``: on the causal diagonal a NaN
-    value of key j would poison the rows before j that share its tile. So the finite values are
-    multiplied as usual, and the non-finite ones are counted per output element over the visible
-    keys only (0/1 weights times the codes 1 for +inf, and 1 for -inf plus 1024 for NaN: small
-    integers, exact in every dot precision), then added as +inf, -inf or NaN. Two more products,
-    in the diagonal tiles only."""
-    finite = tl.abs(v) < float("inf")  # False for +-inf and NaN
-    acc = dot_acc(p.to(v.dtype), tl.where(finite, v, 0.0), acc, DOT_PRECISION)
-    seen = visible.to(v.dtype)
-    pos = tl.dot(seen, (v == float("inf")).to(v.dtype), input_precision=DOT_PRECISION)
-    neg_nan = tl.dot(seen, ((v == float("-inf")).to(v.dtype) + 1024.0 * (v != v).to(v.dtype)).to(v.dtype),
-                     input_precision=DOT_PRECISION)
-    nan = neg_nan >= 1024.0
-    neg = (neg_nan - tl.floor(neg_nan / 1024.0) * 1024.0) > 0.0
-    extra = tl.where(nan | ((pos > 0.0) & neg), float("nan"),
-                     tl.where(pos > 0.0, float("inf"), tl.where(neg, float("-inf"), 0.0)))
-    return acc + extra
 
 
 @triton.jit

@@ -127,15 +127,15 @@ def test_varlen_errors():
     with pytest.raises(ValueError, match="cu_seqlens_k is on meta"):
         call(cu_seqlens_k=torch.zeros(3, dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match="cu_seqlens_q must start at 0; got 1"):
-        call(cu_seqlens_q=torch.tensor([1, 5, 12], dtype=torch.int32))
+        call(cu_seqlens_q=torch.tensor([1, 5, 12], dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing; it decreases from 8 to 5"):
-        call(cu_seqlens_k=torch.tensor([0, 8, 5, 12], dtype=torch.int32))
+        call(cu_seqlens_k=torch.tensor([0, 8, 5, 12], dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="cu_seqlens_q must end at the number of tokens, 12; got 11"):
-        call(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32))
+        call(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="cu_seqlens_q must be 1-D"):
         call(cu_seqlens_q=cu[None])
     with pytest.raises(ValueError, match="cu_seqlens_q has 3 entries but cu_seqlens_k has 4"):
-        call(cu_seqlens_k=torch.tensor([0, 5, 5, 12], dtype=torch.int32))
+        call(cu_seqlens_k=torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=DEVICE))
     with pytest.raises(TypeError, match="cu_seqlens_q must be a torch.Tensor"):
         call(cu_seqlens_q=[0, 5, 12])
     with pytest.raises(ValueError, match="max_seqlen_q is 6 but the longest sequence in cu_seqlens_q has 7"):

@@ -4,8 +4,8 @@
 #
 #     bash tools/record_gpu.sh OUT_DIR [PART ...]
 #
-# Parts: tests-variants (the GPU tests of grouped heads, windows, varlen and the reliability fixes:
-# torch.compile and threads on the GPU), bench-variants, decode-host, tests-gpu (every other GPU
+# Parts: tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
+# compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants, decode-host, tests-gpu (every other GPU
 # test: tile configurations, long sequences, decode, the Gluon kernels), first-call, chapters.
 # Each part writes OUT_DIR/<part>.txt (and its CSV files); the screen gets one line per part.
 set -u
@@ -16,7 +16,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-pytest_gpu="python -m pytest -q -p no:cacheprovider -o addopts= -m gpu -rfE"
+# pytest-xdist, where installed, spreads the variants' tests over processes (compiling dominates
+# them); the other GPU tests run in one process, as their module fixtures compile and check once
+workers=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
+pytest="python -m pytest -q -p no:cacheprovider -p no:benchmark -o addopts= -rfE $workers"
 variant_tests="tests/test_reliability.py tests/test_gqa.py tests/test_window.py tests/test_varlen.py"
 
 python -c "import torch, triton; print(torch.cuda.get_device_name(), torch.version.cuda, 'torch', torch.__version__, 'triton', triton.__version__)" | tee "$out/versions.txt"
@@ -32,9 +35,9 @@ part() {  # part NAME SECONDS COMMAND...
     printf '%-16s exit %-3s %4d s  %s\n' "$name" "$status" $((SECONDS - start)) "$(tail -n 1 "$out/$name.txt")"
 }
 
-part tests-variants 180 $pytest_gpu $variant_tests
+part tests-variants 180 $pytest $variant_tests
 part bench-variants 150 python -m flashattn.bench_variants --out-dir "$out"
 part decode-host 50 python -m flashattn.bench decode --host-ab --out "$out/decode_host_ab.csv"
-part tests-gpu 200 $pytest_gpu tests $(for f in $variant_tests; do echo --ignore="$f"; done)
+part tests-gpu 180 ${pytest/$workers/} -m gpu tests $(for f in $variant_tests; do echo --ignore="$f"; done)
 part first-call 120 python tools/first_call.py --quick
 part chapters 150 python tools/time_chapters.py 09 10 11

@@ -6,7 +6,8 @@
 #
 # Parts: tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
 # compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants, decode-host, tests-gpu (every other GPU
-# test: tile configurations, long sequences, decode, the Gluon kernels), first-call, chapters.
+# test: tile configurations, long sequences, decode, the Gluon kernels), first-call, chapters;
+# tests-kernels (the core kernels' and decode's GPU tests alone) runs only when named.
 # Each part writes OUT_DIR/<part>.txt (and its CSV files); the screen gets one line per part.
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
@@ -35,9 +36,10 @@ part() {  # part NAME SECONDS COMMAND...
     printf '%-16s exit %-3s %4d s  %s\n' "$name" "$status" $((SECONDS - start)) "$(tail -n 1 "$out/$name.txt")"
 }
 
-part tests-variants 180 $pytest $variant_tests
+part tests-variants 150 $pytest $variant_tests
+part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_decode.py
 part bench-variants 150 python -m flashattn.bench_variants --out-dir "$out"
 part decode-host 50 python -m flashattn.bench decode --host-ab --out "$out/decode_host_ab.csv"
 part tests-gpu 180 ${pytest/$workers/} -m gpu tests $(for f in $variant_tests; do echo --ignore="$f"; done)
-part first-call 120 python tools/first_call.py --quick
-part chapters 150 python tools/time_chapters.py 09 10 11
+part first-call 80 python tools/first_call.py --quick
+part chapters 120 python tools/time_chapters.py 09 10

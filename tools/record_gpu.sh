@@ -5,9 +5,10 @@
 #     bash tools/record_gpu.sh OUT_DIR [PART ...]
 #
 # Parts: tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
-# compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants, decode-host, tests-gpu (every other GPU
-# test: tile configurations, long sequences, decode, the Gluon kernels), first-call, chapters;
-# tests-kernels (the core kernels' and decode's GPU tests alone) runs only when named.
+# compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants,
+# decode-host, tests-gpu (every other GPU test: tile configurations, long sequences, decode, the
+# Gluon kernels), first-call, chapters; tests-kernels (the core kernels' and decode's GPU tests
+# alone) runs only when named.
 # Each part writes OUT_DIR/<part>.txt (and its CSV files); the screen gets one line per part.
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}

@@ -41,6 +41,7 @@ except ImportError:  # stand-ins, enough for the chapters: show what would be di
             self.data = data
     ipython = types.ModuleType("IPython")
     ipython.get_ipython = lambda: None
+    ipython.version_info = (9, 0)  # matplotlib reads it (>= 8.24: no GUI-backend fix to apply)
     shown = types.ModuleType("IPython.display")
     shown.display = display
     shown.HTML = shown.Markdown = shown.Image = shown.SVG = shown.Latex = shown.Math = _Shown

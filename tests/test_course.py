@@ -143,10 +143,17 @@ def test_a_chapter_copied_alone_runs_top_to_bottom(tmp_path):
     assert "flashattn runs" in "".join(out.get("text", "") for out in first.outputs)
 
 
-def test_the_chapter_timer_runs_a_chapter_without_jupyter(tmp_path):
+@pytest.mark.parametrize("ipython", ["installed", "missing"])
+def test_the_chapter_timer_runs_a_chapter_without_jupyter(tmp_path, ipython):
     """tools/time_chapters.py (for GPU machines, where nbclient may be missing) runs a chapter's
-    code cells in plain Python, with stand-ins for IPython's display if need be."""
+    code cells in plain Python, with stand-ins for IPython's display if need be (matplotlib, which
+    the chapter's figures use, reads the stand-in's version)."""
+    env = env_with_package()
+    if ipython == "missing":  # an IPython package that cannot be imported, first on the path
+        (tmp_path / "IPython").mkdir()
+        (tmp_path / "IPython" / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     result = subprocess.run([sys.executable, "tools/time_chapters.py", ALONE[:2], "--plain"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, env=env_with_package())
+                            capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"ok   {ALONE}" in result.stdout

@@ -124,14 +124,11 @@ def q_window_bounds(kv_start, n_q, win_left, win_right,
     sliding window (the dK/dV kernel's view of :func:`kv_window_bounds`): key ``j`` is seen by
     queries ``j - win_right .. j + win_left``. Queries ``[q_full_lo, q_full_hi)`` come in whole
     blocks that see every key of the block; the two ranges around them need the mask; the rest
-    are skipped. ``flashattn.traversal.q_window_ranges`` is the same in plain Python."""
-    q_lo = tl.maximum(kv_start - win_right, 0) // BLOCK_Q * BLOCK_Q
-    q_hi = tl.minimum(kv_start + BLOCK_KV + win_left, n_q)
-    q_full_lo = tl.maximum(kv_start + BLOCK_KV - 1 - win_right + BLOCK_Q - 1, 0) // BLOCK_Q * BLOCK_Q
-    q_full_hi = tl.minimum(kv_start + win_left + 1, n_q) // BLOCK_Q * BLOCK_Q
-    q_full_lo = tl.minimum(tl.maximum(q_full_lo, q_lo), q_hi)
-    q_full_hi = tl.maximum(q_full_hi, q_full_lo)
-    return q_lo, q_full_lo, q_full_hi, q_hi
+    are skipped. ``flashattn.traversal.q_window_ranges`` is the same in plain Python.
+
+    It is :func:`kv_window_bounds` with the roles of queries and keys exchanged: seen from key
+    ``j``, the window reaches ``win_right`` queries back and ``win_left`` forward."""
+    return kv_window_bounds(kv_start, n_q, win_right, win_left, BLOCK_KV, BLOCK_Q)
 
 
 @triton.jit

@@ -147,13 +147,9 @@ def kv_window_ranges(q_start: int, block_q: int, block_kv: int, n_kv: int, left:
 def q_window_ranges(kv_start: int, block_kv: int, block_q: int, n_q: int, left: int, right: int):
     """Queries visited by the key block starting at ``kv_start`` under a window (the dK/dV kernel's
     ``tiles.q_window_bounds`` in plain Python). Returns ``(lo, full_lo, full_hi, hi)`` as
-    :func:`kv_window_ranges` does, along the queries."""
-    lo = max(kv_start - right, 0) // block_q * block_q
-    hi = min(kv_start + block_kv + left, n_q)
-    full_lo = max(kv_start + block_kv - 1 - right + block_q - 1, 0) // block_q * block_q
-    full_hi = min(kv_start + left + 1, n_q) // block_q * block_q
-    full_lo = min(max(full_lo, lo), hi)
-    return lo, full_lo, max(full_hi, full_lo), hi
+    :func:`kv_window_ranges` does, along the queries: the same ranges with the roles of queries and
+    keys exchanged, the window reaching ``right`` queries back and ``left`` forward."""
+    return kv_window_ranges(kv_start, block_kv, block_q, n_q, right, left)
 
 
 def classify_blocks_window(n_q: int, n_kv: int, block_q: int, block_kv: int, left: int, right: int,

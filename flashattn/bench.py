@@ -287,6 +287,16 @@ def loop_time(fn, calls=100, rounds=5):
     return best_wall * 1e3, best_host * 1e6
 
 
+def decode_inputs(batch, heads, kv_heads, n, head_dim, dtype, device):
+    """``(q, k_cache, v_cache, cache_seqlens)`` of one decoding step the benchmarks time: one new
+    token per sequence against full caches of ``n`` keys (seeded), the lengths on the CPU."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, heads, 1, head_dim, device=device, generator=g).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, n, head_dim, device=device, generator=g).to(dtype)
+            for _ in range(2))
+    return q, k, v, torch.full((batch,), n, dtype=torch.int32)
+
+
 def decode_providers(q, k, v, lengths):
     """What a decoding step is compared with, on the same cache: name -> callable. The two decode
     providers call ``flashattn.decode`` as a user does (every check, the lengths read anew)."""
@@ -341,11 +351,7 @@ def decode_run(lengths, batch, heads, kv_heads, head_dim, dtype, out_csv, sweep=
     log(f"copy bandwidth (device-to-device, read + write): {copy_tbps:.2f} TB/s")
     rows = []
     for n in lengths:
-        g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(batch, heads, 1, head_dim, device=device, generator=g).to(dtype)
-        k, v = (torch.randn(batch, kv_heads, n, head_dim, device=device, generator=g).to(dtype)
-                for _ in range(2))
-        cache_seqlens = torch.full((batch,), n, dtype=torch.int32)
+        q, k, v, cache_seqlens = decode_inputs(batch, heads, kv_heads, n, head_dim, dtype, device)
         cache_bytes = 2 * batch * kv_heads * n * head_dim * dtype.itemsize  # K and V, read once
         timed = {}
         for name, fn in decode_providers(q, k, v, cache_seqlens).items():
@@ -438,11 +444,7 @@ def decode_host_ab(lengths, batch, heads, kv_heads, head_dim, dtype, out_csv, de
     rows, lines, profiled = [], [], []
     try:
         for n in lengths:
-            g = torch.Generator(device=device).manual_seed(0)
-            q = torch.randn(batch, heads, 1, head_dim, device=device, generator=g).to(dtype)
-            k, v = (torch.randn(batch, kv_heads, n, head_dim, device=device, generator=g).to(dtype)
-                    for _ in range(2))
-            lens = torch.full((batch,), n, dtype=torch.int32)
+            q, k, v, lens = decode_inputs(batch, heads, kv_heads, n, head_dim, dtype, device)
             on_gpu = lens.to(device)
             expected = flashattn.decode(q, k, v, lens)  # decode's default ways; the others must match it
             plan = dec._PLANS[dec._plan_key(q, k, v, lens)]

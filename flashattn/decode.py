@@ -31,7 +31,7 @@ from triton.compiler import CompiledKernel
 from triton.knobs import HookChain
 
 from . import tuning
-from .tiles import LOG2E
+from .tiles import qk_scale
 from .forward import _fwd_inner
 from .runtime import DEVICE, INTERPRET, RUNTIME, kernel_dtype
 from .tiles import load_tile, store_tile
@@ -312,7 +312,7 @@ class _Plan:
         _launch(self.kernels, ("split",) + key, _decode_split,
                 (self.row_blocks * num_splits, self.kv_heads, self.batch),
                 (q, k_cache, v_cache, lengths, o_part, lse_part, *strides,
-                 self.n_q, self.group, num_splits, scale * LOG2E),
+                 self.n_q, self.group, num_splits, qk_scale(scale)),
                 lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_R=self.block_r,
                              FINAL=final, DOT_PRECISION=self.precision, **self.config))
         if partials:

@@ -172,6 +172,22 @@ def test_explicit_scale(scale):
     assert_rule(check(q, k, v, lengths, scale=scale))
 
 
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_tiny_scale_gives_the_mean_of_the_values(num_splits):
+    """scale * log2(e) below float32's normals (1e-46 is 0 in float32): a hidden score times it
+    must not make NaN (-inf * 0); every score is ~0, so each query averages the values it sees."""
+    q, k, v, lengths = make_cache([20, 45], 45, 2, 1, 2, 16, torch.float32, seed=7)
+    if num_splits is None:
+        out = flashattn.decode(q, k, v, lengths, scale=1e-46)
+    else:
+        out = decode_forward(q, k, v, lengths.to(DEVICE), int(lengths.max()), 1e-46, num_splits)[0]
+    for b, length in enumerate(lengths.tolist()):
+        for t in range(q.shape[2]):  # query t sees keys 0 .. length - n_q + t
+            seen = v[b, :, :length - q.shape[2] + t + 1].double().mean(dim=1)
+            torch.testing.assert_close(out[b, :, t].double(), seen.repeat_interleave(2, dim=0),
+                                       atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_q", [1, 37])
 def test_full_caches_match_attention_with_repeated_heads(dtype, n_q):

@@ -4,6 +4,8 @@ import pytest
 
 from flashattn import exercises as ex
 
+from exercise_cases import mistakes  # tests/exercise_cases.py
+
 EXERCISES = [  # chapter, grade_id, the learner's function, its checker
     ("00", "ch00-naive-causal", "naive_causal_attention", ex.check_naive_causal_attention),
     ("00", "ch00-score-bytes", "score_bytes", ex.check_score_bytes),
@@ -25,12 +27,6 @@ def test_solution_passes(solutions, capsys, chapter, grade_id, name, check):
 def test_stub_is_not_implemented(solutions, chapter, grade_id, name, check):
     with pytest.raises(ex.ExerciseError, match="not implemented yet"):
         check(getattr(solutions(chapter, stub=grade_id), name))
-
-
-def mistakes(*cases):
-    """pytest parameters (edits, message), one per named mistake."""
-    return pytest.mark.parametrize("edits, message", [pytest.param(edits, message, id=name)
-                                                      for name, edits, message in cases])
 
 
 # --- chapter 00 -----------------------------------------------------------------------------------

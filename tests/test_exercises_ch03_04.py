@@ -8,6 +8,8 @@ from flashattn import exercises as ex
 from flashattn import traversal
 from flashattn.exercises import ch03_04
 
+from exercise_cases import mistakes  # tests/exercise_cases.py
+
 EXERCISES = [  # chapter, grade_id, the learner's function, its checker
     ("03", "ch03-classify", "classify", ex.check_classify_tiles),
     ("03", "ch03-tiled-attention", "tiled_attention", ex.check_tiled_attention),
@@ -35,12 +37,6 @@ def test_solution_passes(solutions, capsys, chapter, grade_id, name, check):
 def test_stub_is_not_implemented(solutions, chapter, grade_id, name, check):
     with pytest.raises(ex.ExerciseError, match="not implemented yet"):
         check(getattr(solutions(chapter, stub=grade_id), name))
-
-
-def mistakes(*cases):
-    """pytest parameters (edits, message), one per named mistake."""
-    return pytest.mark.parametrize("edits, message", [pytest.param(edits, message, id=name)
-                                                      for name, edits, message in cases])
 
 
 def test_definition_is_the_kernels_map():

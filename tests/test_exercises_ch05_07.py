@@ -7,6 +7,8 @@ import pytest
 
 from flashattn import exercises as ex
 
+from exercise_cases import mistakes  # tests/exercise_cases.py
+
 EXERCISES = [  # chapter, grade_id, the learner's function, its checker
     ("05", "ch05-softmax-backward", "softmax_backward", ex.check_softmax_backward),
     ("05", "ch05-attention-backward", "attention_backward", ex.check_attention_backward),
@@ -30,12 +32,6 @@ def test_solution_passes(solutions, capsys, chapter, grade_id, name, check):
 def test_stub_is_not_implemented(solutions, chapter, grade_id, name, check):
     with pytest.raises(ex.ExerciseError, match="not implemented yet"):
         check(getattr(solutions(chapter, stub=grade_id), name))
-
-
-def mistakes(*cases):
-    """pytest parameters (edits, message), one per named mistake."""
-    return pytest.mark.parametrize("edits, message", [pytest.param(edits, message, id=name)
-                                                      for name, edits, message in cases])
 
 
 # --- Chapter 05 -------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import pytest
 
 from flashattn import exercises as ex
 
+from exercise_cases import mistakes  # tests/exercise_cases.py
+
 EXERCISES = [  # grade_id, the learner's function, its checker
     ("ch06-delta-kernel", "delta_kernel", ex.check_delta_kernel),
     ("ch06-dq-inner", "dq_inner", ex.check_dq_inner),
@@ -30,12 +32,6 @@ def test_solution_passes(solutions, capsys, grade_id, name, check):
 def test_stub_is_not_implemented(solutions, grade_id, name, check):
     with pytest.raises(ex.ExerciseError, match="not implemented yet"):
         check(getattr(solutions("06", stub=grade_id), name))
-
-
-def mistakes(*cases):
-    """pytest parameters (edits, message), one per named mistake."""
-    return pytest.mark.parametrize("edits, message", [pytest.param(edits, message, id=name)
-                                                      for name, edits, message in cases])
 
 
 # --- Exercise 1: the Delta kernel -------------------------------------------------------------------

@@ -7,6 +7,8 @@ import pytest
 
 from flashattn import exercises as ex
 
+from exercise_cases import mistakes  # tests/exercise_cases.py
+
 EXERCISES = [  # grade_id, the learner's function, its checker
     ("ch08-attention-cost", "attention_cost", ex.check_attention_cost),
     ("ch08-estimate-resources", "estimate_resources", ex.check_estimate_resources),
@@ -18,12 +20,6 @@ EXERCISES = [  # grade_id, the learner's function, its checker
 def test_stub_is_not_implemented(solutions, grade_id, name, check):
     with pytest.raises(ex.ExerciseError, match="not implemented yet"):
         check(getattr(solutions("08", stub=grade_id), name))
-
-
-def mistakes(*cases):
-    """pytest parameters (edits, message), one per named mistake."""
-    return pytest.mark.parametrize("edits, message", [pytest.param(edits, message, id=name)
-                                                      for name, edits, message in cases])
 
 
 # --- Exercise 1: FLOPs and minimal bytes ------------------------------------------------------------

@@ -10,6 +10,8 @@ from flashattn import exercises as ex
 from flashattn import plotting
 from flashattn.exercises import ch09
 
+from exercise_cases import mistakes  # tests/exercise_cases.py
+
 EXERCISES = [  # grade_id, the learner's function, its checker
     ("ch09-kv-head-map", "kv_head_map", ex.check_kv_head_map),
     ("ch09-window-kv-range", "window_kv_range", ex.check_window_kv_range),
@@ -27,12 +29,6 @@ def test_solution_passes(solutions, capsys, grade_id, name, check):
 def test_stub_is_not_implemented(solutions, grade_id, name, check):
     with pytest.raises(ex.ExerciseError, match="not implemented yet"):
         check(getattr(solutions("09", stub=grade_id), name))
-
-
-def mistakes(*cases):
-    """pytest parameters (edits, message), one per named mistake."""
-    return pytest.mark.parametrize("edits, message", [pytest.param(edits, message, id=name)
-                                                      for name, edits, message in cases])
 
 
 # --- Exercise 1: the KV head of each query head -----------------------------------------------------

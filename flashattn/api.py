@@ -10,7 +10,7 @@ import numbers
 import numpy as np
 import torch
 
-from .autograd import FlashAttention
+from .autograd import FlashAttention, natural_lse
 from .runtime import DEVICE, RUNTIME
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -70,9 +70,9 @@ def attention(q, k, v, is_causal=False, scale=None, return_lse=False, enable_gqa
     heads_kv = k.shape[-3] if k.dim() > 2 else 1
     q4 = q.reshape(batch, heads, q.shape[-2], head_dim)
     k4, v4 = (t.reshape(batch, heads_kv, t.shape[-2], head_dim) for t in (k, v))
-    out, lse, _ = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size)
+    out, lse2 = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size)
     out = out.reshape(q.shape)
-    return (out, lse.reshape(q.shape[:-1])) if return_lse else out
+    return (out, natural_lse(lse2).reshape(q.shape[:-1])) if return_lse else out
 
 
 def _autocast(q, k, v):

@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .hopper import HEAD_DIMS, _mma_layout, block_layout, descriptor, supports, tma_ok  # noqa: F401
 from .tiles import qk_scale
+from .tuning import run
 
 #: Tile configuration per head dim: BLOCK_N keys per consumer warpgroup (two of them: a program
 #: owns 2 x BLOCK_N keys), BLOCK_M queries per Q/dO tile, STAGES tiles in flight. Chosen from
@@ -205,10 +206,9 @@ def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=N
         raise ValueError(f"BLOCK_M ({bm}) must divide 2 x BLOCK_N ({2 * bn}): the causal query "
                          "loop starts at the program's first key")
     grid = (triton.cdiv(n_kv, 2 * bn), heads, batch)
-    _attn_bwd_dkdv_sm90[grid](descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
-                              descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
-                              lse2.contiguous(), delta.contiguous(), heads, n_q, n_kv,
-                              scale, qk_scale(scale),
-                              HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
-                              IS_CAUSAL=bool(is_causal), **regs, **options)
+    run(_attn_bwd_dkdv_sm90, grid, descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
+        descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
+        lse2.contiguous(), delta.contiguous(), heads, n_q, n_kv, scale, qk_scale(scale),
+        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+        IS_CAUSAL=bool(is_causal), **regs, **options)
     return dk, dv

@@ -20,6 +20,7 @@ the dtype, the head dim, the masking mode, the dot precision, plus a *bucket* of
 On the interpreter nothing is timed either (``num_warps`` and ``num_stages`` mean nothing there and
 every tile costs Python time): each kernel gets one fixed configuration.
 """
+import contextlib
 import importlib
 import json
 import os
@@ -286,7 +287,7 @@ def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
             kernel[grid](*args, **constexprs, **config)
         return dict(config)
     if config is not None:
-        kernel[grid](*args, **constexprs, **config)
+        run(kernel, grid, *args, **constexprs, **config)
         return dict(config)
     if autotuning():
         with _choosing:  # an autotuner times one candidate at a time and keeps its state
@@ -294,8 +295,31 @@ def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
     return _default(name, kernel, grid, args, constexprs)
 
 
-#: Held while a configuration is chosen (the first launch of a key, or autotuning), so that threads
-#: launching at once neither time candidates against each other nor race on the caches below.
+_compiling_only = threading.local()
+
+
+@contextlib.contextmanager
+def compile_only():
+    """In this thread, :func:`run` compiles and loads kernels without running them (for
+    ``flashattn.warmup``)."""
+    _compiling_only.on = True
+    try:
+        yield
+    finally:
+        _compiling_only.on = False
+
+
+def run(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, or inside :func:`compile_only` the same compile without
+    the launch: Triton's ``warmup``, then loading the binary on the GPU (which builds its launcher,
+    and raises OutOfResources where a launch would)."""
+    if not getattr(_compiling_only, "on", False):
+        return kernel[grid](*args, **kwargs)
+    kernel.warmup(*args, grid=grid, **kwargs)._init_handles()
+
+
+#: Held while autotuning times candidates, so that threads launching at once do not time
+#: candidates against each other or race on the autotuner's state.
 _choosing = threading.RLock()
 
 
@@ -304,6 +328,7 @@ def _as_dict(config):
 
 
 _defaults = {}  # (kernel, dtype, dot precision, BLOCK_D, device) -> the configuration that ran
+_default_locks = {}  # the same keys -> a lock held while the first launch picks the configuration
 
 
 def _default(name, kernel, grid, args, constexprs):
@@ -311,12 +336,15 @@ def _default(name, kernel, grid, args, constexprs):
     estimates), the next that fits, and so on."""
     precision, bd = constexprs.get("DOT_PRECISION"), constexprs.get("BLOCK_D")
     key = (name, args[0].dtype, precision, bd, args[0].device.index)
-    chosen = _defaults.get(key)
-    if chosen is not None:
-        kernel[grid](*args, **constexprs, **chosen)
-        return dict(chosen)
-    with _choosing:
-        return _first_default(name, kernel, grid, args, constexprs, key)
+    if key not in _defaults:
+        # One thread picks each key's configuration; the others wait for it (not for other keys:
+        # flashattn.warmup compiles the backward's kernels while the forward's compile).
+        with _default_locks.setdefault(key, threading.Lock()):
+            if key not in _defaults:
+                return _first_default(name, kernel, grid, args, constexprs, key)
+    chosen = _defaults[key]
+    run(kernel, grid, *args, **constexprs, **chosen)
+    return dict(chosen)
 
 
 def _first_default(name, kernel, grid, args, constexprs, key):
@@ -325,7 +353,7 @@ def _first_default(name, kernel, grid, args, constexprs, key):
     configs = [first] + [c for c in ranked(name, args[0].dtype, precision, bd) if _as_dict(c) != _as_dict(first)]
     for i, c in enumerate(configs):
         try:
-            kernel[grid](*args, **constexprs, **_as_dict(c))
+            run(kernel, grid, *args, **constexprs, **_as_dict(c))
         except triton.runtime.errors.OutOfResources:
             if i == len(configs) - 1:
                 raise

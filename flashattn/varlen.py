@@ -30,7 +30,7 @@ import torch
 
 from . import tuning
 from .api import _check, check_window_size
-from .autograd import FlashAttention
+from .autograd import FlashAttention, natural_lse
 from .runtime import INTERPRET
 
 
@@ -124,9 +124,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     sequences = Sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
     # One "batch" of H heads whose rows are all sequences' tokens: views, no copies.
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out, lse, _ = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size, sequences)
+    out, lse2 = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size, sequences)
     out = out[0].transpose(0, 1)
-    return (out, lse[0]) if return_lse else out
+    return (out, natural_lse(lse2[0])) if return_lse else out
 
 
 def _check_cu_seqlens(name, cu_seqlens, total, device):

@@ -10,6 +10,7 @@ Each case is judged by the rule of flashattn.testing (error against float64 with
 gradients, of PyTorch's own error in the same dtype, plus a floor); the checks are printed (see
 them with ``-rP``).
 """
+import json
 import os
 import shutil
 import subprocess
@@ -164,3 +165,36 @@ def test_memcheck_finds_no_error():
     output = result.stdout + result.stderr
     print(output[-3000:])
     assert result.returncode == 0 and "ERROR SUMMARY: 0 errors" in output, output[-6000:]
+
+
+WARMUP_CHILD = """
+import json, sys, triton, torch, flashattn
+from flashattn import warmup
+dtype, head_dim, causal = getattr(torch, sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+compiled = []  # (kernel, compiled by flashattn.warmup's thread?)
+triton.knobs.runtime.jit_post_compile_hook = \\
+    lambda **hook: compiled.append([hook["fn"].name, hook.get("is_manual_warmup")])
+q, k, v = (torch.randn(2, 3, 300, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+out = flashattn.attention(q, k, v, is_causal=causal)
+warmup.wait()
+before = len(compiled)
+out.backward(torch.randn_like(out))
+print("RESULT " + json.dumps(dict(before=compiled[:before], backward=compiled[before:])))
+"""
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal", [("bfloat16", 128, True), ("float16", 64, False),
+                                                    ("float32", 96, True)])
+def test_backward_kernels_compile_during_the_forward(dtype, head_dim, causal):
+    """flashattn.warmup compiles the backward's kernels beside the forward's, in a fresh process:
+    the backward then compiles nothing (its results are checked by every other GPU test)."""
+    result = subprocess.run([sys.executable, "-c", WARMUP_CHILD, dtype, str(head_dim), str(int(causal))],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**os.environ, "FLASHATTN_AUTOTUNE": "0"})
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stderr[-3000:]
+    compiled = json.loads(lines[-1][len("RESULT "):])
+    print(compiled)
+    assert compiled["backward"] == [], compiled
+    warmed = {name for name, in_warmup in compiled["before"] if in_warmup}
+    assert any("bwd" in name for name in warmed) and any("dq" in name for name in warmed), compiled

@@ -116,25 +116,23 @@ def test_threads_get_right_answers_on_the_gpu():
 
 # -- torch.compile and torch.func -------------------------------------------------------------------
 
-def compiled_matches_eager(backend, dtype=torch.float32, shape=(1, 2, 9, 8), exact=True):
-    """The compiled call against the eager one: bit-identical where nothing around the operators is
-    compiled (aot_eager); within the dtype's rounding under inductor, which generates its own code
-    for what surrounds them (the LSE's conversion to natural log, the gradients' sums)."""
-    same = (lambda a, b: torch.equal(a, b)) if exact else \
-        (lambda a, b: torch.allclose(a, b, rtol=1e-3 if dtype != torch.float32 else 1e-5, atol=1e-5))
+def compiled_matches_eager(backend, dtype=torch.float32, shape=(1, 2, 9, 8)):
+    """The compiled call against the eager one, bit for bit: with aot_eager nothing around the
+    operators is compiled, so the kernels see exactly the same inputs."""
     torch._dynamo.reset()
     compiled = torch.compile(flashattn.attention, fullgraph=True, backend=backend)  # a break raises
     leaves = qkv(*shape, dtype=dtype, requires_grad=True)
     eager_leaves = [t.detach().clone().requires_grad_() for t in leaves]
     do = randn(*shape, seed=7, dtype=dtype)
+    dlse = randn(*shape[:-1], seed=8)
     for causal in (False, True):
         out, lse = compiled(*leaves, is_causal=causal, scale=0.3, return_lse=True)
         out_e, lse_e = flashattn.attention(*eager_leaves, is_causal=causal, scale=0.3, return_lse=True)
-        assert same(out, out_e) and same(lse, lse_e)
-        grads = torch.autograd.grad((out * do).sum() + lse.sum(), leaves)
-        grads_e = torch.autograd.grad((out_e * do).sum() + lse_e.sum(), eager_leaves)
+        assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+        grads = torch.autograd.grad((out * do).sum() + (lse * dlse).sum(), leaves)
+        grads_e = torch.autograd.grad((out_e * do).sum() + (lse_e * dlse).sum(), eager_leaves)
         for g, g_e in zip(grads, grads_e):
-            assert same(g, g_e)
+            assert torch.equal(g, g_e)
 
 
 def test_torch_compile_fullgraph_forward_and_backward():
@@ -154,7 +152,14 @@ def test_no_graph_break():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_torch_compile_inductor_on_the_gpu(dtype):
-    compiled_matches_eager("inductor", dtype, shape=(2, 3, 100, 64), exact=False)
+    # Inductor generates its own code around the operators (the LSE's conversion, the gradients'
+    # sums), which may round differently from eager: judged by the rule against float64, as the
+    # eager kernels are, with random gradients for both the output and the LSE.
+    torch._dynamo.reset()
+    compiled = torch.compile(flashattn.attention, fullgraph=True, backend="inductor")
+    q, k, v = qkv(2, 3, 100, 64, dtype=dtype)
+    for causal in (False, True):
+        assert_rule(compare_with_reference(q, k, v, is_causal=causal, scale=0.3, impl=compiled))
 
 
 def test_vmap_folds_into_the_batch():

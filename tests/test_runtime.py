@@ -26,6 +26,20 @@ def test_triton_imported_first_still_gets_the_interpreter():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_first_call_imports_no_compiler():
+    # torch.library.custom_op would import torch._dynamo at the operators' first call (seconds):
+    # flashattn.autograd registers them without it.
+    code = ("import sys, torch, flashattn\n"
+            "q = torch.randn(1, 1, 20, 16, device=flashattn.DEVICE, requires_grad=True)\n"
+            "out, lse = flashattn.attention(q, q, q, is_causal=True, return_lse=True)\n"
+            "(out.sum() + lse.sum()).backward()\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
+
+
 def test_describe_names_the_runtime():
     line = flashattn.describe()
     assert ("interpreter" in line) == (flashattn.RUNTIME == "interpreter")

@@ -42,5 +42,5 @@ part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_d
 part bench-variants 150 python -m flashattn.bench_variants --out-dir "$out"
 part decode-host 50 python -m flashattn.bench decode --host-ab --out "$out/decode_host_ab.csv"
 part tests-gpu 180 ${pytest/$workers/} -m gpu tests $(for f in $variant_tests; do echo --ignore="$f"; done)
-part first-call 80 python tools/first_call.py --quick
-part chapters 120 python tools/time_chapters.py 09 10
+part first-call 400 python tools/first_call.py
+part chapters 420 python tools/time_chapters.py --jobs 4

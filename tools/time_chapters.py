@@ -2,6 +2,7 @@
 
     python tools/time_chapters.py                 # every chapter in notebooks/
     python tools/time_chapters.py 00 04 07        # some of them
+    python tools/time_chapters.py --jobs 4        # four at a time, each in its own process
 
 Each chapter runs top to bottom in a fresh process with an empty Triton cache (``TRITON_CACHE_DIR``)
 and an empty flashattn cache (``FLASHATTN_CACHE_DIR``), nothing switched off, its working folder
@@ -9,9 +10,12 @@ and an empty flashattn cache (``FLASHATTN_CACHE_DIR``), nothing switched off, it
 Python); without them, each code cell runs in order in a plain Python process, with IPython's display
 functions if IPython is importable, else stand-ins that print (matplotlib draws off screen either
 way). The table says which way each chapter ran. A chapter stops at its first error; the error is
-printed. Exits 1 if any chapter failed.
+printed. Exits 1 if any chapter failed. With ``--jobs N``, N chapters run at once (in plain Python,
+each in its own process): they share the CPU and the GPU, so each time is an upper bound of the
+chapter's time alone.
 """
 import argparse
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -27,7 +31,7 @@ NOTEBOOKS = ROOT / "notebooks"
 # Runs the code cells of one notebook in this process, in order, as a kernel would (the notebook's
 # folder as the working directory; `display` and friends from IPython, or printing stand-ins).
 PLAIN_RUNNER = r"""
-import json, os, sys, types
+import json, linecache, os, sys, types
 path = sys.argv[1]
 os.environ.setdefault("MPLBACKEND", "Agg")
 try:
@@ -55,7 +59,10 @@ for number, cell in enumerate(cells):
     source = "".join(cell["source"])
     if source.lstrip().startswith(("%", "!")):
         continue  # IPython magics and shell lines: none in the chapters today
-    code = compile(source, f"{os.path.basename(path)}, code cell {number}", "exec")
+    name = f"{os.path.basename(path)}, code cell {number}"
+    # as IPython does: the cell's lines where inspect finds them (Triton's @jit reads its source)
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    code = compile(source, name, "exec")
     exec(code, namespace)
     if "matplotlib.pyplot" in sys.modules:
         sys.modules["matplotlib.pyplot"].close("all")
@@ -77,15 +84,28 @@ def run_plain(path, env):
     return None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
 
 
+def run_cold(path, jupyter):
+    """Run one chapter with empty caches; returns (seconds, error text or None)."""
+    with tempfile.TemporaryDirectory() as triton_cache, tempfile.TemporaryDirectory() as own_cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": triton_cache, "FLASHATTN_CACHE_DIR": own_cache,
+               "MPLBACKEND": "Agg",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env.pop("FLASHATTN_AUTOTUNE", None)
+        start = time.perf_counter()
+        error = run_with_nbclient(path, env) if jupyter else run_plain(path, env)
+        return time.perf_counter() - start, error
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("chapters", nargs="*", help="chapter numbers (default: all)")
     p.add_argument("--plain", action="store_true", help="run the cells in plain Python even if nbclient is there")
+    p.add_argument("--jobs", type=int, default=1, help="chapters run at once (plain Python; default 1)")
     args = p.parse_args()
     paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     if args.chapters:
         paths = [path for path in paths if path.name[:2] in args.chapters]
-    jupyter = (not args.plain and importlib.util.find_spec("nbclient") is not None
+    jupyter = (not args.plain and args.jobs == 1 and importlib.util.find_spec("nbclient") is not None
                and importlib.util.find_spec("ipykernel") is not None)
     try:
         import torch
@@ -94,23 +114,20 @@ def main():
         versions = f"torch {torch.__version__}, triton {version('triton')}"
     except Exception as error:  # report, then time anyway
         where, versions = f"? ({error})", "?"
-    print(f"# every chapter cold, one at a time: {where}; {versions}; "
-          f"{'nbclient' if jupyter else 'plain Python' + ('' if args.plain else ' (no nbclient or ipykernel)')}")
+    at_once = "one at a time" if args.jobs == 1 else f"{args.jobs} at a time (each time an upper bound)"
+    print(f"# every chapter cold, {at_once}: {where}; {versions}; "
+          f"{'nbclient' if jupyter else 'plain Python' + ('' if args.plain or args.jobs > 1 else ' (no nbclient or ipykernel)')}",
+          flush=True)
     failed = 0
-    for path in paths:
-        with tempfile.TemporaryDirectory() as triton_cache, tempfile.TemporaryDirectory() as own_cache:
-            env = {**os.environ, "TRITON_CACHE_DIR": triton_cache, "FLASHATTN_CACHE_DIR": own_cache,
-                   "MPLBACKEND": "Agg",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-            env.pop("FLASHATTN_AUTOTUNE", None)
-            start = time.perf_counter()
-            error = run_with_nbclient(path, env) if jupyter else run_plain(path, env)
-            seconds = time.perf_counter() - start
-        failed += error is not None
-        print(f"{'ok  ' if error is None else 'FAIL'} {path.name:40} {seconds:6.1f} s"
-              f"{'  (over 90 s)' if seconds > 90 else ''}", flush=True)
-        if error:
-            print("     " + error.strip().replace("\n", "\n     "))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:  # threads wait on processes
+        runs = {pool.submit(run_cold, path, jupyter): path for path in paths}
+        for run in concurrent.futures.as_completed(runs):
+            path, (seconds, error) = runs[run], run.result()
+            failed += error is not None
+            print(f"{'ok  ' if error is None else 'FAIL'} {path.name:40} {seconds:6.1f} s"
+                  f"{'  (over 90 s)' if seconds > 90 else ''}", flush=True)
+            if error:
+                print("     " + error.strip().replace("\n", "\n     "))
     print(json.dumps({"chapters": len(paths), "failed": failed}))
     sys.exit(1 if failed else 0)
 

@@ -33,6 +33,8 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
     LSE dtype); only on a GPU, only if a gradient may be asked for, once per setting."""
     if INTERPRET or tuning.autotuning() or not any(t.requires_grad for t in (q, k, v)):
         return
+    if torch.cuda.is_current_stream_capturing():  # a CUDA graph: no other thread may load modules
+        return
     setting = (q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], q.shape[1] // k.shape[1], bool(is_causal),
                tuple(window_size), sequences is None)
     with _lock:

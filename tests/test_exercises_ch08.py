@@ -1,6 +1,5 @@
-"""The checkers of chapter 08 pass the notebook's solutions, and fail the student stubs and
-plausible mistakes (each one the solution with a named edit) with a message that names the
-mistake."""
+"""The checkers of chapter 08 fail plausible mistakes (each one the solution with a named edit) with
+a message that names the mistake. (tests/test_exercise_checks.py runs every solution and stub.)"""
 import re
 
 import pytest
@@ -9,25 +8,7 @@ from flashattn import exercises as ex
 
 from exercise_cases import mistakes  # tests/exercise_cases.py
 
-EXERCISES = [  # grade_id, the learner's function, its checker
-    ("ch08-attention-cost", "attention_cost", ex.check_attention_cost),
-    ("ch08-estimate-resources", "estimate_resources", ex.check_estimate_resources),
-    ("ch08-choose-config", "choose_config", ex.check_choose_config),
-]
-
-
-@pytest.mark.parametrize("grade_id, name, check", EXERCISES, ids=[e[0] for e in EXERCISES])
-def test_stub_is_not_implemented(solutions, grade_id, name, check):
-    with pytest.raises(ex.ExerciseError, match="not implemented yet"):
-        check(getattr(solutions("08", stub=grade_id), name))
-
-
 # --- Exercise 1: FLOPs and minimal bytes ------------------------------------------------------------
-
-def test_attention_cost_solution_passes(solutions, capsys):
-    ex.check_attention_cost(solutions("08").attention_cost)
-    assert "PASSED" in capsys.readouterr().out
-
 
 COST = "return flops, batch * heads * (tensor_bytes + 4 * n_q)"
 
@@ -52,10 +33,9 @@ def test_attention_cost_catches(solutions, edits, message):
 
 # --- Exercise 2: the resources of a configuration ---------------------------------------------------
 
-def test_estimate_resources_solution_passes(solutions, capsys):
+def test_estimate_resources_names_what_does_not_fit(solutions, capsys):
     ex.check_estimate_resources(solutions("08").estimate_resources)
-    out = capsys.readouterr().out
-    assert "PASSED" in out and "over the register limit" in out
+    assert "over the register limit" in capsys.readouterr().out
 
 
 RESOURCES = "return values / (num_warps * 32), smem"
@@ -80,11 +60,9 @@ def test_estimate_resources_catches(solutions, edits, message):
 
 # --- Exercise 3: choosing a configuration -----------------------------------------------------------
 
-def test_choose_config_solution_passes(solutions, capsys):
-    choose_config = solutions("08").choose_config
-    ex.check_choose_config(choose_config)
-    assert "PASSED" in capsys.readouterr().out
+def test_choose_config_picks_the_measured_winner(solutions):
     # For 16-bit inputs at head dim 128 the rule picks the forward's measured winner on the H200.
+    choose_config = solutions("08").choose_config
     assert choose_config("fwd", 128, 2) == dict(BLOCK_Q=128, BLOCK_KV=64, num_warps=8, num_stages=3)
 
 

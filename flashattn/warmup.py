@@ -35,8 +35,10 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
         return
     if torch.cuda.is_current_stream_capturing():  # a CUDA graph: no other thread may load modules
         return
-    setting = (q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], q.shape[1] // k.shape[1], bool(is_causal),
+    setting = (q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], q.shape[1] == k.shape[1], bool(is_causal),
                tuple(window_size), sequences is None)
+    if setting in _started:  # the usual case: nothing to lock
+        return
     with _lock:
         if setting not in _started:
             _started[setting] = _pool.submit(_compile_backward, q.detach(), k.detach(), v.detach(), is_causal,

@@ -4,7 +4,7 @@ The first call at a new setting (dtype, head dim, masking) compiles every kernel
 second or so each: the forward kernel, then, when the gradient is asked for, the backward's three
 (Delta, dK/dV, dQ), one after the other. When the inputs of the forward require a gradient,
 :func:`start` compiles the backward's kernels at once, in a thread of its own, beside the forward's
-compile (Triton's compiler releases the GIL for most of its work: LLVM and ptxas), and :func:`wait`,
+compile (Triton's compiler releases the GIL for much of its work, in LLVM and ptxas), and :func:`wait`,
 at the start of the backward, waits for it to finish. Nothing runs on the GPU in that thread:
 inside ``tuning.compile_only`` the launches compile and load their kernels only. (Compiling the
 three in three threads instead was measured no faster on an H200.)

@@ -115,9 +115,10 @@ def main():
     except Exception as error:  # report, then time anyway
         where, versions = f"? ({error})", "?"
     at_once = "one at a time" if args.jobs == 1 else f"{args.jobs} at a time (each time an upper bound)"
-    print(f"# every chapter cold, {at_once}: {where}; {versions}; "
-          f"{'nbclient' if jupyter else 'plain Python' + ('' if args.plain or args.jobs > 1 else ' (no nbclient or ipykernel)')}",
-          flush=True)
+    how = "nbclient" if jupyter else "plain Python"
+    if not jupyter and not args.plain and args.jobs == 1:
+        how += " (no nbclient or ipykernel)"
+    print(f"# every chapter cold, {at_once}: {where}; {versions}; {how}", flush=True)
     failed = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:  # threads wait on processes
         runs = {pool.submit(run_cold, path, jupyter): path for path in paths}

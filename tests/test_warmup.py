@@ -1,0 +1,93 @@
+"""flashattn.warmup's decisions, on any machine: when it starts compiling the backward's kernels,
+and that tuning.compile_only compiles without launching. (On a GPU, tests/test_gpu.py checks in a
+fresh process that the backward then compiles nothing.)"""
+import pytest
+import torch
+
+from flashattn import tuning, warmup
+
+
+@pytest.fixture
+def submitted(monkeypatch):
+    """The compiles warmup.start hands to its thread, recorded instead of run, as on a GPU."""
+    calls = []
+    monkeypatch.setattr(warmup, "INTERPRET", False)
+    monkeypatch.setattr(warmup, "_started", {})
+    monkeypatch.setattr(warmup._pool, "submit", lambda fn, *args: calls.append(args) or "future")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.delenv("FLASHATTN_AUTOTUNE", raising=False)
+    return calls
+
+
+def start(q, k, v, is_causal=True, window_size=(-1, -1)):
+    warmup.start(q, k, v, is_causal, 0.125, window_size, None, torch.float32)
+
+
+def qkv(dtype=torch.float16, heads_kv=2, requires_grad=True):
+    q = torch.zeros(1, 2, 8, 16, dtype=dtype, requires_grad=requires_grad)
+    k, v = (torch.zeros(1, heads_kv, 8, 16, dtype=dtype, requires_grad=requires_grad) for _ in range(2))
+    return q, k, v
+
+
+def test_once_per_setting(submitted):
+    q, k, v = qkv()
+    for _ in range(3):
+        start(q, k, v)
+    assert len(submitted) == 1
+    start(q, k, v, is_causal=False)               # another masking
+    start(*qkv(dtype=torch.bfloat16))              # another dtype
+    start(*qkv(heads_kv=1))                        # grouped heads
+    start(q, k, v, window_size=(4, 0))             # a window
+    assert len(submitted) == 5
+    assert not any(t.requires_grad for args in submitted for t in args[:3])  # detached copies
+
+
+def test_not_without_a_gradient_autotuning_or_a_graph_capture(submitted, monkeypatch):
+    start(*qkv(requires_grad=False))
+    monkeypatch.setenv("FLASHATTN_AUTOTUNE", "1")  # autotuning times the kernels at the backward
+    start(*qkv())
+    monkeypatch.delenv("FLASHATTN_AUTOTUNE")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    start(*qkv())
+    assert submitted == []
+
+
+def test_not_on_the_interpreter(submitted, monkeypatch):
+    monkeypatch.setattr(warmup, "INTERPRET", True)
+    start(*qkv())
+    assert submitted == []
+
+
+class FakeKernel:
+    """A kernel that records whether it was launched, or compiled and loaded only."""
+
+    def __init__(self):
+        self.events = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.events.append("launched")
+
+    def warmup(self, *args, grid, **kwargs):
+        self.events.append("compiled")
+        return self
+
+    def _init_handles(self):
+        self.events.append("loaded")
+
+
+def test_compile_only_compiles_and_loads_without_launching():
+    kernel = FakeKernel()
+    tuning.run(kernel, (1,), 1, BLOCK=16)
+    with tuning.compile_only():
+        tuning.run(kernel, (1,), 1, BLOCK=16)
+    tuning.run(kernel, (1,), 1, BLOCK=16)
+    assert kernel.events == ["launched", "compiled", "loaded", "launched"]
+
+
+def test_wait_leaves_a_failed_compile_to_the_backward(monkeypatch):
+    import concurrent.futures
+
+    failed = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("no such kernel"))
+    monkeypatch.setattr(warmup, "_started", {"setting": failed})
+    warmup.wait()  # returns: the backward's own launch will raise with its own message

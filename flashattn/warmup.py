@@ -31,13 +31,15 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
     """Compile, in the background, the backward kernels of a forward about to run on ``q, k, v``
     (same arguments as ``flashattn.backward.attention_backward``; ``lse_dtype``: the forward's
     LSE dtype); only on a GPU, only if a gradient may be asked for, once per setting."""
-    if INTERPRET or tuning.autotuning() or not any(t.requires_grad for t in (q, k, v)):
-        return
-    if torch.cuda.is_current_stream_capturing():  # a CUDA graph: no other thread may load modules
+    if INTERPRET or not any(t.requires_grad for t in (q, k, v)):
         return
     setting = (q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], q.shape[1] == k.shape[1], bool(is_causal),
                tuple(window_size), sequences is None)
-    if setting in _started:  # the usual case: nothing to lock
+    if setting in _started:  # every call after the first: one lookup, nothing else
+        return
+    # Autotuning times the kernels at the backward; during a CUDA graph's capture no other thread
+    # may load modules.
+    if tuning.autotuning() or torch.cuda.is_current_stream_capturing():
         return
     with _lock:
         if setting not in _started:

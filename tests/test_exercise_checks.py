@@ -1,14 +1,13 @@
 """Every exercise of every chapter, found in the notebooks themselves: its check cell, run as the
 notebook runs it, passes the notebook's solution and says "not implemented yet" for the student
 stub. (What each checker says of typical mistakes is in the test_exercises_ch*.py files.)"""
-import json
 from pathlib import Path
 
 import pytest
 
 import flashattn
 from flashattn import exercises as ex
-from flashattn.exercises.solutions import grade_id
+from flashattn.exercises.solutions import cells, grade_id
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -17,10 +16,10 @@ def check_cells():
     """(chapter, grade_id of the exercise, source of its check cell), in notebook order."""
     found = []
     for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
-        for cell in json.loads(path.read_text(encoding="utf8"))["cells"]:
+        for cell, text in cells(path):
             gid = grade_id(cell) or ""
             if cell["cell_type"] == "code" and gid.endswith("-check"):
-                found.append((path.name[:2], gid.removesuffix("-check"), "".join(cell["source"])))
+                found.append((path.name[:2], gid.removesuffix("-check"), text))
     return found
 
 

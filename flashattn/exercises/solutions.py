@@ -23,10 +23,11 @@ CODE_STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
 _directory = None
 
 
-def _cells(notebook):
+def cells(notebook):
+    """``(cell, its source as one string)`` for every cell of the notebook at ``notebook``."""
     with open(notebook, encoding="utf8") as f:
-        cells = json.load(f)["cells"]
-    for cell in cells:
+        notebook_cells = json.load(f)["cells"]
+    for cell in notebook_cells:
         source = cell["source"]
         yield cell, "".join(source) if isinstance(source, list) else source
 
@@ -68,7 +69,7 @@ def source(notebook, edits=(), stub=None):
     """The module :func:`load` imports: the notebook's top-level imports, then its solution cells
     in order, with ``edits`` applied and the exercise ``stub`` (a grade_id) stubbed."""
     imports, solutions, found = [], [], set()
-    for cell, text in _cells(notebook):
+    for cell, text in cells(notebook):
         if cell["cell_type"] != "code":
             continue
         if is_solution(cell):

@@ -289,33 +289,55 @@ def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
     if config is not None:
         run(kernel, grid, *args, **constexprs, **config)
         return dict(config)
+    jobs = getattr(_deferring, "jobs", None)
+    if jobs is not None:  # the default is chosen where it is compiled: see defer_compiles
+        jobs.append(lambda: _default(name, kernel, grid, args, constexprs))
+        return None
     if autotuning():
         with _choosing:  # an autotuner times one candidate at a time and keeps its state
             return _autotuned(name, kernel, grid, args, constexprs, seq_len)
     return _default(name, kernel, grid, args, constexprs)
 
 
-_compiling_only = threading.local()
+_deferring = threading.local()  # .jobs: the list of compile jobs, inside defer_compiles
+_compiling_only = threading.local()  # .on: True while compile_jobs runs one
 
 
 @contextlib.contextmanager
-def compile_only():
-    """In this thread, :func:`run` compiles and loads kernels without running them (for
-    ``flashattn.warmup``)."""
+def defer_compiles():
+    """Inside, this thread's launches (:func:`run`, and :func:`launch` with a default
+    configuration) run nothing: each is recorded as a job. Yields the list of jobs, which
+    :func:`compile_job` runs, in any thread, each compiling and loading its kernel without launching
+    it (``flashattn.warmup`` spreads them over threads). A default configuration is chosen inside
+    its job, as the launch would choose it: the first that compiles and loads."""
+    _deferring.jobs = []
+    try:
+        yield _deferring.jobs
+    finally:
+        _deferring.jobs = None
+
+
+def compile_job(job):
+    """Run one job of :func:`defer_compiles` in this thread: compile and load, launch nothing."""
     _compiling_only.on = True
     try:
-        yield
+        job()
     finally:
         _compiling_only.on = False
 
 
 def run(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``, or inside :func:`compile_only` the same compile without
-    the launch: Triton's ``warmup``, then loading the binary on the GPU (which builds its launcher,
-    and raises OutOfResources where a launch would)."""
-    if not getattr(_compiling_only, "on", False):
+    """``kernel[grid](*args, **kwargs)``; inside :func:`defer_compiles`, a job for that launch;
+    inside :func:`compile_job`, the same compile without the launch: Triton's ``warmup``, then
+    loading the binary on the GPU (which builds its launcher, and raises OutOfResources where a
+    launch would)."""
+    jobs = getattr(_deferring, "jobs", None)
+    if jobs is not None:
+        jobs.append(lambda: run(kernel, grid, *args, **kwargs))
+    elif getattr(_compiling_only, "on", False):
+        kernel.warmup(*args, grid=grid, **kwargs)._init_handles()
+    else:
         return kernel[grid](*args, **kwargs)
-    kernel.warmup(*args, grid=grid, **kwargs)._init_handles()
 
 
 #: Held while autotuning times candidates, so that threads launching at once do not time

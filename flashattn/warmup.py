@@ -1,19 +1,27 @@
 """On a GPU, the backward's kernels compile in the background while the forward's compile and run.
 
-The first call at a new setting (dtype, head dim, masking) compiles every kernel it launches, a
-second or so each: the forward kernel, then, when the gradient is asked for, the backward's three
-(Delta, dK/dV, dQ), one after the other. When the inputs of the forward require a gradient,
-:func:`start` compiles the backward's kernels at once, in a thread of its own, beside the forward's
-compile (Triton's compiler releases the GIL for much of its work, in LLVM and ptxas), and :func:`wait`,
-at the start of the backward, waits for it to finish. Nothing runs on the GPU in that thread:
-inside ``tuning.compile_only`` the launches compile and load their kernels only. (Compiling the
-three in three threads instead was measured no faster on an H200.)
+The first call at a new setting (dtype, head dim, masking) compiles every kernel it launches, one
+to three seconds each on an H200 machine: the forward kernel, then, when the gradient is asked for,
+the backward's three (Delta, dK/dV, dQ). When the inputs of the forward require a gradient,
+:func:`start` has the backward's kernels compiled at once, each in a thread of its own, beside the
+forward's compile: Triton spends most of a compile in LLVM, in ptxas and in the C compiler that
+builds each kernel's launcher, where other threads may run. :func:`wait`, at the start of the
+backward, waits for them. Nothing runs on the GPU in those threads: ``tuning.defer_compiles``
+records what the backward would launch, and ``tuning.compile_job`` compiles and loads each kernel
+without launching it.
 
-A setting whose kernels are compiled already costs one dictionary lookup. What the thread cannot
+The first ``Tensor.backward(gradient)`` of a process also imports
+``torch.fx.experimental.symbolic_shapes``, and sympy with it (PyTorch checks the gradient's shape
+with it): on an H200 machine that import took 2.5 s of a first call, after the kernels were ready.
+The first :func:`start` imports it in one more thread.
+
+A setting whose kernels are compiled already costs one dictionary lookup. What the threads cannot
 foresee (a gradient whose layout differs from the forward's output) compiles at the backward, as it
 would without this module.
 """
 import concurrent.futures
+import importlib
+import sys
 import threading
 
 import torch
@@ -22,8 +30,12 @@ from . import tuning
 from .backward import attention_backward
 from .runtime import INTERPRET
 
-_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashattn-warmup")
-_started = {}  # setting -> the Future of its compile
+#: Imported by the first backward given a gradient tensor (torch.autograd's ``_make_grads``).
+BACKWARD_IMPORTS = ("torch.fx.experimental.symbolic_shapes",)
+
+# Per setting, one thread collects the backward's kernels, then each compiles in its own thread.
+_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="flashattn-warmup")
+_started = {}  # setting -> a Future whose result is the list of the setting's other compiles' Futures
 _lock = threading.Lock()
 
 
@@ -43,23 +55,40 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
         return
     with _lock:
         if setting not in _started:
+            if not _started:
+                _pool.submit(_import, BACKWARD_IMPORTS)
             _started[setting] = _pool.submit(_compile_backward, q.detach(), k.detach(), v.detach(), is_causal,
                                              scale, window_size, sequences, lse_dtype)
 
 
+def _import(modules):
+    for name in modules:
+        if name not in sys.modules:
+            importlib.import_module(name)
+
+
 def _compile_backward(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
+    """In a thread of the pool: collect the backward's launches and hand each kernel's compile to a
+    thread; returns their Futures."""
     # O and dO have q's shape, dtype and layout (O is allocated like q): q stands in for both, as
     # nothing is launched. The LSE is (B, H, N_q), contiguous.
     lse2 = torch.empty(q.shape[:-1], device=q.device, dtype=lse_dtype)
-    with torch.cuda.device(q.device), tuning.compile_only():
+    with torch.cuda.device(q.device), tuning.defer_compiles() as jobs:
         attention_backward(q, k, v, q, lse2, q, is_causal, scale, window_size=window_size, sequences=sequences)
+    return [_pool.submit(_compile, q.device, job) for job in jobs]
+
+
+def _compile(device, job):
+    with torch.cuda.device(device):
+        tuning.compile_job(job)
 
 
 def wait():
     """Wait for the compiles :func:`start` began. A compile that failed is left for the backward
     itself to raise, with its own message."""
-    for future in list(_started.values()):
+    for started in list(_started.values()):
         try:
-            future.result()
+            for future in started.result():
+                future.exception()  # waits; the launch reports a failure itself
         except Exception:  # noqa: BLE001 (the real launch reports it)
             pass

@@ -1,19 +1,34 @@
 """flashattn.warmup's decisions, on any machine: when it starts compiling the backward's kernels,
-and that tuning.compile_only compiles without launching. (On a GPU, tests/test_gpu.py checks in a
+and that tuning's deferred launches compile without launching. (On a GPU, tests/test_gpu.py checks in a
 fresh process that the backward then compiles nothing.)"""
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from flashattn import tuning, warmup
 
+import triton  # noqa: E402  (after flashattn, which chooses Triton's mode)
+
+
+class Calls(list):
+    imports: list
+
 
 @pytest.fixture
 def submitted(monkeypatch):
-    """The compiles warmup.start hands to its thread, recorded instead of run, as on a GPU."""
-    calls = []
+    """The compiles warmup.start hands to its threads (their arguments), recorded instead of run, as
+    on a GPU; the imports it hands them go to ``submitted.imports``."""
+    calls = Calls()
+    calls.imports = []
+
+    def submit(fn, *args):
+        (calls if fn is warmup._compile_backward else calls.imports).append(args)
+        return "future"
     monkeypatch.setattr(warmup, "INTERPRET", False)
     monkeypatch.setattr(warmup, "_started", {})
-    monkeypatch.setattr(warmup._pool, "submit", lambda fn, *args: calls.append(args) or "future")
+    monkeypatch.setattr(warmup._pool, "submit", submit)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv("FLASHATTN_AUTOTUNE", raising=False)
     return calls
@@ -75,13 +90,44 @@ class FakeKernel:
         self.events.append("loaded")
 
 
-def test_compile_only_compiles_and_loads_without_launching():
+def test_the_first_start_imports_what_the_first_backward_imports(submitted):
+    q, k, v = qkv()
+    start(q, k, v)
+    start(q, k, v, is_causal=False)
+    assert submitted.imports == [(warmup.BACKWARD_IMPORTS,)]
+    # torch.autograd imports it when a backward is given a gradient tensor (if this fails, a newer
+    # torch imports something else, or nothing: BACKWARD_IMPORTS should follow it)
+    code = ("import sys, torch\n"
+            "x = torch.ones(3, requires_grad=True)\n"
+            "(x * 2).backward(torch.ones(3))\n"
+            f"print(all(m in sys.modules for m in {warmup.BACKWARD_IMPORTS!r}))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
+
+
+def test_deferred_launches_compile_and_load_without_launching():
     kernel = FakeKernel()
     tuning.run(kernel, (1,), 1, BLOCK=16)
-    with tuning.compile_only():
+    with tuning.defer_compiles() as jobs:
         tuning.run(kernel, (1,), 1, BLOCK=16)
+    assert kernel.events == ["launched"] and len(jobs) == 1  # recorded, not run
+    tuning.compile_job(jobs[0])
     tuning.run(kernel, (1,), 1, BLOCK=16)
     assert kernel.events == ["launched", "compiled", "loaded", "launched"]
+
+
+def test_a_deferred_default_launch_chooses_its_configuration_where_it_compiles(monkeypatch):
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.setattr(tuning, "_defaults", {})
+    monkeypatch.setattr(tuning, "default_config", lambda *args: triton.Config(dict(BLOCK=16), num_warps=4,
+                                                                                num_stages=2))
+    monkeypatch.setattr(tuning, "ranked", lambda *args: [])
+    kernel = FakeKernel()
+    with tuning.defer_compiles() as jobs:
+        assert tuning.launch("fwd", kernel, (1,), (torch.zeros(4),), {}, 4) is None
+    assert kernel.events == [] and tuning._defaults == {}
+    tuning.compile_job(jobs[0])
+    assert kernel.events == ["compiled", "loaded"]
+    assert list(tuning._defaults.values()) == [dict(BLOCK=16, num_warps=4, num_stages=2)]
 
 
 def test_wait_leaves_a_failed_compile_to_the_backward(monkeypatch):
@@ -89,5 +135,7 @@ def test_wait_leaves_a_failed_compile_to_the_backward(monkeypatch):
 
     failed = concurrent.futures.Future()
     failed.set_exception(RuntimeError("no such kernel"))
-    monkeypatch.setattr(warmup, "_started", {"setting": failed})
+    collected = concurrent.futures.Future()  # a setting whose kernels were collected, one failed
+    collected.set_result([failed])
+    monkeypatch.setattr(warmup, "_started", {"setting": failed, "another": collected})
     warmup.wait()  # returns: the backward's own launch will raise with its own message

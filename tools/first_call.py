@@ -2,6 +2,7 @@
 
     python tools/first_call.py            # about 3 minutes on an H200
     python tools/first_call.py --quick    # the first-call table only
+    python tools/first_call.py --timeline # where a first call's seconds go, thread by thread
 
 Every measurement runs in a fresh Python process with an empty Triton cache (``TRITON_CACHE_DIR``)
 and an empty flashattn cache (``FLASHATTN_CACHE_DIR``), as a new user's first run would:
@@ -16,6 +17,11 @@ and an empty flashattn cache (``FLASHATTN_CACHE_DIR``), as a new user's first ru
    target is default >= 0.95x autotuned. On an H100/H200 the 16-bit forward at head dims 64 and 128
    is the Gluon kernel whatever the setting; the rows with ``FLASHATTN_GLUON=0`` compare the Triton
    forward's default with its autotuned choice.
+
+``--timeline`` runs a few of the first-call settings with Triton's compile steps timed (each
+kernel's compile and its stages, the C modules Triton builds with the system compiler, loading a
+kernel onto the GPU, hashing Triton's own files for its cache keys) and prints, per setting, what
+each thread did and when, from the start of the first call.
 """
 import argparse
 import json
@@ -41,6 +47,10 @@ q, k, v = (torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=dty
 g = torch.randn_like(q)
 
 
+if os.environ.get("FIRST_CALL_TIMELINE") == "1":
+    exec(TIMELINE)
+
+
 def step(fn):
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -56,8 +66,113 @@ if bench == "1":
     out = flashattn.attention(q, k, v, is_causal=causal)
     result["fwd_ms"] = do_bench(lambda: flashattn.attention(q, k, v, is_causal=causal))
     result["bwd_ms"] = do_bench(lambda: out.backward(g, retain_graph=True))
+if os.environ.get("FIRST_CALL_TIMELINE") == "1":
+    result["events"] = [(thread, label, begin - T0[0], end - T0[0]) for thread, label, begin, end in EVENTS]
+    spans = []  # runs of samples of one thread at one place, as (thread, start, end, place)
+    for thread, now, place in SAMPLES:
+        same = [i for i in range(len(spans) - 1, max(-1, len(spans) - 8), -1) if spans[i][0] == thread]
+        if same and spans[same[0]][3] == place and now - spans[same[0]][2] < 0.05:
+            spans[same[0]][2] = now
+        else:
+            spans.append([thread, now, now, place])
+    result["events"] += [(t, "sampled: " + place, a - T0[0], b - T0[0]) for t, a, b, place in spans if b - a >= 0.1]
 print("RESULT " + json.dumps(result))
 """
+
+# Hooks for --timeline, run in the child before the first call: each wraps one step of Triton's
+# compile (or of flashattn's op) and records (thread, label, start, end).
+TIMELINE = r"""
+import threading
+import triton.runtime.build, triton.runtime.cache, triton.runtime.jit, triton.compiler.compiler
+import triton.backends.nvidia.compiler as nvidia
+import flashattn.autograd, flashattn.warmup
+
+EVENTS, T0, _current = [], [time.perf_counter()], threading.local()
+
+
+def timed(fn, label):
+    def wrapper(*args, **kwargs):
+        what, begin = label(*args, **kwargs), time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            EVENTS.append((threading.current_thread().name, what, begin, time.perf_counter()))
+    return wrapper
+
+
+def _kernel_name(src):
+    return getattr(getattr(src, "fn", None), "__name__", "?")
+
+
+def _compile(self, *args, **kwargs):
+    _current.name = self.fn.__name__
+    return _do_compile(self, *args, **kwargs)
+
+
+_do_compile = triton.runtime.jit.JITFunction._do_compile
+triton.runtime.jit.JITFunction._do_compile = timed(_compile, lambda self, *a, **k: f"compile {self.fn.__name__}")
+_add_stages = nvidia.CUDABackend.add_stages
+
+
+def add_stages(self, stages, *args, **kwargs):
+    _add_stages(self, stages, *args, **kwargs)
+    for name, fn in list(stages.items()):
+        stages[name] = timed(fn, lambda *a, name=name: f"  {name} of {getattr(_current, 'name', '?')}")
+
+
+nvidia.CUDABackend.add_stages = add_stages
+triton.runtime.cache.triton_key = timed(triton.runtime.cache.triton_key, lambda: "hash Triton's files (cache key)")
+triton.runtime.build._build = timed(triton.runtime.build._build, lambda name, *a, **k: f"C compiler: {name}")
+_CK = triton.compiler.compiler.CompiledKernel
+_CK._init_handles = timed(_CK._init_handles, lambda self: f"load {self.name}" if self.module is None else "")
+flashattn.autograd.attention_forward = timed(flashattn.autograd.attention_forward, lambda *a, **k: "forward op")
+flashattn.autograd.attention_backward = timed(flashattn.autograd.attention_backward, lambda *a, **k: "backward op")
+flashattn.warmup.wait = timed(flashattn.warmup.wait, lambda: "wait for the backward's compile")
+flashattn.autograd.FlashAttention.backward = staticmethod(
+    timed(flashattn.autograd.FlashAttention.backward, lambda *a: "FlashAttention.backward"))
+torch.Tensor.backward = timed(torch.Tensor.backward, lambda *a, **k: "Tensor.backward")
+SAMPLES = []  # (thread, time, innermost frames): where each thread's Python was, every 10 ms
+
+
+def sample():
+    me = threading.get_ident()
+    while len(SAMPLES) < 200000:
+        now, names = time.perf_counter(), {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            stack = []
+            while frame is not None and len(stack) < 4:
+                code = frame.f_code
+                stack.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+                frame = frame.f_back
+            if ident != me and not stack[0].startswith(("threading.py", "thread.py", "queue.py")):
+                SAMPLES.append((names.get(ident, "?"), now, " < ".join(stack)))
+        time.sleep(0.01)
+
+
+threading.Thread(target=sample, daemon=True, name="sampler").start()
+torch.cuda.synchronize()
+T0[0] = time.perf_counter()
+"""
+
+
+def timeline():
+    """Per setting, the first call's events in order: thread, start and end (seconds from the call's
+    start), what it was."""
+    import torch
+
+    print(f"## where the first call's seconds go ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {__import__('triton').__version__}); fresh process, empty caches")
+    for setting, extra in ((("bfloat16", 128, 1, 2, 16, 2048), {}), (("float32", 128, 1, 2, 8, 1024), {}),
+                           (("bfloat16", 128, 1, 2, 16, 2048), {"FLASHATTN_GLUON": "0"})):
+        r = child((*setting, 0), {**extra, "FIRST_CALL_TIMELINE": "1"})
+        print(f"\n### {' '.join(map(str, setting))} {' '.join(f'{k}={v}' for k, v in extra.items())}")
+        if "error" in r:
+            print(f"ERROR {r['error']}")
+            continue
+        print(f"import {r['imported']:.2f} s, first forward + backward {r['first']:.2f} s, second {r['second']:.3f} s")
+        for thread, label, begin, end in sorted(r["events"], key=lambda e: e[2]):
+            if label and begin < r["first"]:
+                print(f"{thread[:18]:18} {begin:6.2f} {end:6.2f} {end - begin:6.2f}  {label}")
 
 
 def child(setting, env_extra, cache=None):
@@ -67,7 +182,7 @@ def child(setting, env_extra, cache=None):
         env.pop("FLASHATTN_AUTOTUNE", None)
         env.update(env_extra)
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, setting)], env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-c", f"TIMELINE = {TIMELINE!r}\n" + CHILD, *map(str, setting)], env=env, capture_output=True,
                               text=True, timeout=900)
         wall = time.perf_counter() - start
     for line in proc.stdout.splitlines():
@@ -121,7 +236,10 @@ def default_against_autotuned():
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="only the first-call table")
+    p.add_argument("--timeline", action="store_true", help="only where a first call's seconds go")
     args = p.parse_args()
+    if args.timeline:
+        return timeline()
     first_calls()
     if not args.quick:
         default_against_autotuned()

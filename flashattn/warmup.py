@@ -12,8 +12,9 @@ without launching it.
 
 The first ``Tensor.backward(gradient)`` of a process also imports
 ``torch.fx.experimental.symbolic_shapes``, and sympy with it (PyTorch checks the gradient's shape
-with it): on an H200 machine that import took 2.5 s of a first call, after the kernels were ready.
-The first :func:`start` imports it in one more thread.
+with it): 0.4 s on a CPU machine, and 2.5 s of a first call on an H200 machine whose packages had
+no compiled bytecode, after the kernels were ready. The first :func:`start` imports it in one more
+thread.
 
 A setting whose kernels are compiled already costs one dictionary lookup. What the threads cannot
 foresee (a gradient whose layout differs from the forward's output) compiles at the backward, as it
@@ -25,6 +26,7 @@ import sys
 import threading
 
 import torch
+import triton
 
 from . import tuning
 from .backward import attention_backward
@@ -33,7 +35,8 @@ from .runtime import INTERPRET
 #: Imported by the first backward given a gradient tensor (torch.autograd's ``_make_grads``).
 BACKWARD_IMPORTS = ("torch.fx.experimental.symbolic_shapes",)
 
-# Per setting, one thread collects the backward's kernels, then each compiles in its own thread.
+# One thread imports; per setting, one thread collects the backward's kernels (Delta, dK/dV, dQ),
+# then each compiles in a thread of its own.
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="flashattn-warmup")
 _started = {}  # setting -> a Future whose result is the list of the setting's other compiles' Futures
 _lock = threading.Lock()
@@ -56,9 +59,19 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
     with _lock:
         if setting not in _started:
             if not _started:
+                _prepare_triton()
                 _pool.submit(_import, BACKWARD_IMPORTS)
             _started[setting] = _pool.submit(_compile_backward, q.detach(), k.detach(), v.detach(), is_causal,
                                              scale, window_size, sequences, lse_dtype)
+
+
+def _prepare_triton():
+    """Triton's set-up for the whole process, which the forward's launch does first anyway: the hash
+    of Triton's own files (part of every kernel's cache key) and the C module its CUDA driver
+    builds. Done here, once, before the threads start: four threads each hashing the same files at
+    once took 2.6 s, against 0.5 s for one (measured on an H200 machine)."""
+    triton.runtime.cache.triton_key()
+    triton.runtime.driver.active.utils  # noqa: B018 (builds and loads the module)
 
 
 def _import(modules):

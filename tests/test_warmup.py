@@ -29,6 +29,7 @@ def submitted(monkeypatch):
     monkeypatch.setattr(warmup, "INTERPRET", False)
     monkeypatch.setattr(warmup, "_started", {})
     monkeypatch.setattr(warmup._pool, "submit", submit)
+    monkeypatch.setattr(warmup, "_prepare_triton", lambda: None)  # (builds a CUDA module)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv("FLASHATTN_AUTOTUNE", raising=False)
     return calls

@@ -128,6 +128,8 @@ _CK._init_handles = timed(_CK._init_handles, lambda self: f"load {self.name}" if
 flashattn.autograd.attention_forward = timed(flashattn.autograd.attention_forward, lambda *a, **k: "forward op")
 flashattn.autograd.attention_backward = timed(flashattn.autograd.attention_backward, lambda *a, **k: "backward op")
 flashattn.warmup.wait = timed(flashattn.warmup.wait, lambda: "wait for the backward's compile")
+flashattn.warmup._import = timed(flashattn.warmup._import, lambda modules: f"import {', '.join(modules)}")
+flashattn.warmup._prepare_triton = timed(flashattn.warmup._prepare_triton, lambda: "prepare Triton (warm-up)")
 flashattn.autograd.FlashAttention.backward = staticmethod(
     timed(flashattn.autograd.FlashAttention.backward, lambda *a: "FlashAttention.backward"))
 torch.Tensor.backward = timed(torch.Tensor.backward, lambda *a, **k: "Tensor.backward")

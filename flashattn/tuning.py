@@ -457,9 +457,16 @@ def gluon_module(name):
     if INTERPRET or os.environ.get("FLASHATTN_GLUON", "1") == "0":
         return None
     try:
-        return importlib.import_module(f"flashattn.{name}")
+        # One thread at a time: Triton's Gluon modules import one another, and two threads
+        # importing them at once (flashattn.warmup's beside the forward's) can stop on Python's
+        # import deadlock error.
+        with _gluon_import:
+            return importlib.import_module(f"flashattn.{name}")
     except ImportError:
         return None
+
+
+_gluon_import = threading.Lock()
 
 
 #: Head dims at which the backward takes dK/dV from the Gluon kernel (flashattn.hopper_backward)

@@ -10,19 +10,11 @@ backward, waits for them. Nothing runs on the GPU in those threads: ``tuning.def
 records what the backward would launch, and ``tuning.compile_job`` compiles and loads each kernel
 without launching it.
 
-The first ``Tensor.backward(gradient)`` of a process also imports
-``torch.fx.experimental.symbolic_shapes``, and sympy with it (PyTorch checks the gradient's shape
-with it): 0.4 s on a CPU machine, and 2.5 s of a first call on an H200 machine whose packages had
-no compiled bytecode, after the kernels were ready. The first :func:`start` imports it in one more
-thread.
-
 A setting whose kernels are compiled already costs one dictionary lookup. What the threads cannot
 foresee (a gradient whose layout differs from the forward's output) compiles at the backward, as it
 would without this module.
 """
 import concurrent.futures
-import importlib
-import sys
 import threading
 
 import torch
@@ -32,12 +24,9 @@ from . import tuning
 from .backward import attention_backward
 from .runtime import INTERPRET
 
-#: Imported by the first backward given a gradient tensor (torch.autograd's ``_make_grads``).
-BACKWARD_IMPORTS = ("torch.fx.experimental.symbolic_shapes",)
-
-# One thread imports; per setting, one thread collects the backward's kernels (Delta, dK/dV, dQ),
-# then each compiles in a thread of its own.
-_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="flashattn-warmup")
+# Per setting, one thread collects the backward's kernels (Delta, dK/dV, dQ), then each compiles in
+# a thread of its own.
+_pool = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="flashattn-warmup")
 _started = {}  # setting -> a Future whose result is the list of the setting's other compiles' Futures
 _lock = threading.Lock()
 
@@ -60,7 +49,6 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
         if setting not in _started:
             if not _started:
                 _prepare_triton()
-                _pool.submit(_import, BACKWARD_IMPORTS)
             _started[setting] = _pool.submit(_compile_backward, q.detach(), k.detach(), v.detach(), is_causal,
                                              scale, window_size, sequences, lse_dtype)
 
@@ -72,12 +60,6 @@ def _prepare_triton():
     once took 2.6 s, against 0.5 s for one (measured on an H200 machine)."""
     triton.runtime.cache.triton_key()
     triton.runtime.driver.active.utils  # noqa: B018 (builds and loads the module)
-
-
-def _import(modules):
-    for name in modules:
-        if name not in sys.modules:
-            importlib.import_module(name)
 
 
 def _compile_backward(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):

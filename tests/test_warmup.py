@@ -119,3 +119,29 @@ def test_wait_leaves_a_failed_compile_to_the_backward(monkeypatch):
     collected.set_result([failed])
     monkeypatch.setattr(warmup, "_started", {"setting": failed, "another": collected})
     warmup.wait()  # returns: the backward's own launch will raise with its own message
+
+
+def test_gluon_modules_import_one_thread_at_a_time(monkeypatch):
+    """The warm-up's thread imports flashattn.hopper_backward while the forward imports
+    flashattn.hopper: two threads importing Triton's Gluon modules at once met Python's import
+    deadlock error on a GPU."""
+    import threading
+    import time
+
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.delenv("FLASHATTN_GLUON", raising=False)
+    inside, most = [0], [0]
+
+    def import_module(name):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        inside[0] -= 1
+        return name
+    monkeypatch.setattr(tuning.importlib, "import_module", import_module)
+    threads = [threading.Thread(target=tuning.gluon_module, args=(name,)) for name in ("hopper", "hopper_backward")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1

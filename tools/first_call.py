@@ -244,7 +244,8 @@ def main():
     p.add_argument("--timeline", action="store_true", help="only where a first call's seconds go")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as bytecode:
-        os.environ["PYTHONPYCACHEPREFIX"] = bytecode  # the children's compiled bytecode
+        os.environ["PYTHONPYCACHEPREFIX"] = bytecode  # the children's compiled bytecode,
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # written by the first
         child(("bfloat16", 128, 1, 1, 2, 128, 0), {})  # throwaway: fills it
         if args.timeline:
             return timeline()

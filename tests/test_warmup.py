@@ -1,6 +1,6 @@
 """flashattn.warmup's decisions, on any machine: when it starts compiling the backward's kernels,
-and that tuning's deferred launches compile without launching. (On a GPU, tests/test_gpu.py checks in a
-fresh process that the backward then compiles nothing.)"""
+and that tuning's deferred launches compile without launching. (On a GPU, tests/test_gpu.py checks
+in a fresh process that the backward then compiles nothing.)"""
 import pytest
 import torch
 

@@ -104,10 +104,6 @@ def timed(fn, label):
     return wrapper
 
 
-def _kernel_name(src):
-    return getattr(getattr(src, "fn", None), "__name__", "?")
-
-
 def _compile(self, *args, **kwargs):
     _current.name = self.fn.__name__
     return _do_compile(self, *args, **kwargs)
@@ -187,7 +183,8 @@ def child(setting, env_extra, cache=None):
         env.pop("FLASHATTN_AUTOTUNE", None)
         env.update(env_extra)
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", f"TIMELINE = {TIMELINE!r}\n" + CHILD, *map(str, setting)], env=env, capture_output=True,
+        code = f"TIMELINE = {TIMELINE!r}\n" + CHILD
+        proc = subprocess.run([sys.executable, "-c", code, *map(str, setting)], env=env, capture_output=True,
                               text=True, timeout=900)
         wall = time.perf_counter() - start
     for line in proc.stdout.splitlines():

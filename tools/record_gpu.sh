@@ -7,13 +7,13 @@
 # Parts: tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
 # compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants,
 # decode-host, tests-gpu (every other GPU test: tile configurations, long sequences, decode, the
-# Gluon kernels), first-call, chapters; tests-kernels (the core kernels' and decode's GPU tests
-# alone) runs only when named.
+# Gluon kernels), first-call, first-call-timeline (where a first call's seconds go), chapters;
+# tests-kernels (the core kernels' and decode's GPU tests alone) runs only when named.
 # Each part writes OUT_DIR/<part>.txt (and its CSV files); the screen gets one line per part.
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
 shift
-parts=${*:-tests-variants bench-variants decode-host tests-gpu first-call chapters}
+parts=${*:-tests-variants bench-variants decode-host tests-gpu first-call first-call-timeline chapters}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -43,4 +43,5 @@ part bench-variants 150 python -m flashattn.bench_variants --out-dir "$out"
 part decode-host 50 python -m flashattn.bench decode --host-ab --out "$out/decode_host_ab.csv"
 part tests-gpu 180 ${pytest/$workers/} -m gpu tests $(for f in $variant_tests; do echo --ignore="$f"; done)
 part first-call 400 python tools/first_call.py
+part first-call-timeline 120 python tools/first_call.py --timeline
 part chapters 420 python tools/time_chapters.py --jobs 4

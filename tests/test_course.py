@@ -157,3 +157,32 @@ def test_the_chapter_timer_runs_a_chapter_without_jupyter(tmp_path, ipython):
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"ok   {ALONE}" in result.stdout
+
+
+# tools/first_call.py's --timeline hooks, run where no GPU is: flashattn defines its kernels for
+# the compiler, and one kernel is compiled for sm_90 (nothing is launched).
+TIMELINE_HOOKS = r"""
+import json, os, sys, time, torch
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_name = lambda *args: "compile only"
+torch.cuda.synchronize = lambda *args: None
+sys.path.insert(0, "tools")
+import first_call
+exec(first_call.TIMELINE)
+from flashattn import compiled
+compiled.compile_kernel("bwd_preprocess", "fp16", dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_Q=64))
+print(json.dumps(sorted({label.split(" of ")[0].strip() for _, label, _, _ in EVENTS})))
+"""
+
+
+def test_the_first_call_timeline_hooks_fit_this_triton(tmp_path):
+    """``tools/first_call.py --timeline`` (for GPU machines) wraps steps of Triton's compile by
+    their names in Triton; a Triton that renamed one would break the tool there. Here the hooks time
+    a compile for sm_90: the hash of Triton's files and each stage, ptx and cubin included."""
+    env = {k: v for k, v in env_with_package(TRITON_CACHE_DIR=str(tmp_path)).items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", TIMELINE_HOOKS], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = json.loads(result.stdout.splitlines()[-1])
+    for step in ("hash Triton's files (cache key)", "ttir", "llir", "ptx", "cubin"):
+        assert step in steps, (step, steps)

@@ -300,7 +300,7 @@ def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
 
 
 _deferring = threading.local()  # .jobs: the list of compile jobs, inside defer_compiles
-_compiling_only = threading.local()  # .on: True while compile_jobs runs one
+_compiling_only = threading.local()  # .on: True while compile_job runs one
 
 
 @contextlib.contextmanager

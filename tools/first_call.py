@@ -51,7 +51,8 @@ q, k, v = (torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=dty
 g = torch.randn_like(q)
 
 
-if os.environ.get("FIRST_CALL_TIMELINE") == "1":
+timed_steps = os.environ.get("FIRST_CALL_TIMELINE") == "1"
+if timed_steps:
     exec(TIMELINE)
 
 
@@ -70,7 +71,7 @@ if bench == "1":
     out = flashattn.attention(q, k, v, is_causal=causal)
     result["fwd_ms"] = do_bench(lambda: flashattn.attention(q, k, v, is_causal=causal))
     result["bwd_ms"] = do_bench(lambda: out.backward(g, retain_graph=True))
-if os.environ.get("FIRST_CALL_TIMELINE") == "1":
+if timed_steps:
     result["events"] = [(thread, label, begin - T0[0], end - T0[0]) for thread, label, begin, end in EVENTS]
     spans = []  # runs of samples of one thread at one place, as (thread, start, end, place)
     for thread, now, place in SAMPLES:

@@ -15,6 +15,7 @@ foresee (a gradient whose layout differs from the forward's output) compiles at 
 would without this module.
 """
 import concurrent.futures
+import importlib
 import threading
 
 import torch
@@ -54,14 +55,36 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
 
 
 def _prepare_triton():
-    """Triton's set-up for the whole process, which the forward's launch does first anyway: the hash
-    of Triton's own files (part of every kernel's cache key) and the C module its CUDA driver
-    builds. Done here, once, before the threads start: four threads each hashing the same files at
-    once took 2.6 s, against 0.5 s for one (measured on an H200 machine)."""
+    """The set-up the first call of a process needs before anything compiles, done at once, three
+    jobs side by side: the hash of Triton's own files (part of every kernel's cache key; Python
+    reading and hashing), the C module Triton's CUDA driver builds (the C compiler runs in a
+    process of its own) and, for torch's sake, ``torch.fx.experimental.symbolic_shapes`` (sympy),
+    which torch's autograd imports the first time a gradient tensor is passed to ``backward`` or
+    ``torch.autograd.grad``. None of them imports a module the others import, and they are done
+    before the compile threads start: four threads each hashing the same files at once took 2.6 s,
+    against 0.5 s for one, and two threads importing the same package can stop on Python's import
+    deadlock error (both measured on an H200 machine)."""
+    helpers = [threading.Thread(target=_quietly, args=(job,), name=f"flashattn-prepare-{i}")
+               for i, job in enumerate((triton.runtime.cache.triton_key, _import_symbolic_shapes))]
+    for helper in helpers:
+        helper.start()
+    _quietly(_load_driver)
+    for helper in helpers:
+        helper.join()
+
+
+def _load_driver():
+    triton.runtime.driver.active.utils  # noqa: B018 (builds and loads the module)
+
+
+def _import_symbolic_shapes():
+    importlib.import_module("torch.fx.experimental.symbolic_shapes")
+
+
+def _quietly(job):
     try:
-        triton.runtime.cache.triton_key()
-        triton.runtime.driver.active.utils  # noqa: B018 (builds and loads the module)
-    except Exception:  # noqa: BLE001 (the forward's own launch reports it)
+        job()
+    except Exception:  # noqa: BLE001 (what fails here fails again in the launch, which reports it)
         pass
 
 

@@ -186,3 +186,28 @@ def test_the_first_call_timeline_hooks_fit_this_triton(tmp_path):
     steps = json.loads(result.stdout.splitlines()[-1])
     for step in ("hash Triton's files (cache key)", "ttir", "llir", "ptx", "cubin"):
         assert step in steps, (step, steps)
+
+
+TILE_SWEEP = r"""
+import json, sys, torch
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_name = lambda *args: "compile only"
+torch.cuda.get_device_capability = lambda *args: (9, 0)
+sys.path.insert(0, "tools")
+import tile_sweep
+(key, configs), = tile_sweep.parse_only(["bwd_dq:16:32x16w4s1"]).items()
+seconds, regs, spills = tile_sweep.compile_time(key[0], configs[0], key[1], True, "ieee")
+print(json.dumps([key, configs[0].kwargs, configs[0].num_warps, configs[0].num_stages, regs, spills]))
+"""
+
+
+def test_the_tile_sweep_reads_its_configurations_and_compiles_one():
+    """``tools/tile_sweep.py`` (for GPU machines) names configurations as KERNEL:D:BQxBKVwWsS and
+    compiles each for the running GPU to time it and read its registers: here for sm_90."""
+    env = {k: v for k, v in env_with_package().items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", TILE_SWEEP], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    key, tiles, warps, stages, regs, spills = json.loads(result.stdout.splitlines()[-1])
+    assert (key, tiles, warps, stages, spills) == (["bwd_dq", 16], {"BLOCK_Q": 32, "BLOCK_KV": 16}, 4, 1, 0)
+    assert 0 < regs <= 255

@@ -145,3 +145,24 @@ def test_gluon_modules_import_one_thread_at_a_time(monkeypatch):
     for t in threads:
         t.join()
     assert most[0] == 1
+
+
+def test_triton_is_prepared_three_jobs_side_by_side_and_failures_are_left_to_the_launch(monkeypatch):
+    """The hash of Triton's files, the driver's C module and torch's lazy import run at the same
+    time (each waits at a barrier the three must reach), and one that fails does not raise here."""
+    import threading
+
+    barrier, done = threading.Barrier(3, timeout=10), []
+
+    def job(name, fails=False):
+        def run():
+            barrier.wait()
+            done.append(name)
+            if fails:
+                raise RuntimeError(f"{name} failed")
+        return run
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", job("hash"))
+    monkeypatch.setattr(warmup, "_import_symbolic_shapes", job("import", fails=True))
+    monkeypatch.setattr(warmup, "_load_driver", job("driver", fails=True))
+    warmup._prepare_triton()
+    assert sorted(done) == ["driver", "hash", "import"]

@@ -66,13 +66,18 @@ GPU_CONFIGS = {
                        (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2)),
 }
 #: float32 in IEEE precision has no tensor-core path: tl.dot becomes fused multiply-adds, whose
-#: operands and accumulators all sit in registers. Only small tiles avoid spilling (compiled for
-#: sm_90 by tools/compile_check.py: 16 x 16 tiles use 80-110 registers, 32 x 32 spill).
+#: operands and accumulators all sit in registers, so only tiles of a few thousand values avoid
+#: spilling. Ordered by an H200's timings of float32 'highest' at head dims 64 and 128
+#: (figures/data/h200_fp32_tiles.csv, tools/tile_sweep.py): 8 warps on 32 x 64 tiles ran the
+#: forward 1.7x as fast as 4 warps on 16 x 16.
 FMA_CONFIGS = {
-    "fwd": _configs((16, 16, 4, 2), (16, 16, 4, 3), (32, 16, 4, 2), (16, 32, 4, 2)),
+    "fwd": _configs((32, 64, 8, 2), (64, 32, 8, 2), (32, 64, 8, 1), (16, 64, 8, 2), (16, 32, 4, 1),
+                    (16, 16, 4, 2), (32, 16, 8, 2), (16, 16, 4, 1)),
     "bwd_preprocess": GPU_CONFIGS["bwd_preprocess"],
-    "bwd_dkdv": _configs((16, 16, 4, 2), (16, 32, 8, 2), (16, 16, 4, 3)),
-    "bwd_dq": _configs((32, 16, 4, 2), (16, 16, 4, 2), (32, 32, 4, 2), (64, 16, 8, 2)),
+    "bwd_dkdv": _configs((32, 32, 8, 2), (32, 32, 8, 1), (16, 16, 4, 1), (16, 32, 8, 1), (16, 32, 8, 2),
+                         (16, 16, 4, 2), (16, 64, 8, 2)),
+    "bwd_dq": _configs((32, 64, 8, 2), (64, 32, 8, 2), (16, 64, 8, 2), (32, 32, 8, 2), (16, 32, 8, 2),
+                       (16, 16, 4, 2), (32, 16, 4, 2)),
 }
 #: float32 on TF32 tensor cores ('high', 'medium'): tiles twice the bytes of 16-bit ones, so half
 #: as many fit in shared memory and registers. Chosen from compiling for sm_90 (no spills at head
@@ -108,11 +113,22 @@ FALLBACK_CONFIGS = {
 }
 
 
-#: The winners the H200 measured (figures/data/h200_tile_configs.csv: the autotuner's timings of
-#: every candidate at bf16/head dim 128 and fp16/head dim 64, N = 8192, causal and not), by
-#: (compute capability, kernel, kind of dot, BLOCK_D): the default there when it fits. Where causal
-#: and not disagreed, the causal winner (the two were within 3 % of each other).
+#: The defaults an H200 measured, by (compute capability, kernel, kind of dot, BLOCK_D): the default
+#: there when it fits. 16-bit ("mma"): the winners of figures/data/h200_tile_configs.csv (the
+#: autotuner's timings of every candidate at bf16/head dim 128 and fp16/head dim 64, N = 8192, causal
+#: and not; where the two disagreed, the causal winner, within 3 % of the other). float32 IEEE
+#: ("fma"): from figures/data/h200_fp32_tiles.csv (causal, N = 2048), the fastest configuration whose
+#: compile took at most 3 s on that machine, so that a first call stays within 5 s (the backward's
+#: kernels compile side by side, after about 0.8 s of Triton's own set-up). The one it passes over:
+#: dQ at head dim 128 in 32 x 64 tiles, a backward 1.26x as fast, 3.6 s to compile (autotuning,
+#: FLASHATTN_AUTOTUNE=1, finds it and keeps it on disk).
 MEASURED_DEFAULTS = {
+    (90, "fwd", "fma", 64): triton.Config({"BLOCK_Q": 64, "BLOCK_KV": 32}, num_warps=8, num_stages=2),
+    (90, "fwd", "fma", 128): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 64}, num_warps=8, num_stages=2),
+    (90, "bwd_dkdv", "fma", 64): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 32}, num_warps=8, num_stages=2),
+    (90, "bwd_dkdv", "fma", 128): triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 32}, num_warps=8, num_stages=1),
+    (90, "bwd_dq", "fma", 64): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 64}, num_warps=8, num_stages=2),
+    (90, "bwd_dq", "fma", 128): triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 64}, num_warps=8, num_stages=2),
     (90, "bwd_dkdv", "mma", 64): triton.Config({"BLOCK_Q": 64, "BLOCK_KV": 64}, num_warps=4, num_stages=3),
     (90, "bwd_dkdv", "mma", 128): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 64}, num_warps=4, num_stages=4),
     (90, "bwd_dq", "mma", 64): triton.Config({"BLOCK_Q": 128, "BLOCK_KV": 64}, num_warps=8, num_stages=3),

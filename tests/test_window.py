@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashattn import traversal
+from flashattn import traversal, tuning
 from flashattn.api import SUPPORTED_DTYPES as DTYPES
 from flashattn.reference import masked_attention, window_mask
 from flashattn.testing import compare_with_reference
@@ -151,14 +151,26 @@ def test_rows_without_keys_and_unwritten_buffers(nan_buffers):
     assert torch.isfinite(out).all() and (dk[:, :, 23:] == 0).all() and (dv[:, :, 23:] == 0).all()
 
 
+def forward_key_tile(dtype, head_dim):
+    """BLOCK_KV of the forward kernel that flashattn.attention runs: the interpreter's fixed tile, or
+    the GPU's default configuration."""
+    if flashattn.runtime.INTERPRET:
+        return tuning.INTERPRETER_CONFIGS["fwd"]["BLOCK_KV"]
+    block_d = tuning.block_d(head_dim)
+    return tuning.default_config("fwd", dtype, tuning.dot_precision(dtype, block_d), block_d).kwargs["BLOCK_KV"]
+
+
 def test_tiles_outside_the_window_are_not_loaded():
-    """V rows in whole tiles that no query's window reaches are NaN: had the kernel loaded them,
-    0 * NaN would spread into the output."""
+    """K and V rows in whole key tiles that no query's window reaches are NaN: had the kernel loaded
+    them, 0 * NaN would spread into the output."""
     q, k, v = make_qkv(30, 200, 16, torch.float32)
-    v[:, :, 48:] = float("nan")   # queries 0..29 with right = 3 see keys up to 32: tiles from 48 unseen
-    k[:, :, 48:] = float("nan")
+    tile = forward_key_tile(torch.float32, 16)
+    unseen = -(-33 // tile) * tile  # queries 0..29 with right = 3 see keys up to 32
+    assert unseen < 200
+    v[:, :, unseen:] = float("nan")
+    k[:, :, unseen:] = float("nan")
     out = flashattn.attention(q, k, v, window_size=(5, 3))
-    torch.testing.assert_close(out, masked_attention(q, k[:, :, :48], v[:, :, :48], window_size=(5, 3))[0])
+    torch.testing.assert_close(out, masked_attention(q, k[:, :, :unseen], v[:, :, :unseen], window_size=(5, 3))[0])
 
 
 def test_window_backward_is_deterministic():

@@ -2,6 +2,7 @@
 
     python tools/first_call.py            # about 3 minutes on an H200
     python tools/first_call.py --quick    # the first-call table only
+    python tools/first_call.py --quick --repeat 3   # each first call in three fresh processes
     python tools/first_call.py --timeline # where a first call's seconds go, thread by thread
 
 Every measurement runs in a fresh Python process with an empty Triton cache (``TRITON_CACHE_DIR``)
@@ -194,23 +195,30 @@ def child(setting, env_extra, cache=None):
     return dict(error=(proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"], wall=wall)
 
 
-def first_calls():
+def first_calls(repeat=1):
+    import statistics
+
     import torch
 
     print(f"## first call in a fresh process, empty caches ({torch.cuda.get_device_name()}, torch "
-          f"{torch.__version__}, triton {__import__('triton').__version__})")
+          f"{torch.__version__}, triton {__import__('triton').__version__})"
+          + (f"; each setting {repeat} times, the median and every run" if repeat > 1 else ""))
     print(f"{'setting':40} {'import':>7} {'1st fwd+bwd':>12} {'2nd':>7} {'SDPA 1st':>9} {'<= 5 s':>7}")
     settings = [("bfloat16", 128, 1, 2, 16, 2048), ("float16", 64, 0, 2, 16, 2048), ("bfloat16", 96, 1, 2, 16, 1000),
                 ("float16", 256, 0, 1, 8, 1024), ("float32", 128, 1, 2, 8, 1024), ("bfloat16", 64, 1, 1, 8, 777)]
     for extra in ({}, {"FLASHATTN_GLUON": "0"}):
         for dtype, d, causal, b, h, n in settings:
             label = f"{dtype} D={d} {'causal' if causal else 'full'} {b}x{h}x{n}" + (" GLUON=0" if extra else "")
-            r = child((dtype, d, causal, b, h, n, 0), extra)
-            if "error" in r:
-                print(f"{label:40} ERROR {r['error']}")
+            runs = [child((dtype, d, causal, b, h, n, 0), extra) for _ in range(repeat)]
+            errors = [r["error"] for r in runs if "error" in r]
+            if errors:
+                print(f"{label:40} ERROR {errors[0]}")
                 continue
+            r = {key: statistics.median(run[key] for run in runs) for key in ("imported", "first", "second", "sdpa_first")}
+            firsts = ", ".join(f"{run['first']:.1f}" for run in runs)
+            every = f"  ({firsts})" if repeat > 1 else ""
             print(f"{label:40} {r['imported']:6.1f}s {r['first']:11.1f}s {r['second']:6.2f}s {r['sdpa_first']:8.2f}s "
-                  f"{'yes' if r['first'] <= 5 else 'NO':>7}", flush=True)
+                  f"{'yes' if r['first'] <= 5 else 'NO':>7}{every}", flush=True)
 
 
 def default_against_autotuned():
@@ -240,6 +248,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="only the first-call table")
     p.add_argument("--timeline", action="store_true", help="only where a first call's seconds go")
+    p.add_argument("--repeat", type=int, default=1, help="fresh processes per first-call setting (the median is shown)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as bytecode:
         os.environ["PYTHONPYCACHEPREFIX"] = bytecode  # the children's compiled bytecode,
@@ -247,7 +256,7 @@ def main():
         child(("bfloat16", 128, 1, 1, 2, 128, 0), {})  # throwaway: fills it
         if args.timeline:
             return timeline()
-        first_calls()
+        first_calls(args.repeat)
         if not args.quick:
             default_against_autotuned()
 

@@ -43,7 +43,7 @@ part bench-variants 150 python -m flashattn.bench_variants --out-dir "$out"
 part decode-host 50 python -m flashattn.bench decode --host-ab --out "$out/decode_host_ab.csv"
 # the other modules with GPU tests (collecting every module would need the notebook tools too)
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v -F "$(printf '%s\n' $variant_tests)")
-part tests-gpu 180 ${pytest/$workers/} -m gpu $gpu_tests
+part tests-gpu 300 ${pytest/$workers/} -m gpu $gpu_tests
 part first-call 400 python tools/first_call.py
 part first-call-timeline 120 python tools/first_call.py --timeline
 part chapters 420 python tools/time_chapters.py --jobs 4

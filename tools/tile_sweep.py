@@ -127,6 +127,37 @@ def sdpa_time(q, k, v, do, causal, name):
                                    return_mode="median")
 
 
+def sweep(name, configs, inputs, small, refs, causal, precision):
+    """Compile, check and time each configuration of kernel ``name``: a list of CSV rows (their
+    configuration and measurements)."""
+    q, k, v, do = inputs
+    d, found = q.shape[-1], []
+    for config in configs:
+        cfg = as_dict(config)
+        try:
+            compile_s, regs, spills = compile_time(name, config, tuning.block_d(d), causal, precision)
+            ok = check(name, cfg, d, causal, refs, small)
+            ms = float("nan") if spills else triton.testing.do_bench(run(q, k, v, do, causal, name, cfg),
+                                                                      return_mode="median")
+        except Exception as error:  # report it and go on to the next configuration
+            print(f"  {name} {cfg}: {type(error).__name__}: {str(error).splitlines()[0][:160]}", flush=True)
+            continue
+        found.append(dict(cfg, regs=regs, spills=spills, compile_s=round(compile_s, 2), ms=round(ms, 4), ok=int(ok)))
+    return found
+
+
+def show(name, rows, default):
+    """One kernel's rows, fastest first (those that spill last), the default marked."""
+    default = as_dict(default)
+    print(f"  {name:8} {'config':22} {'regs':>4} {'spills':>6} {'compile s':>9} {'ms':>8} {'SDPA/ours':>9}  ok",
+          flush=True)
+    for row in sorted(rows, key=lambda r: (r["spills"] > 0, r["ms"])):
+        cfg = f"{row['BLOCK_Q']}x{row['BLOCK_KV']} w{row['num_warps']} s{row['num_stages']}"
+        mark = " (default)" if all(row[key] == default.get(key) for key in default) else ""
+        print(f"  {name:8} {cfg + mark:22} {row['regs']:4} {row['spills']:6} {row['compile_s']:9.2f} "
+              f"{row['ms']:8.3f} {row['sdpa_over_ms']:9.3f}  {'yes' if row['ok'] else 'NO'}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", default="highest", choices=sorted(PRECISIONS),
@@ -175,31 +206,13 @@ def main(argv=None):
             for config in rejected:
                 print(f"  {name} {as_dict(config)}: not timed, tuning.fits rejects it", flush=True)
             configs = [c for c in configs if c not in rejected]
+            found = sweep(name, configs, (q, k, v, do), small, refs, causal, precision)
             sdpa_ms = sdpa_time(q, k, v, do, causal, name)
-            found = []
-            for config in configs:
-                cfg = as_dict(config)
-                try:
-                    compile_s, regs, spills = compile_time(name, config, block_d, causal, precision)
-                    ok = check(name, cfg, d, causal, refs, small)
-                    ms = float("nan") if spills else triton.testing.do_bench(run(q, k, v, do, causal, name, cfg),
-                                                                              return_mode="median")
-                except Exception as error:  # report it and go on to the next configuration
-                    print(f"  {name} {cfg}: {type(error).__name__}: {str(error).splitlines()[0][:160]}", flush=True)
-                    continue
-                found.append(dict(versions, dtype="fp32", precision=args.precision, head_dim=d, causal=int(causal),
-                                  batch=args.batch, heads=args.heads, seq_len=args.seq_len, kernel=name,
-                                  BLOCK_Q=cfg["BLOCK_Q"], BLOCK_KV=cfg["BLOCK_KV"], num_warps=cfg["num_warps"],
-                                  num_stages=cfg["num_stages"], regs=regs, spills=spills, compile_s=round(compile_s, 2), ms=round(ms, 4),
-                                  sdpa_ms=round(sdpa_ms, 4), sdpa_over_ms=round(sdpa_ms / ms, 3), ok=int(ok)))
-            default = as_dict(tuning.default_config(name, dtype, precision, block_d))
-            print(f"  {name:8} {'config':22} {'regs':>4} {'spills':>6} {'compile s':>9} {'ms':>8} {'SDPA/ours':>9}  ok",
-                  flush=True)
-            for row in sorted(found, key=lambda r: (r["spills"] > 0, r["ms"])):
-                cfg = f"{row['BLOCK_Q']}x{row['BLOCK_KV']} w{row['num_warps']} s{row['num_stages']}"
-                mark = " (default)" if all(row[key] == default.get(key) for key in default) else ""
-                print(f"  {name:8} {cfg + mark:22} {row['regs']:4} {row['spills']:6} {row['compile_s']:9.2f} {row['ms']:8.3f} "
-                      f"{row['sdpa_over_ms']:9.3f}  {'yes' if row['ok'] else 'NO'}", flush=True)
+            for row in found:
+                row.update(versions, dtype="fp32", precision=args.precision, head_dim=d, causal=int(causal),
+                           batch=args.batch, heads=args.heads, seq_len=args.seq_len, kernel=name,
+                           sdpa_ms=round(sdpa_ms, 4), sdpa_over_ms=round(sdpa_ms / row["ms"], 3))
+            show(name, found, tuning.default_config(name, dtype, precision, block_d))
             rows += found
     if args.out:
         with open(args.out, "w", newline="") as f:

@@ -214,7 +214,8 @@ def first_calls(repeat=1):
             if errors:
                 print(f"{label:40} ERROR {errors[0]}")
                 continue
-            r = {key: statistics.median(run[key] for run in runs) for key in ("imported", "first", "second", "sdpa_first")}
+            r = {key: statistics.median(run[key] for run in runs)
+                 for key in ("imported", "first", "second", "sdpa_first")}
             firsts = ", ".join(f"{run['first']:.1f}" for run in runs)
             every = f"  ({firsts})" if repeat > 1 else ""
             print(f"{label:40} {r['imported']:6.1f}s {r['first']:11.1f}s {r['second']:6.2f}s {r['sdpa_first']:8.2f}s "
@@ -248,7 +249,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="only the first-call table")
     p.add_argument("--timeline", action="store_true", help="only where a first call's seconds go")
-    p.add_argument("--repeat", type=int, default=1, help="fresh processes per first-call setting (the median is shown)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="fresh processes per first-call setting (the median is shown)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as bytecode:
         os.environ["PYTHONPYCACHEPREFIX"] = bytecode  # the children's compiled bytecode,

@@ -216,7 +216,7 @@ def ranked(name, dtype, dot_precision, block_d, arch=None):
     fitting = [c for c in configs if fits(name, c, block_d, size, dot_precision, arch)]
     measured = MEASURED_DEFAULTS.get((arch.capability, name, dot_kind(size, dot_precision, arch), block_d))
     if measured is not None and fits(name, measured, block_d, size, dot_precision, arch):
-        fitting = [measured] + [c for c in fitting if _as_dict(c) != _as_dict(measured)]
+        fitting = [measured] + [c for c in fitting if as_dict(c) != as_dict(measured)]
     return fitting or [FALLBACK_CONFIGS[name]]
 
 
@@ -361,7 +361,8 @@ def run(kernel, grid, *args, **kwargs):
 _choosing = threading.RLock()
 
 
-def _as_dict(config):
+def as_dict(config):
+    """A ``triton.Config`` as the keyword arguments of a launch: tiles, ``num_warps``, ``num_stages``."""
     return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -388,16 +389,16 @@ def _default(name, kernel, grid, args, constexprs):
 def _first_default(name, kernel, grid, args, constexprs, key):
     precision, bd = constexprs.get("DOT_PRECISION"), constexprs.get("BLOCK_D")
     first = default_config(name, args[0].dtype, precision, bd)
-    configs = [first] + [c for c in ranked(name, args[0].dtype, precision, bd) if _as_dict(c) != _as_dict(first)]
+    configs = [first] + [c for c in ranked(name, args[0].dtype, precision, bd) if as_dict(c) != as_dict(first)]
     for i, c in enumerate(configs):
         try:
-            run(kernel, grid, *args, **constexprs, **_as_dict(c))
+            run(kernel, grid, *args, **constexprs, **as_dict(c))
         except triton.runtime.errors.OutOfResources:
             if i == len(configs) - 1:
                 raise
             continue
-        _defaults[key] = _as_dict(c)
-        return _as_dict(c)
+        _defaults[key] = as_dict(c)
+        return as_dict(c)
 
 
 # -- Autotuning, kept on disk -------------------------------------------------------------------
@@ -455,12 +456,12 @@ def _autotuned(name, kernel, grid, args, constexprs, seq_len):
     device_name = torch.cuda.get_device_name(args[0].device)
     key = autotune_key(name, kernel, args[0].dtype, constexprs, bucket, device_name)
     kept = _tuned.get(key)
-    if kept is not None and kept in [_as_dict(c) for c in configs + [FALLBACK_CONFIGS[name]]]:
+    if kept is not None and kept in [as_dict(c) for c in configs + [FALLBACK_CONFIGS[name]]]:
         kernel[grid](*args, **constexprs, **kept)
         return dict(kept)
     tuner = _tuner(name, kernel, bucket, configs)
     tuner[grid](*args, **constexprs)
-    chosen = _as_dict(tuner.best_config)
+    chosen = as_dict(tuner.best_config)
     _remember(key, chosen)
     return chosen
 

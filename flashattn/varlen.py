@@ -48,8 +48,7 @@ class Sequences:
         """The tiles kernel ``name`` runs with (a dict): the interpreter's, or the GPU's default."""
         if INTERPRET:
             return dict(tuning.INTERPRETER_CONFIGS[name])
-        config = tuning.default_config(name, dtype, constexprs["DOT_PRECISION"], constexprs["BLOCK_D"])
-        return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        return tuning.as_dict(tuning.default_config(name, dtype, constexprs["DOT_PRECISION"], constexprs["BLOCK_D"]))
 
     def programs(self, side, block, win_left, win_right):
         """The launch table: an int32 tensor ``(programs, 2)`` of ``(sequence, block)``, one row

@@ -60,12 +60,8 @@ def run(tmp_path, fastest, device_name="Fake GPU"):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def as_dict(config):
-    return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-
-
 def test_autotuning_is_kept_on_disk_across_processes(tmp_path):
-    candidates = [as_dict(c) for c in tuning.GPU_CONFIGS["fwd"]]
+    candidates = [tuning.as_dict(c) for c in tuning.GPU_CONFIGS["fwd"]]
     first = run(tmp_path, fastest=2)
     # lengths 1000 and 1024 share a bucket: three keys timed (the tuner launches those), the fourth
     # call goes straight to the kernel with the choice made for its bucket
@@ -118,7 +114,7 @@ def test_without_autotuning_the_default_runs_untimed(monkeypatch):
     constexprs = dict(HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=True, DOT_PRECISION="ieee")
     for _ in range(2):
         ran = tuning._default("bwd_dkdv", FakeKernel(), None, (q,), constexprs)
-    expected = as_dict(tuning.default_config("bwd_dkdv", torch.bfloat16, "ieee", 128))
+    expected = tuning.as_dict(tuning.default_config("bwd_dkdv", torch.bfloat16, "ieee", 128))
     assert ran == expected and len(launched) == 2
     assert all({k: v for k, v in kw.items() if k in expected} == expected for kw in launched)
 

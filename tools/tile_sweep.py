@@ -78,10 +78,6 @@ def parse_only(specs):
     return chosen
 
 
-def as_dict(config):
-    return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-
-
 def run(q, k, v, do, causal, name, config):
     """The forward (``name == "fwd"``) or the backward with ``config`` for kernel ``name``."""
     d = q.shape[-1]
@@ -133,7 +129,7 @@ def sweep(name, configs, inputs, small, refs, causal, precision):
     q, k, v, do = inputs
     d, found = q.shape[-1], []
     for config in configs:
-        cfg = as_dict(config)
+        cfg = tuning.as_dict(config)
         try:
             compile_s, regs, spills = compile_time(name, config, tuning.block_d(d), causal, precision)
             ok = check(name, cfg, d, causal, refs, small)
@@ -148,7 +144,7 @@ def sweep(name, configs, inputs, small, refs, causal, precision):
 
 def show(name, rows, default):
     """One kernel's rows, fastest first (those that spill last), the default marked."""
-    default = as_dict(default)
+    default = tuning.as_dict(default)
     print(f"  {name:8} {'config':22} {'regs':>4} {'spills':>6} {'compile s':>9} {'ms':>8} {'SDPA/ours':>9}  ok",
           flush=True)
     for row in sorted(rows, key=lambda r: (r["spills"] > 0, r["ms"])):
@@ -204,7 +200,7 @@ def main(argv=None):
                 continue
             rejected = [c for c in configs if not tuning.fits(name, c, block_d, 4, precision)]
             for config in rejected:
-                print(f"  {name} {as_dict(config)}: not timed, tuning.fits rejects it", flush=True)
+                print(f"  {name} {tuning.as_dict(config)}: not timed, tuning.fits rejects it", flush=True)
             configs = [c for c in configs if c not in rejected]
             found = sweep(name, configs, (q, k, v, do), small, refs, causal, precision)
             sdpa_ms = sdpa_time(q, k, v, do, causal, name)

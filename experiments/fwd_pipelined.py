@@ -5,13 +5,13 @@ Contiguous (B, H, N, D) inputs, head dim a power of two. Run by
 ``experiments/perf_probe.py --pipelined``.
 
 Kept as measured: it writes out the stage bounds that the package kernels take from
-``flashattn.tiles.kv_stage_bounds``."""
+``flashattn.kernels.tiles.kv_stage_bounds``."""
 import torch
 import triton
 import triton.language as tl
 
-from flashattn.forward import _fwd_inner
-from flashattn.tiles import LOG2E
+from flashattn.kernels.forward import fwd_inner
+from flashattn.kernels.tiles import LOG2E
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def _fwd_pipelined(Q, K, V, O, LSE, n_q, n_kv, qk_scale,
     if kv_full_end > 0:
         acc, m_i, l_i = _inner_pipelined(acc, m_i, l_i, q, K, V, offs_kv0, offs_d, 0, kv_full_end,
                                          qk_scale, BLOCK_D, BLOCK_KV)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, BLOCK_D, 1, BLOCK_D, 1,
+    acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, BLOCK_D, 1, BLOCK_D, 1,
                                offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
                                BLOCK_D, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, "ieee")
     acc = acc / l_i[:, None]

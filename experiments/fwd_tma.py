@@ -2,13 +2,13 @@
 descriptors (Hopper's TMA copy engine) instead of pointer tiles, to measure what TMA buys.
 Contiguous (B, H, N, D) inputs only; fixed configs. Run by ``experiments/perf_probe.py --tma``.
 Kept as measured: it writes out the stage bounds that the package kernels take from
-``flashattn.tiles.kv_stage_bounds``."""
+``flashattn.kernels.tiles.kv_stage_bounds``."""
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashattn.tiles import LOG2E
+from flashattn.kernels.tiles import LOG2E
 
 
 @triton.jit

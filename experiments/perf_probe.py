@@ -1,5 +1,5 @@
 """Where does the time go? The GPU measurements behind docs/performance.md and chapter 08 (the
-full sweep against SDPA is `python -m flashattn.bench`). Needs a CUDA GPU.
+full sweep against SDPA is `python -m flashattn.measure.bench`). Needs a CUDA GPU.
 
     python experiments/perf_probe.py [--settings bf16:128:1:8192 ...] [--tma]
         every tile configuration of every kernel timed at reference settings, next to SDPA
@@ -18,14 +18,15 @@ import os
 import flashattn  # first: it picks the runtime before triton is imported
 import torch
 import triton
-from flashattn import bench, tuning
-from flashattn.bench import DTYPES
+from flashattn.gpu import launcher
+from flashattn.measure import bench
+from flashattn.measure.bench import DTYPES
 
 
 def config_table(seq_len):
     """The autotuner's timings of every candidate, per kernel, fastest first."""
-    bucket = tuning.seq_bucket(seq_len)
-    for (name, b), tuner in sorted(tuning._tuners.items()):
+    bucket = launcher.seq_bucket(seq_len)
+    for (name, b), tuner in sorted(launcher._tuners.items()):
         if b != bucket or not getattr(tuner, "configs_timings", None):
             continue
         timings = sorted(tuner.configs_timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1])
@@ -87,8 +88,8 @@ LADDER = [  # (step, dtype, matmul precision, tiles or None for autotuned)
 
 
 def ladder(path, n=4096, heads=256, head_dim=128, steps=None):
-    from flashattn.backward import attention_backward
-    from flashattn.forward import attention_forward
+    from flashattn.kernels.backward import attention_backward
+    from flashattn.kernels.forward import attention_forward
 
     # The rungs as recorded: float32 at 'highest' in IEEE (not 3xTF32), 16-bit on the Triton kernel.
     os.environ.update(FLASHATTN_TF32X3="0", FLASHATTN_GLUON="0")
@@ -135,7 +136,7 @@ def ladder(path, n=4096, heads=256, head_dim=128, steps=None):
 def pipelined(n=8192, heads=128):
     """The hand-pipelined forward (experiments/fwd_pipelined.py) against the package's
     forward with the same fixed configurations, bf16 and fp16, head dims 64 and 128."""
-    from flashattn.forward import attention_forward
+    from flashattn.kernels.forward import attention_forward
     from fwd_pipelined import forward_pipelined  # next to this script
 
     for dtype, head_dim, causal in ((torch.bfloat16, 128, True), (torch.bfloat16, 128, False),
@@ -160,7 +161,7 @@ def pipelined(n=8192, heads=128):
 
 def memory(path, heads=8, head_dim=128, dtype=torch.bfloat16):
     """Peak memory of one forward + backward, above the inputs, against N."""
-    from flashattn.reference import naive_attention
+    from flashattn.testing.reference import naive_attention
 
     sdpa = bench.provider_fn("sdpa")
     providers = {"naive": lambda q, k, v: naive_attention(q, k, v, is_causal=True)[0],

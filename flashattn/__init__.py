@@ -10,23 +10,25 @@ Importing the package picks the runtime (``flashattn.RUNTIME``): compiled kernel
 or the very same kernels through Triton's interpreter on CPU tensors when there is none. Inputs
 must live on ``flashattn.DEVICE``.
 """
-from .runtime import DEVICE, INTERPRET, RUNTIME, describe  # first: it decides TRITON_INTERPRET
+from .gpu.runtime import DEVICE, INTERPRET, RUNTIME, describe  # first: it decides TRITON_INTERPRET
 
-from .api import attention  # noqa: E402  (the kernels must be defined after the runtime choice)
-from .decode import decode  # noqa: E402
-from .varlen import varlen_attention  # noqa: E402
+from .ops.attention import attention  # noqa: E402  (the kernels must be defined after the runtime choice)
+from .ops.decode import decode  # noqa: E402
+from .ops.varlen import varlen_attention  # noqa: E402
 
-__all__ = ["attention", "varlen_attention", "DEVICE", "INTERPRET", "RUNTIME", "describe"]
-_SUBMODULES = {"api", "autograd", "backward", "bench", "course", "exercises", "forward", "gpus", "notebook",
-               "plotting", "reference", "runtime", "testing", "tiles", "traversal", "tuning", "varlen",
-               "bench_variants"}
+__all__ = ["attention", "varlen_attention", "decode", "DEVICE", "INTERPRET", "RUNTIME", "describe"]
+#: The layers, bottom up (CONTRIBUTING.md draws them; tests/test_layers.py checks that every import
+#: points down this list).
+LAYERS = ("gpu", "kernels", "hopper", "ops", "testing", "plotting", "measure", "course")
 
 
 def __getattr__(name):
-    """``flashattn.exercises`` and friends work after a plain ``import flashattn``: a submodule
-    is imported the first time it is used (so importing the package stays light)."""
-    if name in _SUBMODULES:
+    """``flashattn.course`` and the other layers work after a plain ``import flashattn``: a
+    subpackage is imported the first time it is used (so importing the package stays light)."""
+    if name in LAYERS:
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'flashattn' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"

@@ -24,9 +24,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def solutions():
     """``solutions(chapter, edits=(), stub=None)``: every solution cell of notebooks/<chapter>_*.ipynb
-    as one module (``flashattn.exercises.solutions.load``), e.g. ``solutions("04").fwd_inner``;
+    as one module (``flashattn.course.exercises.solutions.load``), e.g. ``solutions("04").fwd_inner``;
     ``edits`` writes a deliberate mistake into it, ``stub`` stubs one exercise (a grade_id)."""
-    from flashattn.exercises.solutions import load
+    from flashattn.course.exercises.solutions import load
 
     def get(chapter, edits=(), stub=None):
         (path,) = NOTEBOOKS.glob(f"{chapter}_*.ipynb")
@@ -94,7 +94,7 @@ def nan_buffers(monkeypatch):
     a kernel leaves unwritten (on a GPU, garbage) then shows as NaN on the CPU too."""
     import torch
 
-    from flashattn import backward, forward
+    from flashattn.kernels import backward, forward
 
     def filled(make):
         def make_filled(*args, **kwargs):

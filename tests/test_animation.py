@@ -8,7 +8,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flashattn import plotting, reference, traversal  # noqa: E402
+from flashattn import plotting
+from flashattn.kernels import traversal
+from flashattn.testing import reference  # noqa: E402
 
 # most tests look at an animation's frames without rendering it, which matplotlib warns about
 pytestmark = pytest.mark.filterwarnings("ignore:Animation was deleted without rendering")

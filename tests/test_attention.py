@@ -1,6 +1,6 @@
 """flashattn.attention against a float64 reference: forward, LSE and all three gradients.
 
-The rule (flashattn.testing): the error against float64 may be at most 2x (output, LSE) or 3x
+The rule (flashattn.testing.rule): the error against float64 may be at most 2x (output, LSE) or 3x
 (gradients) the error that plain PyTorch attention makes in the same dtype against the same
 float64 reference, plus a floor of a few roundings of the dtype. Upstream gradients reach both
 the output and the LSE, so the LSE's backward is tested too.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import flashattn
-from flashattn.api import SUPPORTED_DTYPES as DTYPES
-from flashattn.testing import compare_with_reference
+from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
+from flashattn.testing.rule import compare_with_reference
 
 DEVICE = flashattn.DEVICE
 # Lengths that are not multiples of any tile (1, 17, 69, 113), one that is (128), one longer than
@@ -98,7 +98,7 @@ def test_sliced_inputs_and_non_contiguous_upstream_gradient():
     assert not do.is_contiguous()
     grads = torch.autograd.grad(out, (q, k, v), do)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_grads = torch.autograd.grad(flashattn.reference.naive_attention(*ref)[0], ref, do.double())
+    ref_grads = torch.autograd.grad(flashattn.testing.reference.naive_attention(*ref)[0], ref, do.double())
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -155,7 +155,7 @@ def test_zero_length_sequences():
 
     q, k, v = (t.requires_grad_() for t in make_qkv(5, 0, 32, torch.float32))
     out, lse = flashattn.attention(q, k, v, is_causal=True, return_lse=True)
-    ref, ref_lse = flashattn.reference.naive_attention(q, k, v, is_causal=True)
+    ref, ref_lse = flashattn.testing.reference.naive_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, ref)  # an empty sum of values: zeros, like SDPA
     assert torch.equal(lse, ref_lse)      # log of an empty sum: -inf, like torch.logsumexp
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
@@ -167,7 +167,7 @@ def test_gradient_through_lse_only():
     _, lse = flashattn.attention(q, k, v, is_causal=True, return_lse=True)
     got = torch.autograd.grad(lse.sum(), (q, k, v), allow_unused=True)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(flashattn.reference.naive_attention(*ref, is_causal=True)[1].sum(),
+    want = torch.autograd.grad(flashattn.testing.reference.naive_attention(*ref, is_causal=True)[1].sum(),
                                ref, allow_unused=True)
     for g, w, t in zip(got, want, ref):
         w = torch.zeros_like(t) if w is None else w  # the LSE does not depend on V
@@ -191,7 +191,7 @@ def test_the_tf32_rule_passes_tf32_and_rejects_a_slightly_wrong_kernel(precision
     """With TF32 matmuls allowed, the baseline is PyTorch on TF32-rounded inputs and the floor is
     at TF32's unit roundoff: a kernel that rounds its operands to TF32 passes, one whose scale is
     off by 1% still fails every quantity."""
-    from flashattn.testing import round_to_tf32, unit_roundoff
+    from flashattn.testing.rule import round_to_tf32, unit_roundoff
 
     q, k, v = make_qkv(69, 69, 64, torch.float32)
     previous = torch.get_float32_matmul_precision()
@@ -215,7 +215,7 @@ def test_the_tf32_rule_passes_tf32_and_rejects_a_slightly_wrong_kernel(precision
 
 
 def test_round_to_tf32():
-    from flashattn.testing import round_to_tf32
+    from flashattn.testing.rule import round_to_tf32
 
     x = torch.tensor([1.0, 1.0 + 2.0 ** -10, 1.0 + 2.0 ** -11, 1.0 + 2.0 ** -12, -(1.0 + 2.0 ** -11), 3.0e38,
                       float("inf"), 0.0])
@@ -225,16 +225,16 @@ def test_round_to_tf32():
 
 
 def test_tf32x3_candidates_avoid_the_compiler_fault():
-    """tuning.fits excludes the 3xTF32 tiles that the compiler got wrong on an H200 (a 64-row
+    """configs.fits excludes the 3xTF32 tiles that the compiler got wrong on an H200 (a 64-row
     wgmma spread over 8 warps) and keeps every other 3xTF32 candidate it would keep anyway."""
-    from flashattn import tuning
+    from flashattn.gpu import configs
 
     bad = triton_config(16, 64, 8, 2)
     for block_d in (32, 64):
-        assert not tuning.fits("bwd_dkdv", bad, block_d, 4, "tf32x3")
-        assert tuning.fits("bwd_dkdv", bad, block_d, 4, "tf32")  # the rule is 3xTF32's alone
+        assert not configs.fits("bwd_dkdv", bad, block_d, 4, "tf32x3")
+        assert configs.fits("bwd_dkdv", bad, block_d, 4, "tf32")  # the rule is 3xTF32's alone
     for name in ("fwd", "bwd_dkdv", "bwd_dq"):
-        for c in tuning.TF32X3_CONFIGS[name]:
+        for c in configs.TF32X3_CONFIGS[name]:
             resident = c.kwargs["BLOCK_KV" if name == "bwd_dkdv" else "BLOCK_Q"]
             faulty = 64 <= resident < 16 * c.num_warps
             assert faulty == (c.kwargs == bad.kwargs and c.num_warps == 8), (name, c)

@@ -45,7 +45,7 @@ def scratch_notebook(mistakes=()):
     in, then a last cell that says the run got there."""
     chapter = nbformat.read(CHAPTER, as_version=4)
     first = next(i for i, c in enumerate(chapter.cells) if _meta(c).get("solution")) - 1
-    cells = [nbformat.v4.new_code_cell("import math\n\nimport torch\n\nimport flashattn.exercises")]
+    cells = [nbformat.v4.new_code_cell("import math\n\nimport torch\n\nimport flashattn.course.exercises")]
     for cell in chapter.cells[first:]:
         cell = nbformat.from_dict(cell)
         gid = _meta(cell).get("grade_id")
@@ -176,7 +176,7 @@ def test_nbgrader_scores_a_stub_0_and_the_solution_full_marks(course):
     from nbgrader.validator import Validator
 
     failed = Validator().validate(str(root / "submitted" / "wrong" / "ps" / "ps.ipynb"))["failed"]
-    assert [f["source"] for f in failed] == ["flashattn.exercises.check_merge_softmax_states(merge_softmax_states)"]
+    assert [f["source"] for f in failed] == ["flashattn.course.exercises.check_merge_softmax_states(merge_softmax_states)"]
     assert one_line({"traceback": [failed[0]["raw_error"]]}) == message
 
     (feedback,) = (root / "feedback" / "wrong" / "ps").glob("*.html")

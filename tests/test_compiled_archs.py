@@ -4,7 +4,7 @@ spilling and within the shared memory the architecture gives a block. No GPU is 
 compiles for any target.
 
 The compiling is ``tools/compile_check.py``'s (run in a child process that believes it has a GPU;
-nothing is launched): the defaults of ``flashattn/defaults.py``, one compile per distinct kernel,
+nothing is launched): the defaults of ``flashattn/gpu/defaults.py``, one compile per distinct kernel,
 dtype and dot precision, head-dim class and configuration. The other tests here check, on the CPU,
 that the table covers every architecture and that the decisions around it (the rules against each
 architecture's limits, bfloat16 before sm_80) are the ones the table was built with.
@@ -20,8 +20,9 @@ import torch
 
 import flashattn  # before triton: on a CPU it picks the interpreter
 import triton
-from flashattn import compiled, gpus, runtime, tuning
-from flashattn.defaults import DEFAULTS
+from flashattn.gpu import archs, runtime, configs
+from flashattn.measure import compiled
+from flashattn.gpu.defaults import DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,34 +43,34 @@ def test_every_default_compiles_for_every_architecture():
 
 
 def test_the_table_covers_every_architecture_kernel_dtype_and_head_dim():
-    assert sorted(DEFAULTS) == sorted(gpus.ARCHS) == [75, 80, 86, 89, 90]
-    for capability, arch in gpus.ARCHS.items():
+    assert sorted(DEFAULTS) == sorted(archs.ARCHS) == [75, 80, 86, 89, 90]
+    for capability, arch in archs.ARCHS.items():
         missing = [key for key in compiled.table_keys(arch)
                    if key[3] not in DEFAULTS[capability].get(key[:3], {})]
         assert not missing, (f"sm_{capability}: no default for {missing[:5]} "
                              "(run tools/compile_check.py --write-defaults)")
 
 
-@pytest.mark.parametrize("capability", sorted(gpus.ARCHS))
+@pytest.mark.parametrize("capability", sorted(archs.ARCHS))
 def test_defaults_obey_the_architecture(capability):
     """Every entry keeps the dK/dV kernel's divisibility and, by the rules' own count, the
     architecture's shared memory; on sm_90 the measured winners are used wherever they compiled
     cleanly."""
-    arch = gpus.ARCHS[capability]
+    arch = archs.ARCHS[capability]
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     for (name, dtype, precision), by_dim in DEFAULTS[capability].items():
         for block_d, spec in by_dim.items():
             if spec is None:  # no tile fits: refused (test_what_no_tile_fits_is_refused_by_name)
                 continue
             bq, bkv, warps, stages = spec
-            config = tuning.default_config(name, dtypes[dtype], precision, block_d, arch)
+            config = configs.default_config(name, dtypes[dtype], precision, block_d, arch)
             assert (config.kwargs.get("BLOCK_Q"), config.kwargs.get("BLOCK_KV", 0), config.num_warps,
                     config.num_stages) == (bq, bkv, warps, stages)
             if name == "bwd_preprocess":
                 continue
-            roomy = gpus.Arch(capability, arch.gpus, arch.smem_per_block, arch.regs_per_sm,
+            roomy = archs.Arch(capability, arch.gpus, arch.smem_per_block, arch.regs_per_sm,
                               tuple((kind, 1e9) for kind, _ in arch.register_budget))
-            assert tuning.fits(name, config, block_d, dtypes[dtype].itemsize, precision, roomy), \
+            assert configs.fits(name, config, block_d, dtypes[dtype].itemsize, precision, roomy), \
                 (capability, name, dtype, precision, block_d, config)
 
 
@@ -77,12 +78,12 @@ def test_rules_read_the_architecture():
     """The same tile is judged by each GPU's own limits: a 128 x 64 forward tile in 3 stages at head
     dim 128 (128 KB of shared memory by the rule) fits an A100 or H100, not an L4 or a T4."""
     config = triton.Config({"BLOCK_Q": 128, "BLOCK_KV": 64}, num_warps=8, num_stages=3)
-    fits = {c: tuning.fits("fwd", config, 128, 2, "ieee", arch) for c, arch in gpus.ARCHS.items()}
+    fits = {c: configs.fits("fwd", config, 128, 2, "ieee", arch) for c, arch in archs.ARCHS.items()}
     assert fits == {75: False, 80: True, 86: False, 89: False, 90: True}
     # on the CPU the rules are the reference GPU's
     if flashattn.INTERPRET:
-        assert gpus.current() is gpus.REFERENCE
-        assert tuning.fits("fwd", config, 128, 2) == tuning.fits("fwd", config, 128, 2, arch=gpus.ARCHS[90])
+        assert archs.current() is archs.REFERENCE
+        assert configs.fits("fwd", config, 128, 2) == configs.fits("fwd", config, 128, 2, arch=archs.ARCHS[90])
 
 
 def test_a_device_is_read_from_its_properties(monkeypatch):
@@ -92,16 +93,16 @@ def test_a_device_is_read_from_its_properties(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    gpus._device.cache_clear()
+    archs._device.cache_clear()
     try:
-        arch = gpus._device(0)
+        arch = archs._device(0)
         assert (arch.capability, arch.smem_per_block, arch.tensor_cores) == (89, 101376, True)
-        assert arch.register_budget == gpus.ARCHS[89].register_budget
-        assert gpus.arch_of((8, 7)) is gpus.ARCHS[86] and gpus.arch_of((10, 0)) is gpus.ARCHS[90]
+        assert arch.register_budget == archs.ARCHS[89].register_budget
+        assert archs.arch_of((8, 7)) is archs.ARCHS[86] and archs.arch_of((10, 0)) is archs.ARCHS[90]
         with pytest.raises(RuntimeError, match="older than the oldest"):
-            gpus.arch_of((7, 0))
+            archs.arch_of((7, 0))
     finally:
-        gpus._device.cache_clear()
+        archs._device.cache_clear()
 
 
 def test_bfloat16_before_sm80_runs_in_float32():
@@ -110,14 +111,14 @@ def test_bfloat16_before_sm80_runs_in_float32():
     assert runtime.bf16_in_float32(False, (7, 5))
     assert not runtime.bf16_in_float32(False, (8, 0)) and not runtime.bf16_in_float32(False, (9, 0))
     assert runtime.bf16_in_float32(True)  # the interpreter, whatever the GPU
-    t4 = gpus.ARCHS[75]
+    t4 = archs.ARCHS[75]
     assert compiled.dtype_paths(t4) == [("fp16", "ieee"), ("fp32", "ieee")]
     for dtype in (torch.float16, torch.float32):
         for precision in ("ieee", "tf32", "tf32x3"):
-            assert tuning.candidates("fwd", dtype, precision, t4) is tuning.FMA_CONFIGS["fwd"]
-    assert tuning.dot_kind(2, "ieee", gpus.ARCHS[80]) == "mma"
-    assert tuning.dot_kind(4, "tf32x3", gpus.ARCHS[80]) == "tf32x3"
-    assert tuning.dot_kind(2, "ieee", t4) == tuning.dot_kind(4, "tf32", t4) == "fma"
+            assert configs.candidates("fwd", dtype, precision, t4) is configs.FMA_CONFIGS["fwd"]
+    assert configs.dot_kind(2, "ieee", archs.ARCHS[80]) == "mma"
+    assert configs.dot_kind(4, "tf32x3", archs.ARCHS[80]) == "tf32x3"
+    assert configs.dot_kind(2, "ieee", t4) == configs.dot_kind(4, "tf32", t4) == "fma"
 
 
 def test_what_no_tile_fits_is_refused_by_name():
@@ -128,18 +129,18 @@ def test_what_no_tile_fits_is_refused_by_name():
                for key, by_dim in entries.items() for block_d, spec in by_dim.items() if spec is None]
     for capability, (name, dtype, precision), block_d in refused:
         torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-        with pytest.raises(ValueError, match=rf"\({gpus.ARCHS[capability].name}\) has too little room .* "
+        with pytest.raises(ValueError, match=rf"\({archs.ARCHS[capability].name}\) has too little room .* "
                                              rf"Use head dims up to {block_d // 2}"):
-            tuning.default_config(name, torch_dtype, precision, block_d, gpus.ARCHS[capability])
+            configs.default_config(name, torch_dtype, precision, block_d, archs.ARCHS[capability])
     # today: the backward at head dims 129-256 on a T4, and nothing else
     assert sorted((c, key[:2], d) for c, key, d in refused) == [
         (75, ("bwd_dkdv", "fp16"), 256), (75, ("bwd_dkdv", "fp32"), 256), (75, ("bwd_dq", "fp16"), 256)]
 
 
 def _on_sm90(monkeypatch):
-    monkeypatch.setattr(tuning, "_tensor_cores", lambda: True)
-    monkeypatch.setattr(gpus, "_assumed", gpus.ARCHS[90])
-    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.setattr(configs, "_tensor_cores", lambda: True)
+    monkeypatch.setattr(archs, "_assumed", archs.ARCHS[90])
+    monkeypatch.setattr(configs, "INTERPRET", False)
 
 
 def test_highest_float32_multiplies_in_ieee_by_default(monkeypatch):
@@ -147,11 +148,11 @@ def test_highest_float32_multiplies_in_ieee_by_default(monkeypatch):
     float32 is IEEE unless FLASHATTN_TF32X3=1 asks; 'high' stays TF32."""
     _on_sm90(monkeypatch)
     monkeypatch.delenv("FLASHATTN_TF32X3", raising=False)
-    assert [tuning.dot_precision(torch.float32, d) for d in (16, 64, 128, 256, None)] == ["ieee"] * 5
+    assert [configs.dot_precision(torch.float32, d) for d in (16, 64, 128, 256, None)] == ["ieee"] * 5
     monkeypatch.setenv("FLASHATTN_TF32X3", "0")
-    assert tuning.dot_precision(torch.float32, 64) == "ieee"
+    assert configs.dot_precision(torch.float32, 64) == "ieee"
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
-    assert tuning.dot_precision(torch.float32, 64) == "tf32"
+    assert configs.dot_precision(torch.float32, 64) == "tf32"
 
 
 def test_tf32x3_on_request_warns_once_and_stops_at_head_dim_128(monkeypatch):
@@ -159,10 +160,10 @@ def test_tf32x3_on_request_warns_once_and_stops_at_head_dim_128(monkeypatch):
     GPU: IEEE there), with one warning per process that it is experimental."""
     _on_sm90(monkeypatch)
     monkeypatch.setenv("FLASHATTN_TF32X3", "1")
-    monkeypatch.setattr(tuning, "_TF32X3_WARNED", [])
+    monkeypatch.setattr(configs, "_TF32X3_WARNED", [])
     with pytest.warns(RuntimeWarning, match="experimental"):
-        assert [tuning.dot_precision(torch.float32, d) for d in (16, 64, 128, 256)] == ["tf32x3"] * 3 + ["ieee"]
+        assert [configs.dot_precision(torch.float32, d) for d in (16, 64, 128, 256)] == ["tf32x3"] * 3 + ["ieee"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert tuning.dot_precision(torch.float32, 32) == "tf32x3"  # no second warning
-    assert tuning.dot_precision(torch.float16, 256) == "ieee"
+        assert configs.dot_precision(torch.float32, 32) == "tf32x3"  # no second warning
+    assert configs.dot_precision(torch.float16, 256) == "ieee"

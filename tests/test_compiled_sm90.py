@@ -92,9 +92,9 @@ def check_accumulation(compiled):
 def check_exercises(compiled):
     import triton
 
-    from flashattn import exercises as ex
-    from flashattn.exercises.common import launch_error
-    from flashattn.exercises.solutions import load
+    from flashattn.course import exercises as ex
+    from flashattn.course.exercises.common import launch_error
+    from flashattn.course.exercises.solutions import load
 
     def notebook(chapter, stub=None):
         (path,) = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
@@ -187,7 +187,7 @@ def _child(check):
     torch.cuda.is_available = lambda: True  # flashattn then defines its kernels for the compiler
     torch.cuda.get_device_name = lambda *args: "sm_90, compile only"
     try:
-        from flashattn import compiled
+        from flashattn.measure import compiled
     except ImportError as error:
         print(f"no Triton CUDA compiler: {error}")
         sys.exit(SKIP)

@@ -1,7 +1,7 @@
 """A chapter opened on its own: the first cell every chapter shares, where it finds flashattn, and a
 chapter copied alone into an empty folder, run top to bottom.
 
-flashattn/course.py says once where the course lives; the first cell of every notebook and the
+flashattn/course/site.py says once where the course lives; the first cell of every notebook and the
 README's Colab links are written from it by tools/sync_course.py, and these tests fail when they
 drift from it.
 """
@@ -16,8 +16,8 @@ import nbformat
 import pytest
 
 import flashattn
-from flashattn import course
-from flashattn.notebook import execute
+from flashattn.course import site
+from flashattn.course.notebook import execute
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_ROOT = str(Path(flashattn.__file__).resolve().parent.parent)  # the flashattn under test
@@ -37,8 +37,8 @@ def first_code_cell(path):
 @pytest.mark.parametrize("path", sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("exercises/*.ipynb")),
                          ids=lambda path: f"{path.parent.name}/{path.stem}")
 def test_first_code_cell_is_the_canonical_one(path):
-    if first_code_cell(path).source != course.first_cell():
-        pytest.fail(f"{path.parent.name}/{path.name}: its first code cell is not flashattn.course.first_cell(); "
+    if first_code_cell(path).source != site.first_cell():
+        pytest.fail(f"{path.parent.name}/{path.name}: its first code cell is not flashattn.course.site.first_cell(); "
                     "run `python tools/sync_course.py`", pytrace=False)
 
 
@@ -50,14 +50,14 @@ def test_first_cell_and_colab_links_are_current():
 
 
 def test_course_addresses():
-    assert course.pip_source() == f"git+{course.REPOSITORY}@{course.BRANCH}"
-    owner_name = course.REPOSITORY.removeprefix("https://github.com/")
-    assert course.colab_url("notebooks/x.ipynb") == (
-        f"https://colab.research.google.com/github/{owner_name}/blob/{course.BRANCH}/notebooks/x.ipynb")
+    assert site.pip_source() == f"git+{site.REPOSITORY}@{site.BRANCH}"
+    owner_name = site.REPOSITORY.removeprefix("https://github.com/")
+    assert site.colab_url("notebooks/x.ipynb") == (
+        f"https://colab.research.google.com/github/{owner_name}/blob/{site.BRANCH}/notebooks/x.ipynb")
     readme = (ROOT / "README.md").read_text(encoding="utf8")
     for path in sorted(ROOT.glob("notebooks/*.ipynb")):
-        assert course.colab_url(f"notebooks/{path.name}") in readme, path.name
-        assert course.colab_url(f"exercises/{path.name}") in readme, path.name
+        assert site.colab_url(f"notebooks/{path.name}") in readme, path.name
+        assert site.colab_url(f"exercises/{path.name}") in readme, path.name
 
 
 # The first cell's three ways, each run in a fresh interpreter that pretends flashattn is not
@@ -87,7 +87,7 @@ print(json.dumps(dict(outcome=outcome, pip=pip, path0=sys.path[0])))
 
 def run_first_cell(scenario, cwd):
     result = subprocess.run([sys.executable, "-c", FIRST_CELL_SCENARIO, scenario, PACKAGE_ROOT],
-                            input=course.first_cell(), cwd=cwd, capture_output=True, text=True,
+                            input=site.first_cell(), cwd=cwd, capture_output=True, text=True,
                             env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -102,31 +102,31 @@ def test_first_cell_in_the_checkout_uses_it():
 def test_first_cell_on_colab_installs_from_the_repository(tmp_path):
     seen = run_first_cell("colab", tmp_path)
     assert seen["outcome"] == "imported", seen
-    assert seen["pip"] == [[sys.executable, "-m", "pip", "install", "--quiet", course.pip_source()]], seen
+    assert seen["pip"] == [[sys.executable, "-m", "pip", "install", "--quiet", site.pip_source()]], seen
 
 
 def test_first_cell_elsewhere_says_what_to_run(tmp_path):
     seen = run_first_cell("elsewhere", tmp_path)
     assert seen["pip"] == [], seen
-    assert seen["outcome"] == (f'flashattn is not installed: run  pip install "{course.pip_source()}"  '
+    assert seen["outcome"] == (f'flashattn is not installed: run  pip install "{site.pip_source()}"  '
                                'and restart the kernel.'), seen
 
 
 def test_recorded_data_found_in_the_checkout_or_downloaded(tmp_path, monkeypatch):
-    assert course.data_file("h200_bench.csv") == ROOT / "figures" / "data" / "h200_bench.csv"
+    assert site.data_file("h200_bench.csv") == ROOT / "figures" / "data" / "h200_bench.csv"
     # away from a checkout: fetched from the repository's address once, then kept in the cache
-    monkeypatch.setattr(course, "_checkouts", lambda: [tmp_path / "nowhere"])
+    monkeypatch.setattr(site, "_checkouts", lambda: [tmp_path / "nowhere"])
     monkeypatch.setenv("FLASHATTN_CACHE_DIR", str(tmp_path / "cache"))
     fetched = []
-    monkeypatch.setattr(course, "raw_url", lambda path: fetched.append(path) or (ROOT / path).as_uri())
+    monkeypatch.setattr(site, "raw_url", lambda path: fetched.append(path) or (ROOT / path).as_uri())
     for _ in range(2):
-        path = course.data_file("h200_ladder.csv")
+        path = site.data_file("h200_ladder.csv")
         assert path.is_relative_to(tmp_path / "cache")
         assert path.read_bytes() == (ROOT / "figures" / "data" / "h200_ladder.csv").read_bytes()
     assert fetched == ["figures/data/h200_ladder.csv"]
-    monkeypatch.setattr(course, "raw_url", lambda path: (tmp_path / "missing.csv").as_uri())
+    monkeypatch.setattr(site, "raw_url", lambda path: (tmp_path / "missing.csv").as_uri())
     with pytest.raises(FileNotFoundError, match="h200_memory.csv is not in a checkout"):
-        course.data_file("h200_memory.csv")
+        site.data_file("h200_memory.csv")
 
 
 def test_a_chapter_copied_alone_runs_top_to_bottom(tmp_path):
@@ -169,7 +169,7 @@ torch.cuda.synchronize = lambda *args: None
 sys.path.insert(0, "tools")
 import first_call
 exec(first_call.TIMELINE)
-from flashattn import compiled
+from flashattn.measure import compiled
 compiled.compile_kernel("bwd_preprocess", "fp16", dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_Q=64))
 print(json.dumps(sorted({label.split(" of ")[0].strip() for _, label, _, _ in EVENTS})))
 """

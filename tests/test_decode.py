@@ -1,6 +1,6 @@
 """flashattn.decode against a float64 reference: KV caches, grouped heads, split-KV.
 
-Each case is judged by the rule of flashattn.testing (error against float64 at most 2x the error of
+Each case is judged by the rule of flashattn.testing.rule (error against float64 at most 2x the error of
 plain PyTorch in the same dtype, plus a floor) on the output and the LSE. Rows with no keys
 (L = 0) must give exactly 0 and -inf. The caches hold NaN past every valid length, so a kernel that
 reads one entry too many fails loudly. The tests marked ``gpu`` run only on a CUDA GPU: long
@@ -13,14 +13,16 @@ import pytest
 import torch
 
 import flashattn
-from flashattn.decode import MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits, decode_forward, max_block_r
-from flashattn.reference import decode_reference, decode_split_partials, naive_attention
-from flashattn.traversal import decode_split_bounds
-from flashattn.testing import judge
+from flashattn.kernels.decode import (MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits, decode_forward,
+                                      max_block_r)
+from flashattn.testing.reference import decode_reference, decode_split_partials, naive_attention
+from flashattn.kernels.traversal import decode_split_bounds
+from flashattn.testing.rule import judge
 
 DEVICE = flashattn.DEVICE
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DECODE = sys.modules["flashattn.decode"]  # the module (flashattn.decode is the function)
+from flashattn.kernels import decode as kernel_decode  # noqa: E402
+from flashattn.ops import decode as DECODE  # noqa: E402  (flashattn.decode is the function)
 
 
 def make_cache(lengths, n_max, heads, kv_heads, n_q, head_dim, dtype, seed=0, garbage=float("nan"),
@@ -240,10 +242,10 @@ def test_float32_decoding_never_takes_3xtf32(monkeypatch, asked, used):
     """Where the attention kernels take 3xTF32 for 'highest' float32 (FLASHATTN_TF32X3=1 on a GPU),
     decode still multiplies in IEEE float32 (3xTF32 decode tiles spill and overflow shared
     memory: tests/test_decode_compile.py)."""
-    from flashattn import tuning
+    from flashattn.gpu import configs
 
-    monkeypatch.setattr(tuning, "dot_precision", lambda dtype: asked)
-    assert tuning.decode_precision(torch.float32) == used
+    monkeypatch.setattr(configs, "dot_precision", lambda dtype: asked)
+    assert configs.decode_precision(torch.float32) == used
 
 
 def test_inputs_that_require_grad():
@@ -354,7 +356,7 @@ def test_many_lengths_are_checked_too():
 
 def test_the_host_settings_are_checked():
     with pytest.raises(ValueError, match="launch='fast'"):
-        DECODE._set_host(launch="fast")
+        kernel_decode.set_host(launch="fast")
 
 
 def test_a_plan_for_each_layout_and_dtype(monkeypatch):
@@ -415,11 +417,11 @@ def test_gpu_every_split_count_the_heuristic_can_choose(dtype):
 @pytest.mark.parametrize("candidate", range(8))
 def test_gpu_every_candidate_configuration(candidate):
     """The configurations the decode benchmark times, on the benchmark's shapes and ragged lengths."""
-    from flashattn import tuning
+    from flashattn.gpu import configs
 
-    c = tuning.DECODE_CANDIDATES[candidate]
+    c = configs.DECODE_CANDIDATES[candidate]
     q, k, v, lens = gpu_case([1, 4096, 3001, 129], 4096, torch.bfloat16, n_q=1)
-    config = tuning.decode_config(q.dtype, "ieee", 16, 128, c)
+    config = configs.decode_config(q.dtype, "ieee", 16, 128, c)
     for num_splits in (1, 5):
         out, lse = decode_forward(q, k, v, lens.cuda(), 4096, 128 ** -0.5, num_splits, config)
         ref_out, ref_lse = decode_reference(q.double(), k.double(), v.double(), lens)
@@ -432,14 +434,14 @@ def test_gpu_every_candidate_configuration(candidate):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_later_calls_launch_the_compiled_kernels_directly(dtype):
     """After the first call, decode launches the kernels Triton compiled for it without going
-    through Triton's JIT (decode._launch): the answers stay right as the lengths change (and the
+    through Triton's JIT (flashattn.gpu.direct.launch): the answers stay right as the lengths change (and the
     split count with them), with the lengths on the CPU and on the GPU."""
     q, k, v, _ = gpu_case([4096] * 4, 4096, dtype, heads=8, kv_heads=2)
     for lengths in ([4096, 100, 0, 3000], [1, 4096, 2000, 7], [4096] * 4, [64, 3, 0, 1]):
         lens = torch.tensor(lengths, dtype=torch.int32)
         for where in ("cpu", "cuda"):
             assert_rule(check(q, k, v, lens.to(where)))
-    plan = DECODE._PLANS[DECODE._plan_key(q, k, v, lens)]
+    plan = DECODE.plan_for(q, k, v, lens)
     assert plan.kernels, "no compiled kernel was kept for direct launches"
 
 

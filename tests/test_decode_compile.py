@@ -1,7 +1,7 @@
 """The decode kernels as an H100/H200 (sm_90) builds them: compiled on any machine, resources checked.
 
 The interpreter ignores layouts, registers and shared memory. This test compiles the decode
-configurations that ``tuning.decode_config`` can hand out (``flashattn.compiled.decode_launches``),
+configurations that ``configs.decode_config`` can hand out (``flashattn.measure.compiled.decode_launches``),
 and the merge kernel, and fails if one does not compile, spills registers to local memory or needs
 more shared memory than a block may have. ``python tools/compile_check.py --kernel decode_split``
 prints the same table (``--all`` adds every candidate the decode benchmark times).
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (dtype, head dim, dot precision, query rows per tile): 16 rows is 4 query heads per KV head and
 # one new token; 32 and 64 rows take more heads or tokens (float32 tiles stop at 32 rows,
 # decode.max_block_r); IEEE float32 multiplies without tensor cores (its own small
-# configuration), TF32 with them; decode never uses 3xTF32 (tuning.decode_precision).
+# configuration), TF32 with them; decode never uses 3xTF32 (configs.decode_precision).
 CASES = [("bf16", 128, "ieee", 16), ("fp16", 128, "ieee", 16), ("bf16", 64, "ieee", 16),
          ("bf16", 256, "ieee", 16), ("bf16", 128, "ieee", 32), ("bf16", 128, "ieee", 64),
          ("bf16", 256, "ieee", 64), ("fp32", 128, "ieee", 16), ("fp32", 256, "ieee", 32),
@@ -67,7 +67,7 @@ def test_direct_launches_are_the_jits():
 def check_decode(compiled):
     import torch
 
-    from flashattn.decode import MAX_SPLITS, max_block_r
+    from flashattn.kernels.decode import MAX_SPLITS, max_block_r
 
     assert max(splits for _, splits in MERGES) == MAX_SPLITS
     assert max_block_r(torch.float32) == 32 and max_block_r(torch.bfloat16) == 64
@@ -98,7 +98,7 @@ def _child():
     torch.cuda.is_available = lambda: True  # flashattn then defines its kernels for the compiler
     torch.cuda.get_device_name = lambda *args: "sm_90, compile only"
     try:
-        from flashattn import compiled
+        from flashattn.measure import compiled
     except ImportError as error:
         print(f"no Triton CUDA compiler: {error}")
         sys.exit(SKIP)
@@ -146,7 +146,7 @@ def _launches_child():
         sys.exit(SKIP)
     import flashattn
 
-    dec = sys.modules["flashattn.decode"]
+    dec = sys.modules["flashattn.kernels.decode"]
 
     def misaligned(shape, dtype):  # a view 2 bytes past an aligned address
         return torch.randn(1 + torch.Size(shape).numel()).to(dtype)[1:].view(shape)
@@ -180,7 +180,7 @@ def _launches_child():
     problems = []
     runs = {name: [] for name in cases}
     jit_runs = {"split": 0, "merge": 0}
-    for kernel, label in ((dec._decode_split, "split"), (dec._decode_merge, "merge")):
+    for kernel, label in ((dec.decode_split, "split"), (dec.decode_merge, "merge")):
         def counting(*args, _run=kernel.run, _label=label, **kwargs):
             jit_runs[_label] += 1
             return _run(*args, **kwargs)
@@ -207,11 +207,11 @@ def _launches_child():
             problems.append(f"{name}: launched the compiled kernel of {other}")
     if [len(calls[0]) for calls in runs.values()] != [2, 1, 2, 2, 2, 2, 2, 1, 1]:
         problems.append("expected a split and a merge launch, or one launch for one split")
-    # Every way of launching and of allocating that decode._HOST offers (the benchmark switches
+    # Every way of launching and of allocating that kernels.decode.HOST offers (the benchmark switches
     # them) launches the same kernels on the same arguments, with lse returned or not.
     for launch in dec.HOST_CHOICES["launch"]:
         for buffers in dec.HOST_CHOICES["buffers"]:
-            dec._set_host(launch=launch, buffers=buffers)
+            dec.set_host(launch=launch, buffers=buffers)
             for name, (q, k, v, lengths, precision) in cases.items():
                 for return_lse in (False, True):
                     torch.set_float32_matmul_precision(precision)
@@ -228,7 +228,7 @@ def _launches_child():
     # With a launch hook registered (a profiler's), the launcher way hands the hooks their calls
     from triton import knobs
 
-    dec._set_host(launch="launcher", buffers="one")
+    dec.set_host(launch="launcher", buffers="one")
     torch.set_float32_matmul_precision("highest")
     q, k, v, lengths, _ = cases["bf16, 16 splits"]
     hook = lambda metadata: None  # noqa: E731

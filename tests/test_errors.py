@@ -59,7 +59,7 @@ def test_tensors_on_another_device():
 
 
 def test_explicit_config_that_cannot_work():
-    from flashattn.backward import attention_backward
+    from flashattn.kernels.backward import attention_backward
     q = t(1, 1, 8, 16)
     with pytest.raises(ValueError, match="BLOCK_Q must divide BLOCK_KV"):
         attention_backward(q, q, q, q, q[..., 0].float(), q, False, 0.25,

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 import flashattn
-from flashattn import exercises as ex
-from flashattn.exercises.solutions import cells, grade_id
+from flashattn.course import exercises as ex
+from flashattn.course.exercises.solutions import cells, grade_id
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

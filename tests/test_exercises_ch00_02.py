@@ -2,7 +2,7 @@
 with a message that names the mistake. (tests/test_exercise_checks.py runs every solution and stub.)"""
 import pytest
 
-from flashattn import exercises as ex
+from flashattn.course import exercises as ex
 
 from exercise_cases import mistakes  # tests/exercise_cases.py
 
@@ -62,8 +62,8 @@ def test_score_bytes_catches(solutions, edits, message):
                                    ("return torch.exp(x - m[:, None]) / l[:, None]", "return sm(x, -1)")],
      "calls torch.softmax"),
     ("flashattn's own", [("return torch.exp(x - m[:, None]) / l[:, None]",
-                          "import flashattn.reference as r\n    return r.online_softmax(x, block)")],
-     "flashattn.reference.online_softmax"),
+                          "import flashattn.testing.reference as r\n    return r.online_softmax(x, block)")],
+     "flashattn.testing.reference.online_softmax"),
     ("two passes", [("for start in range(0, x.shape[-1], block):",
                      "m = x.max(dim=-1).values\n    for start in range(0, 0, block):"),
                     ("return torch.exp(x - m[:, None]) / l[:, None]",

@@ -4,9 +4,9 @@ problem. (tests/test_exercise_checks.py runs every solution and stub.)"""
 import numpy as np
 import pytest
 
-from flashattn import exercises as ex
-from flashattn import traversal
-from flashattn.exercises import ch03_04
+from flashattn.course import exercises as ex
+from flashattn.kernels import traversal
+from flashattn.course.exercises import ch03_04
 
 from exercise_cases import mistakes  # tests/exercise_cases.py
 
@@ -16,7 +16,7 @@ def no_figures(monkeypatch):
 
 
 def test_definition_is_the_kernels_map():
-    """The checker's brute-force definition and flashattn.traversal agree on every case it uses."""
+    """The checker's brute-force definition and flashattn.kernels.traversal agree on every case it uses."""
     for n_q, n_kv, bq, bkv, causal in ch03_04._classify_cases():
         want, _ = ch03_04._tile_kinds_by_definition(n_q, n_kv, bq, bkv, causal)
         np.testing.assert_array_equal(traversal.classify_blocks(n_q, n_kv, bq, bkv, causal), want)
@@ -54,7 +54,7 @@ def test_classify_catches(solutions, edits, message):
     ("LSE in base 2", [("lse[rows] = m + torch.log(l)", "lse[rows] = (m + torch.log(l)) / math.log(2)")], "lse"),
     ("the course's own", [("    return out, lse, n_tiles", "    out, lse = reference.tiled_forward(q, k, v, is_causal, "
                            "block_q=block_q, block_kv=block_kv)\n    return out, lse, n_tiles")],
-     "uses flashattn.reference.tiled_forward"),
+     "uses flashattn.testing.reference.tiled_forward"),
 )
 def test_tiled_attention_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
@@ -78,7 +78,7 @@ SHIFT_STORE = "tl.store(Y + offs, x - tl.max(x, axis=0), mask=offs < n)"
     ("every program on block 0", [("offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK)")],
      "left Y\\[16\\] unwritten"),
     ("nothing subtracted", [(SHIFT_STORE, "tl.store(Y + offs, x, mask=offs < n)")], "y equals x"),
-    ("the course's own code", [(SHIFT_STORE, SHIFT_STORE + "\n    tiles.store_tile")], "uses flashattn.tiles.store_tile"),
+    ("the course's own code", [(SHIFT_STORE, SHIFT_STORE + "\n    tiles.store_tile")], "uses flashattn.kernels.tiles.store_tile"),
 )
 def test_block_shift_kernel_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
@@ -177,7 +177,7 @@ def test_kv_stage_bounds_catches(solutions, edits, message):
     ("no alpha", [("acc = acc * alpha[:, None] + tl.dot(p.to(", "acc = acc + tl.dot(p.to(")], "not rescaled by alpha"),
     ("keys past the end not hidden", [("visible = offs_kv[None, :] < n_kv", "visible = offs_kv[None, :] >= 0")],
      "past the end"),
-    ("the course's own loader", [("k = tl.load(k_ptrs)\n", "k = tiles.load_tile(k_ptrs)\n")], "uses flashattn.tiles.load_tile"),
+    ("the course's own loader", [("k = tl.load(k_ptrs)\n", "k = tiles.load_tile(k_ptrs)\n")], "uses flashattn.kernels.tiles.load_tile"),
     ("tl.softmax", [("p = tl.exp2(s - m_new[:, None])\n        alpha = tl.exp2(m_i - m_new)\n        l_i = l_i * alpha + tl.sum(p, 1)",
                      "p = tl.softmax(s)\n        alpha = tl.exp2(m_i - m_new)\n        l_i = l_i * alpha + tl.sum(p, 1)")],
      "calls triton.language.softmax"),

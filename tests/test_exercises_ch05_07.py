@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from flashattn import exercises as ex
+from flashattn.course import exercises as ex
 
 from exercise_cases import mistakes  # tests/exercise_cases.py
 

@@ -6,9 +6,9 @@ import re
 import numpy as np
 import pytest
 
-from flashattn import exercises as ex
+from flashattn.course import exercises as ex
 from flashattn import plotting
-from flashattn.exercises import ch09
+from flashattn.course.exercises import ch09
 
 from exercise_cases import mistakes  # tests/exercise_cases.py
 
@@ -30,7 +30,7 @@ def test_kv_head_map_mistakes(solutions, edits, message):
 
 
 def test_kv_head_map_refuses_flashattn(solutions):
-    edits = [(GROUPS, "return torch.tensor(flashattn.exercises.ch09._kv_heads(n_q_heads, n_kv_heads))")]
+    edits = [(GROUPS, "return torch.tensor(flashattn.course.exercises.ch09._kv_heads(n_q_heads, n_kv_heads))")]
     with pytest.raises(ex.ExerciseError, match="not to call the course's own code"):
         ex.check_kv_head_map(solutions("09", edits).kv_head_map)
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from flashattn import exercises as ex
+from flashattn.course import exercises as ex
 
 WEIGHTS = "w = torch.exp2(lse_parts - m)"
 WEIGHED_SUM = "(w[..., None] * o_parts).sum(dim=-2)"

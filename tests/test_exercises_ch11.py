@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from flashattn import exercises as ex
+from flashattn.course import exercises as ex
 
 
 RETURN = "return j % stages, ready_parity, ready_parity ^ 1"

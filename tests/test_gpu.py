@@ -6,7 +6,7 @@ All are marked ``gpu``: skipped without a GPU, run on one with
 
     python -m pytest -m gpu tests
 
-Each case is judged by the rule of flashattn.testing (error against float64 within 2x, or 3x for
+Each case is judged by the rule of flashattn.testing.rule (error against float64 within 2x, or 3x for
 gradients, of PyTorch's own error in the same dtype, plus a floor); the checks are printed (see
 them with ``-rP``).
 """
@@ -21,11 +21,13 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import bench, reference, tuning
-from flashattn.backward import attention_backward
-from flashattn.forward import attention_forward
-from flashattn.testing import compare_with_reference, judge
-from flashattn.tiles import LN2
+from flashattn.gpu import configs
+from flashattn.measure import bench
+from flashattn.testing import reference
+from flashattn.kernels.backward import attention_backward
+from flashattn.kernels.forward import attention_forward
+from flashattn.testing.rule import compare_with_reference, judge
+from flashattn.kernels.tiles import LN2
 
 pytestmark = pytest.mark.gpu
 DTYPES = bench.DTYPES
@@ -68,8 +70,8 @@ def kernel_level(q, k, v, causal, fwd_config=None, bwd_configs=None):
 SETTINGS = (("bf16", 128), ("fp16", 64), ("bf16", 40))  # (dtype, head dim)
 CONFIGS = [(dtype, head_dim, name, dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages))
            for dtype, head_dim in SETTINGS for name in ("fwd", "bwd_dkdv", "bwd_dq")
-           for c in tuning.GPU_CONFIGS[name]
-           if tuning.fits(name, c, tuning.block_d(head_dim), DTYPES[dtype].itemsize)]
+           for c in configs.GPU_CONFIGS[name]
+           if configs.fits(name, c, configs.block_d(head_dim), DTYPES[dtype].itemsize)]
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +171,9 @@ def test_memcheck_finds_no_error():
 
 WARMUP_CHILD = """
 import json, sys, triton, torch, flashattn
-from flashattn import warmup
+from flashattn.ops import warmup
 dtype, head_dim, causal = getattr(torch, sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-compiled = []  # (kernel, compiled by flashattn.warmup's thread?)
+compiled = []  # (kernel, compiled by flashattn.ops.warmup's thread?)
 triton.knobs.runtime.jit_post_compile_hook = \\
     lambda **hook: compiled.append([hook["fn"].name, hook.get("is_manual_warmup")])
 q, k, v = (torch.randn(2, 3, 300, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
@@ -186,7 +188,7 @@ print("RESULT " + json.dumps(dict(before=compiled[:before], backward=compiled[be
 @pytest.mark.parametrize("dtype,head_dim,causal", [("bfloat16", 128, True), ("float16", 64, False),
                                                     ("float32", 96, True)])
 def test_backward_kernels_compile_during_the_forward(dtype, head_dim, causal):
-    """flashattn.warmup compiles the backward's kernels beside the forward's, in a fresh process:
+    """flashattn.ops.warmup compiles the backward's kernels beside the forward's, in a fresh process:
     the backward then compiles nothing (its results are checked by every other GPU test)."""
     result = subprocess.run([sys.executable, "-c", WARMUP_CHILD, dtype, str(head_dim), str(int(causal))],
                             capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import flashattn
-from flashattn.api import SUPPORTED_DTYPES as DTYPES
-from flashattn.reference import masked_attention
-from flashattn.testing import compare_with_reference
+from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
+from flashattn.testing.reference import masked_attention
+from flashattn.testing.rule import compare_with_reference
 
 DEVICE = flashattn.DEVICE
 
@@ -93,7 +93,7 @@ def test_gqa_strided_inputs_and_leading_dims():
 def test_gqa_backward_writes_every_element(nan_buffers):
     """Keys no query sees (causal, more keys than queries) get dK = dV = 0, written, not left as
     the buffer held them; with every query head of the group summed in."""
-    from flashattn import backward
+    from flashattn.kernels import backward
     assert torch.isnan(backward.torch.empty_like(torch.zeros(2))).all()  # the fixture is in place
     q, k, v = (t.requires_grad_() for t in make_qkv(4, 2, 20, 70, 16, torch.float32))
     out, lse = flashattn.attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)

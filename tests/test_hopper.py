@@ -1,8 +1,8 @@
-"""The Gluon kernels for Hopper (flashattn.hopper, flashattn.hopper_backward) on an H100/H200,
+"""The Gluon kernels for Hopper (flashattn.hopper.forward, flashattn.hopper.backward) on an H100/H200,
 against float64 under the rule.
 
 A wrong mbarrier phase does not raise an error, it deadlocks the GPU. So the Gluon kernels never
-run in the test process: flashattn.gpu_checks runs each (dtype, head dim, causal) group in a child
+run in the test process: flashattn.measure.gpu_checks runs each (dtype, head dim, causal) group in a child
 process that is killed when it stops making progress, and each test here reads its case's verdict.
 A case runs through flashattn.attention (the hooks in the forward and backward launchers, checked
 to call the Gluon kernels), forward and, for most cases, the backward through it: fp16/bf16, head
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from flashattn import gpu_checks
+from flashattn.measure import gpu_checks
 
 GROUPS = [(dtype, d, causal) for dtype in gpu_checks.DTYPES for d in gpu_checks.HEAD_DIMS
           for causal in (False, True)]
@@ -58,8 +58,8 @@ def test_layouts_tma_cannot_load_fall_back():
     """Strides TMA refuses, other dtypes and head dims go to the Triton kernels, and stay right."""
     if not _hopper_gpu():
         pytest.skip("the Gluon kernels are for compute capability 9.x (H100/H200)")
-    from flashattn import hopper
-    from flashattn.testing import compare_with_reference
+    from flashattn.hopper import forward as hopper
+    from flashattn.testing.rule import compare_with_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(2, 3, 200, 68, device="cuda", generator=g, dtype=torch.float16)

@@ -1,7 +1,7 @@
-"""The Gluon kernels for Hopper (flashattn.hopper, flashattn.hopper_backward), compiled for sm_90.
+"""The Gluon kernels for Hopper (flashattn.hopper.forward, flashattn.hopper.backward), compiled for sm_90.
 
 Gluon has no interpreter, so on a machine without a GPU compiling is all these kernels get. A
-child process (flashattn.compiled.in_child: it believes it has a GPU, nothing is launched)
+child process (flashattn.measure.compiled.in_child: it believes it has a GPU, nothing is launched)
 compiles every configuration the package ships, for both 16-bit dtypes and both masking modes,
 and the test checks what the compiler made of it: no spills, shared memory within the 227 KB an
 H100/H200 block may use, the warps split into partitions with their own register budgets
@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from flashattn import compiled
+from flashattn.measure import compiled
 
 SMEM_LIMIT = 227 * 1024
 
 
 def _report(kernel):
     try:
-        return compiled.in_child("flashattn.compiled:gluon_report", kernel=kernel)
+        return compiled.in_child("flashattn.measure.compiled:gluon_report", kernel=kernel)
     except compiled.CannotCompile as reason:
         pytest.skip(str(reason))
 
@@ -52,12 +52,12 @@ def test_the_interpreter_never_imports_gluon():
     import subprocess
 
     import flashattn
-    if not flashattn.runtime.INTERPRET:
+    if not flashattn.gpu.runtime.INTERPRET:
         pytest.skip("a GPU runtime imports the Gluon kernels where they apply")
     code = ("import sys, torch, flashattn\n"
             "q = torch.randn(1, 1, 20, 64, dtype=torch.float16, requires_grad=True)\n"
             "flashattn.attention(q, q, q, is_causal=True).sum().backward()\n"
-            "print(sorted(m for m in sys.modules if m.startswith('flashattn.hopper')))\n")
+            "print(sorted(m for m in sys.modules if m in ('flashattn.hopper.forward', 'flashattn.hopper.backward')))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
         os.path.dirname(os.path.dirname(flashattn.__file__)), os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

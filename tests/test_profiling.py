@@ -1,9 +1,9 @@
-"""flashattn.profiling reads proton's tree (the JSON layout of proton's own examples: a root frame
+"""flashattn.measure.profiling reads proton's tree (the JSON layout of proton's own examples: a root frame
 with scopes and kernels as children, then a dict of devices) and refuses to record without a GPU."""
 import pytest
 import torch
 
-from flashattn import profiling
+from flashattn.measure import profiling
 
 
 def frame(name, metrics=None, children=()):
@@ -16,12 +16,12 @@ def kernel(name, count, ns):
 
 PROFILE = {"setting": dict(profiling.REFERENCE, repeats=2), "proton": [
     frame("ROOT", {"count": 0, "time (ns)": 0}, [
-        frame("forward", {"flops": 4.0e12}, [kernel("_attn_fwd", 2, 9_000_000)]),
+        frame("forward", {"flops": 4.0e12}, [kernel("attn_fwd", 2, 9_000_000)]),
         frame("backward", {"flops": 1.0e13}, [
-            kernel("_attn_bwd_preprocess", 2, 300_000),
-            kernel("_attn_bwd_dkdv", 2, 18_000_000),
+            kernel("attn_bwd_preprocess", 2, 300_000),
+            kernel("attn_bwd_dkdv", 2, 18_000_000),
             frame("__proton_launch_metadata", {}, []),
-            kernel("_attn_bwd_dq", 2, 11_000_000)]),
+            kernel("attn_bwd_dq", 2, 11_000_000)]),
         kernel("elementwise_kernel", 4, 100_000)]),
     {"CUDA": {"0": {"arch": "90", "num_sms": 132}}}]}
 
@@ -29,8 +29,8 @@ PROFILE = {"setting": dict(profiling.REFERENCE, repeats=2), "proton": [
 def test_kernel_rows_follow_the_scopes():
     rows = profiling.kernel_rows(PROFILE)
     assert [(r["scope"], r["kernel"], r["count"]) for r in rows] == [
-        ("forward", "_attn_fwd", 2), ("backward", "_attn_bwd_preprocess", 2), ("backward", "_attn_bwd_dkdv", 2),
-        ("backward", "_attn_bwd_dq", 2), (None, "elementwise_kernel", 4)]
+        ("forward", "attn_fwd", 2), ("backward", "attn_bwd_preprocess", 2), ("backward", "attn_bwd_dkdv", 2),
+        ("backward", "attn_bwd_dq", 2), (None, "elementwise_kernel", 4)]
     assert rows[2]["ms"] == 18.0 and rows[2]["flops"] == 1.0e13 and rows[-1]["flops"] is None
 
 

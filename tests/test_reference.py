@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import reference, traversal
-from flashattn.backward import attention_backward
-from flashattn.forward import attention_forward
+from flashattn.kernels import traversal
+from flashattn.testing import reference
+from flashattn.kernels.backward import attention_backward
+from flashattn.kernels.forward import attention_forward
 
 f64 = dict(dtype=torch.float64)
 

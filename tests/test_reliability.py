@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import flashattn
-from flashattn.reference import naive_attention
-from flashattn.testing import compare_with_reference
+from flashattn.testing.reference import naive_attention
+from flashattn.testing.rule import compare_with_reference
 
 DEVICE = flashattn.DEVICE
 
@@ -107,9 +107,9 @@ def test_threads_get_right_answers():
 @pytest.mark.gpu
 def test_threads_get_right_answers_on_the_gpu():
     """Compiled launches from several threads: the configuration caches are shared."""
-    from flashattn import tuning
+    from flashattn.gpu import launcher
 
-    tuning._defaults.clear()  # every thread asks for a configuration at once
+    launcher._defaults.clear()  # every thread asks for a configuration at once
     errors = run_in_threads(8, 6, check_one_call)
     assert not errors, errors[0]
 
@@ -237,7 +237,7 @@ def test_batch_past_the_grid_limit():
 
 def test_grid_slices_join_in_order(monkeypatch):
     """The slicing on a small limit: batch and heads both cut, against float64."""
-    from flashattn import autograd
+    from flashattn.ops import autograd
 
     monkeypatch.setattr(autograd, "MAX_GRID_DIM", 2)
     q, k, v = (randn(5, 3, n, 8, seed=s) for s, n in ((0, 7), (1, 6), (2, 6)))

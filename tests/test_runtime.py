@@ -28,7 +28,7 @@ def test_triton_imported_first_still_gets_the_interpreter():
 
 def test_first_call_imports_no_compiler():
     # torch.library.custom_op would import torch._dynamo at the operators' first call (seconds):
-    # flashattn.autograd registers them without it.
+    # flashattn.ops.autograd registers them without it.
     code = ("import sys, torch, flashattn\n"
             "q = torch.randn(1, 1, 20, 16, device=flashattn.DEVICE, requires_grad=True)\n"
             "out, lse = flashattn.attention(q, q, q, is_causal=True, return_lse=True)\n"

@@ -14,7 +14,9 @@ import pytest
 from pygments.styles import get_style_by_name
 from pygments.token import Name
 
-from flashattn import backward, forward, notebook, reference
+from flashattn.course import notebook
+from flashattn.kernels import backward, forward
+from flashattn.testing import reference
 
 # JupyterLab 4's --jp-layout-color0 and --jp-content-font-color1 (its alpha blended over the layout colour)
 THEMES = {"light": dict(background="#ffffff", color="#212121"),
@@ -71,22 +73,22 @@ def worst_contrast(html, theme):
 
 
 @pytest.mark.parametrize("theme", THEMES)
-@pytest.mark.parametrize("obj", [forward._attn_fwd, backward._attn_bwd_dkdv, reference.naive_attention],
-                         ids=["_attn_fwd", "_attn_bwd_dkdv", "naive_attention"])
+@pytest.mark.parametrize("obj", [forward.attn_fwd, backward.attn_bwd_dkdv, reference.naive_attention],
+                         ids=["attn_fwd", "attn_bwd_dkdv", "naive_attention"])
 def test_every_text_readable(obj, theme):
     ratio, text, color, background = worst_contrast(notebook.source_html(obj), theme)
     assert ratio >= AA, f"{theme} theme: {text!r} in {color} on {background}: contrast {ratio:.2f} < {AA}"
 
 
 def test_function_names_readable_and_the_check_can_fail():
-    html = notebook.source_html(forward._attn_fwd)
+    html = notebook.source_html(forward.attn_fwd)
     name_colour = "#" + get_style_by_name(notebook.SOURCE_STYLE).style_for_token(Name.Function)["color"]
     for theme in THEMES:
-        (color, background), = [(c, b) for t, c, b in texts(html, theme) if t == "_attn_fwd"]
+        (color, background), = [(c, b) for t, c, b in texts(html, theme) if t == "attn_fwd"]
         assert rgb(color) == rgb(name_colour), "the function's name is drawn in the style's colour for names"
         assert contrast(color, background) >= AA, theme
     # The old box: a <pre> that takes the theme's colours, around the style's dark-blue names.
-    old = '<div style="background: #f0f0f0"><pre><span style="color: #06287e">_attn_fwd</span></pre></div>'
+    old = '<div style="background: #f0f0f0"><pre><span style="color: #06287e">attn_fwd</span></pre></div>'
     assert worst_contrast(old, "light")[0] >= AA > worst_contrast(old, "dark")[0]
 
 
@@ -98,5 +100,5 @@ def texts(html, theme):
 
 
 def test_source_box_names_file_and_line():
-    html = notebook.source_html(forward._attn_fwd)
-    assert re.search(r">flashattn/forward\.py, line \d+</div>", html)
+    html = notebook.source_html(forward.attn_fwd)
+    assert re.search(r">flashattn/kernels/forward\.py, line \d+</div>", html)

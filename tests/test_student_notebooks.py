@@ -18,8 +18,8 @@ import nbformat
 import pytest
 
 import flashattn
-from flashattn.exercises.solutions import BEGIN, END, stubbed
-from flashattn.notebook import execute
+from flashattn.course.exercises.solutions import BEGIN, END, stubbed
+from flashattn.course.notebook import execute
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -132,7 +132,7 @@ def test_student_version_is_stubbed(path):
                 problems.append(f"{where}: a cell without a solution changed in the student version")
             if is_check(cell):
                 if not re.search(r"\bcheck_\w+\s*\(", cell.source):
-                    problems.append(f"{where}: a check cell should call flashattn.exercises.check_<name>(...)")
+                    problems.append(f"{where}: a check cell should call flashattn.course.exercises.check_<name>(...)")
                 if theirs.metadata.get("editable") is not False:
                     problems.append(f"{where}: the check cell should be read-only (nbgrader's LockCells)")
                 if "raises-exception" not in theirs.metadata.get("tags", []):

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import tuning
+from flashattn import hopper
+from flashattn.gpu import configs, launcher
+from flashattn.ops import dispatch
 
 PACKAGE_ROOT = str(Path(flashattn.__file__).resolve().parent.parent)
 
@@ -21,7 +23,7 @@ PACKAGE_ROOT = str(Path(flashattn.__file__).resolve().parent.parent)
 SCRIPT = r"""
 import json, sys
 import torch
-from flashattn import tuning
+from flashattn.gpu import configs, launcher
 
 fastest, device_name = int(sys.argv[1]), sys.argv[2]
 timed, launched = [], []
@@ -40,13 +42,13 @@ class FakeKernel:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: launched.append(kwargs)
 
-tuning._tuner = lambda name, kernel, bucket, configs: FakeTuner(configs)
+launcher._tuner = lambda name, kernel, bucket, configs: FakeTuner(configs)
 torch.cuda.get_device_name = lambda *args: device_name
 q = torch.empty(2, 2, dtype=torch.float16)
 chosen = []
 for seq_len, head_dim in ((1000, 64), (1024, 64), (5000, 64), (1000, 128)):
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_CAUSAL=True, DOT_PRECISION="ieee")
-    chosen.append(tuning._autotuned("fwd", FakeKernel(), None, (q,), constexprs, seq_len))
+    chosen.append(launcher._autotuned("fwd", FakeKernel(), None, (q,), constexprs, seq_len))
 print(json.dumps(dict(chosen=chosen, timed=len(timed), launched=len(launched))))
 """
 
@@ -61,7 +63,7 @@ def run(tmp_path, fastest, device_name="Fake GPU"):
 
 
 def test_autotuning_is_kept_on_disk_across_processes(tmp_path):
-    candidates = [tuning.as_dict(c) for c in tuning.GPU_CONFIGS["fwd"]]
+    candidates = [configs.as_dict(c) for c in configs.GPU_CONFIGS["fwd"]]
     first = run(tmp_path, fastest=2)
     # lengths 1000 and 1024 share a bucket: three keys timed (the tuner launches those), the fourth
     # call goes straight to the kernel with the choice made for its bucket
@@ -96,14 +98,14 @@ def test_autotuning_is_opt_in(monkeypatch, value, on):
         monkeypatch.delenv("FLASHATTN_AUTOTUNE", raising=False)
     else:
         monkeypatch.setenv("FLASHATTN_AUTOTUNE", value)
-    assert tuning.autotuning() == on
+    assert launcher.autotuning() == on
 
 
 def test_without_autotuning_the_default_runs_untimed(monkeypatch):
     """The default path compiles and launches one configuration, the architecture's default, and
     remembers it; nothing is timed."""
-    monkeypatch.setattr(tuning, "_tuner", lambda *args: pytest.fail("timed without FLASHATTN_AUTOTUNE=1"))
-    monkeypatch.setattr(tuning, "_defaults", {})
+    monkeypatch.setattr(launcher, "_tuner", lambda *args: pytest.fail("timed without FLASHATTN_AUTOTUNE=1"))
+    monkeypatch.setattr(launcher, "_defaults", {})
     launched = []
 
     class FakeKernel:
@@ -113,20 +115,18 @@ def test_without_autotuning_the_default_runs_untimed(monkeypatch):
     q = torch.empty(2, 2, dtype=torch.bfloat16)
     constexprs = dict(HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=True, DOT_PRECISION="ieee")
     for _ in range(2):
-        ran = tuning._default("bwd_dkdv", FakeKernel(), None, (q,), constexprs)
-    expected = tuning.as_dict(tuning.default_config("bwd_dkdv", torch.bfloat16, "ieee", 128))
+        ran = launcher._default("bwd_dkdv", FakeKernel(), None, (q,), constexprs)
+    expected = configs.as_dict(configs.default_config("bwd_dkdv", torch.bfloat16, "ieee", 128))
     assert ran == expected and len(launched) == 2
     assert all({k: v for k, v in kw.items() if k in expected} == expected for kw in launched)
 
 
 @pytest.mark.parametrize("head_dim, gluon", [(64, False), (128, True)])
 def test_gluon_dkdv_only_where_it_was_measured_faster(monkeypatch, head_dim, gluon):
-    """The backward asks for the Gluon dK/dV kernel only at tuning.GLUON_DKDV_HEAD_DIMS (head dim
+    """The backward asks for the Gluon dK/dV kernel only at dispatch.GLUON_DKDV_HEAD_DIMS (head dim
     128: faster than the Triton kernel there on an H200, slower at 64). A fake Gluon module stands
     in on the CPU; dQ always comes from the Triton kernel."""
-    from flashattn import backward
-
-    assert tuning.GLUON_DKDV_HEAD_DIMS == (128,)
+    assert dispatch.GLUON_DKDV_HEAD_DIMS == (128,)
     asked, calls = [], []
 
     class FakeGluon:
@@ -139,11 +139,11 @@ def test_gluon_dkdv_only_where_it_was_measured_faster(monkeypatch, head_dim, glu
             calls.append(q.shape[-1])
             return torch.zeros_like(k), torch.zeros_like(v)
 
-    monkeypatch.setattr(tuning, "gluon_module", lambda name: asked.append(name) or FakeGluon)
+    monkeypatch.setattr(hopper, "load", lambda name: asked.append(name) or FakeGluon)
     g = torch.Generator().manual_seed(0)
     q, k, v, o, do = (torch.randn(1, 1, 5, head_dim, generator=g) for _ in range(5))
     lse2 = torch.randn(1, 1, 5, generator=g)
-    dq, dk, dv = backward.attention_backward(q, k, v, o, lse2, do, False, head_dim ** -0.5)
-    assert (asked, calls) == ((["hopper_backward"], [head_dim]) if gluon else ([], []))
+    dq, dk, dv = dispatch.attention_backward(q, k, v, o, lse2, do, False, head_dim ** -0.5)
+    assert (asked, calls) == ((["backward"], [head_dim]) if gluon else ([], []))
     assert dk.abs().max().item() == 0.0 if gluon else dk.abs().max().item() > 0.0
     assert dq.abs().max().item() > 0.0

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import reference
-from flashattn.api import SUPPORTED_DTYPES as DTYPES
-from flashattn.testing import compare_with_reference
-from flashattn.varlen import Sequences
+from flashattn.testing import reference
+from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
+from flashattn.testing.rule import compare_with_reference
+from flashattn.kernels.sequences import Sequences
 
 DEVICE = flashattn.DEVICE
 
@@ -91,7 +91,7 @@ def test_program_table_covers_every_block_once():
 def test_varlen_writes_every_element(nan_buffers):
     """Sequences without keys, without queries, and keys no query sees (a window, causal tails):
     every output and gradient element is written, finite, and zero where nothing is seen."""
-    from flashattn import backward
+    from flashattn.kernels import backward
     assert torch.isnan(backward.torch.empty_like(torch.zeros(2))).all()  # the fixture is in place
     lengths_q, lengths_k = [20, 0, 30, 5], [40, 17, 0, 33]
     q, k, v = (t.requires_grad_() for t in make_packed(lengths_q, lengths_k, 4, 2, 16, torch.float32))
@@ -152,7 +152,7 @@ def test_varlen_errors():
 
 def test_bench_variants_quick(tmp_path):
     """The benchmark's tiny mode runs through the interpreter and writes its three CSVs."""
-    from flashattn import bench_variants
+    from flashattn.measure import variants as bench_variants
     paths = bench_variants.main(["--quick", "--out-dir", str(tmp_path)])
     for name in ("varlen", "gqa", "window"):
         rows = (tmp_path / f"variants_{name}.csv").read_text().splitlines()

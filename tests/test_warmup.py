@@ -1,10 +1,12 @@
-"""flashattn.warmup's decisions, on any machine: when it starts compiling the backward's kernels,
-and that tuning's deferred launches compile without launching. (On a GPU, tests/test_gpu.py checks
+"""flashattn.ops.warmup's decisions, on any machine: when it starts compiling the backward's kernels,
+and that flashattn.gpu.launcher's deferred launches compile without launching. (On a GPU, tests/test_gpu.py checks
 in a fresh process that the backward then compiles nothing.)"""
 import pytest
 import torch
 
-from flashattn import tuning, warmup
+from flashattn import hopper
+from flashattn.gpu import launcher
+from flashattn.ops import warmup
 
 import triton  # noqa: E402  (after flashattn, which chooses Triton's mode)
 
@@ -86,28 +88,28 @@ class FakeKernel:
 
 def test_deferred_launches_compile_and_load_without_launching():
     kernel = FakeKernel()
-    tuning.run(kernel, (1,), 1, BLOCK=16)
-    with tuning.defer_compiles() as jobs:
-        tuning.run(kernel, (1,), 1, BLOCK=16)
+    launcher.run(kernel, (1,), 1, BLOCK=16)
+    with launcher.defer_compiles() as jobs:
+        launcher.run(kernel, (1,), 1, BLOCK=16)
     assert kernel.events == ["launched"] and len(jobs) == 1  # recorded, not run
-    tuning.compile_job(jobs[0])
-    tuning.run(kernel, (1,), 1, BLOCK=16)
+    launcher.compile_job(jobs[0])
+    launcher.run(kernel, (1,), 1, BLOCK=16)
     assert kernel.events == ["launched", "compiled", "loaded", "launched"]
 
 
 def test_a_deferred_default_launch_chooses_its_configuration_where_it_compiles(monkeypatch):
-    monkeypatch.setattr(tuning, "INTERPRET", False)
-    monkeypatch.setattr(tuning, "_defaults", {})
-    monkeypatch.setattr(tuning, "default_config", lambda *args: triton.Config(dict(BLOCK=16), num_warps=4,
+    monkeypatch.setattr(launcher, "INTERPRET", False)
+    monkeypatch.setattr(launcher, "_defaults", {})
+    monkeypatch.setattr(launcher, "default_config", lambda *args: triton.Config(dict(BLOCK=16), num_warps=4,
                                                                                 num_stages=2))
-    monkeypatch.setattr(tuning, "ranked", lambda *args: [])
+    monkeypatch.setattr(launcher, "ranked", lambda *args: [])
     kernel = FakeKernel()
-    with tuning.defer_compiles() as jobs:
-        assert tuning.launch("fwd", kernel, (1,), (torch.zeros(4),), {}, 4) is None
-    assert kernel.events == [] and tuning._defaults == {}
-    tuning.compile_job(jobs[0])
+    with launcher.defer_compiles() as jobs:
+        assert launcher.launch("fwd", kernel, (1,), (torch.zeros(4),), {}, 4) is None
+    assert kernel.events == [] and launcher._defaults == {}
+    launcher.compile_job(jobs[0])
     assert kernel.events == ["compiled", "loaded"]
-    assert list(tuning._defaults.values()) == [dict(BLOCK=16, num_warps=4, num_stages=2)]
+    assert list(launcher._defaults.values()) == [dict(BLOCK=16, num_warps=4, num_stages=2)]
 
 
 def test_wait_leaves_a_failed_compile_to_the_backward(monkeypatch):
@@ -122,13 +124,13 @@ def test_wait_leaves_a_failed_compile_to_the_backward(monkeypatch):
 
 
 def test_gluon_modules_import_one_thread_at_a_time(monkeypatch):
-    """The warm-up's thread imports flashattn.hopper_backward while the forward imports
-    flashattn.hopper: two threads importing Triton's Gluon modules at once met Python's import
+    """The warm-up's thread imports flashattn.hopper.backward while the forward imports
+    flashattn.hopper.forward: two threads importing Triton's Gluon modules at once met Python's import
     deadlock error on a GPU."""
     import threading
     import time
 
-    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.setattr(hopper, "INTERPRET", False)
     monkeypatch.delenv("FLASHATTN_GLUON", raising=False)
     inside, most = [0], [0]
 
@@ -138,8 +140,8 @@ def test_gluon_modules_import_one_thread_at_a_time(monkeypatch):
         time.sleep(0.05)
         inside[0] -= 1
         return name
-    monkeypatch.setattr(tuning.importlib, "import_module", import_module)
-    threads = [threading.Thread(target=tuning.gluon_module, args=(name,)) for name in ("hopper", "hopper_backward")]
+    monkeypatch.setattr(hopper.importlib, "import_module", import_module)
+    threads = [threading.Thread(target=hopper.load, args=(name,)) for name in ("forward", "backward")]
     for t in threads:
         t.start()
     for t in threads:

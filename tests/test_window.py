@@ -14,11 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from flashattn import traversal, tuning
-from flashattn.api import SUPPORTED_DTYPES as DTYPES
-from flashattn.reference import masked_attention, window_mask
-from flashattn.testing import compare_with_reference
-from flashattn.tiles import kv_window_bounds, q_window_bounds
+from flashattn.gpu import configs
+from flashattn.kernels import traversal
+from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
+from flashattn.testing.reference import masked_attention, window_mask
+from flashattn.testing.rule import compare_with_reference
+from flashattn.kernels.tiles import kv_window_bounds, q_window_bounds
 
 DEVICE = flashattn.DEVICE
 
@@ -133,7 +134,7 @@ def test_unbounded_windows_are_the_plain_paths():
 def test_rows_without_keys_and_unwritten_buffers(nan_buffers):
     """Rows outside every window: output 0, lse -inf, gradients 0, no NaN anywhere, also with
     grouped heads; keys nobody sees get dK = dV = 0, written (the buffers start as NaN)."""
-    from flashattn import backward
+    from flashattn.kernels import backward
     assert torch.isnan(backward.torch.empty_like(torch.zeros(2))).all()  # the fixture is in place
     q, k, v = (t.requires_grad_() for t in make_qkv(70, 30, 16, torch.float32, heads_q=4, heads_kv=2))
     out, lse = flashattn.attention(q, k, v, is_causal=True, window_size=(20, -1), enable_gqa=True,
@@ -154,10 +155,10 @@ def test_rows_without_keys_and_unwritten_buffers(nan_buffers):
 def forward_key_tile(dtype, head_dim):
     """BLOCK_KV of the forward kernel that flashattn.attention runs: the interpreter's fixed tile, or
     the GPU's default configuration."""
-    if flashattn.runtime.INTERPRET:
-        return tuning.INTERPRETER_CONFIGS["fwd"]["BLOCK_KV"]
-    block_d = tuning.block_d(head_dim)
-    return tuning.default_config("fwd", dtype, tuning.dot_precision(dtype, block_d), block_d).kwargs["BLOCK_KV"]
+    if flashattn.gpu.runtime.INTERPRET:
+        return configs.INTERPRETER_CONFIGS["fwd"]["BLOCK_KV"]
+    block_d = configs.block_d(head_dim)
+    return configs.default_config("fwd", dtype, configs.dot_precision(dtype, block_d), block_d).kwargs["BLOCK_KV"]
 
 
 def test_tiles_outside_the_window_are_not_loaded():

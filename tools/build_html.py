@@ -52,7 +52,7 @@ def executed(paths, reuse=None, workers=2):
         else:
             todo.append(path)
     if todo:
-        from flashattn.notebook import execute
+        from flashattn.course.notebook import execute
 
         print(f"executing {len(todo)} chapters, {workers} at a time ...", flush=True)
         for path, (nb, seconds) in execute(todo, cwd=NOTEBOOKS, workers=workers).items():

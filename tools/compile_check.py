@@ -10,12 +10,12 @@ every candidate the decode benchmark times); a decode configuration that spills 
     python tools/compile_check.py                   # every default configuration, every architecture
     python tools/compile_check.py --arch 86 --arch 90 --jobs 4
     python tools/compile_check.py --candidates --arch 80 [--dtype bf16] [--head-dim 128] [--kernel fwd] [--all]
-    python tools/compile_check.py --write-defaults   # regenerate flashattn/defaults.py (about half an hour)
+    python tools/compile_check.py --write-defaults   # regenerate flashattn/gpu/defaults.py (about half an hour)
 
-The first form compiles what the package runs without timing (``tuning.default_config``) for each
+The first form compiles what the package runs without timing (``configs.default_config``) for each
 kernel, input dtype and dot precision, and head-dim class, and exits 1 if one fails to compile,
 spills or needs more shared memory than the architecture gives a block (tests/test_compiled_archs.py
-runs it). ``--candidates`` compiles the autotuning candidates that ``tuning.fits`` keeps instead
+runs it). ``--candidates`` compiles the autotuning candidates that ``configs.fits`` keeps instead
 (``--all``: the pruned ones too), and only reports. ``--write-defaults`` chooses the defaults: for
 each entry, the first of ``compiled.default_candidates`` that compiles cleanly.
 """
@@ -35,10 +35,11 @@ os.environ.pop("TRITON_INTERPRET", None)
 torch.cuda.is_available = lambda: True
 torch.cuda.get_device_name = lambda *args: "compile only"
 
-from flashattn import compiled, gpus, tuning  # noqa: E402
-from flashattn.compiled import (DECODE_KERNELS, SMEM_PER_BLOCK, TORCH_DTYPES,  # noqa: E402
-                                compile_kernel, decode_launches, decode_merge_launch, resources)
-from flashattn.decode import MAX_SPLITS, max_block_r  # noqa: E402
+from flashattn.gpu import archs, configs
+from flashattn.measure import compiled  # noqa: E402
+from flashattn.measure.compiled import (DECODE_KERNELS, SMEM_PER_BLOCK, TORCH_DTYPES, compile_kernel,
+                                        decode_launches, decode_merge_launch, resources)
+from flashattn.kernels.decode import MAX_SPLITS, max_block_r  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -47,7 +48,7 @@ def _check(job):
     capability, item = job
     start = time.perf_counter()
     try:
-        regs, spill, smem, problem = compiled.check(gpus.ARCHS[capability], item)
+        regs, spill, smem, problem = compiled.check(archs.ARCHS[capability], item)
     except Exception as error:  # report and go on: one bad config should not hide the others
         regs = spill = smem = -1
         first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
@@ -62,11 +63,11 @@ def describe(item):
     return f"{name:15} {dtype:12} {block_d:4} {config:34}"
 
 
-def check_defaults(archs, jobs):
-    work = [(capability, item) for capability in archs for item in compiled.choosable(gpus.ARCHS[capability])]
+def check_defaults(capabilities, jobs):
+    work = [(capability, item) for capability in capabilities for item in compiled.choosable(archs.ARCHS[capability])]
     # the slow ones (wide head dims) first, so that the workers finish together
     work.sort(key=lambda job: -job[1][2])
-    print(f"{len(work)} compilations ({', '.join(f'sm_{c}' for c in archs)}), {jobs} at a time", flush=True)
+    print(f"{len(work)} compilations ({', '.join(f'sm_{c}' for c in capabilities)}), {jobs} at a time", flush=True)
     print(f"{'arch':6} {'kernel':15} {'dtype':12} {'D':>4} {'config':34} {'regs':>4} {'spill':>5} {'smem':>6}")
     failures, start = [], time.perf_counter()
     context = multiprocessing.get_context("fork")
@@ -85,7 +86,7 @@ def check_defaults(archs, jobs):
 def _choose(job):
     """The first candidate of one defaults entry that compiles cleanly (or the one that spills least)."""
     capability, (name, dtype, precision, block_d) = job
-    arch, tried = gpus.ARCHS[capability], []
+    arch, tried = archs.ARCHS[capability], []
     for config in compiled.default_candidates(arch, name, dtype, precision, block_d):
         item = (name, dtype, block_d, precision, tuple(sorted(config.kwargs.items())), config.num_warps,
                 config.num_stages)
@@ -98,16 +99,16 @@ def _choose(job):
     return capability, (name, dtype, precision, block_d), min(tried, key=lambda t: t[:2]), len(tried), refused
 
 
-def write_defaults(archs, jobs):
-    keys = [(capability, key) for capability in archs for key in compiled.table_keys(gpus.ARCHS[capability])]
+def write_defaults(capabilities, jobs):
+    keys = [(capability, key) for capability in capabilities for key in compiled.table_keys(archs.ARCHS[capability])]
     keys.sort(key=lambda job: -job[1][3])
-    print(f"choosing {len(keys)} defaults ({', '.join(f'sm_{c}' for c in archs)}), {jobs} at a time", flush=True)
-    from flashattn.defaults import DEFAULTS  # the architectures not chosen again are kept
+    print(f"choosing {len(keys)} defaults ({', '.join(f'sm_{c}' for c in capabilities)}), {jobs} at a time", flush=True)
+    from flashattn.gpu.defaults import DEFAULTS  # the architectures not chosen again are kept
 
     table = {capability: {key: {d: spec for d, spec in by_dim.items() if (*key, d) in kept}
                           for key, by_dim in entries.items()}
-             for capability, entries in DEFAULTS.items() if capability not in archs
-             for kept in [set(compiled.table_keys(gpus.ARCHS[capability]))]}
+             for capability, entries in DEFAULTS.items() if capability not in capabilities
+             for kept in [set(compiled.table_keys(archs.ARCHS[capability]))]}
     failures, start = [], time.perf_counter()
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
@@ -126,7 +127,7 @@ def write_defaults(archs, jobs):
         f.write(DEFAULTS_HEADER)
         f.write("DEFAULTS = {\n")
         for capability in sorted(table):
-            f.write(f"    {capability}: {{  # {gpus.ARCHS[capability].gpus}\n")
+            f.write(f"    {capability}: {{  # {archs.ARCHS[capability].gpus}\n")
             for key in sorted(table[capability], key=str):
                 by_dim = ", ".join(f"{d}: {v}" for d, v in sorted(table[capability][key].items()))
                 f.write(f"        {key!r}: {{{by_dim}}},\n")
@@ -143,10 +144,10 @@ DEFAULTS_HEADER = '''"""The configuration each kernel runs with when nothing is 
 Generated by ``python tools/compile_check.py --write-defaults``: do not edit by hand. For each
 architecture, kernel, input dtype with its dot precision (float32: "ieee" as 'highest' asks and
 without tensor cores, "tf32" as 'high' asks, "tf32x3" under the experimental FLASHATTN_TF32X3=1) and
-head-dim class (BLOCK_D), the first configuration of ``flashattn.compiled.default_candidates``
+head-dim class (BLOCK_D), the first configuration of ``flashattn.measure.compiled.default_candidates``
 that compiles for that architecture without spilling and within the shared memory a block may
 use. On sm_90 the candidates start with the defaults an H200 measured
-(``tuning.MEASURED_DEFAULTS``), then follow the order it measured them in; for sm_75, sm_80, sm_86
+(``configs.MEASURED_DEFAULTS``), then follow the order it measured them in; for sm_75, sm_80, sm_86
 and sm_89 the same order, pruned by each architecture's shared memory, gives reasoned defaults:
 compiled, not measured on such a GPU. tests/test_compiled_archs.py compiles every entry again.
 
@@ -166,14 +167,14 @@ def check_candidates(args):
     for capability, name, dtype, head_dim in itertools.product(
             args.arch, [k for k in args.kernel or compiled.ATTENTION_KERNELS if k in compiled.ATTENTION_KERNELS],
             args.dtype or ["bf16"], args.head_dim or [64, 128]):
-        arch = gpus.ARCHS[capability]
+        arch = archs.ARCHS[capability]
         precision = "tf32" if dtype == "fp32" and arch.tensor_cores else "ieee"
-        for config in tuning.candidates(name, DTYPES[dtype], precision, arch):
-            const = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=tuning.block_d(head_dim))
+        for config in configs.candidates(name, DTYPES[dtype], precision, arch):
+            const = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim))
             if name != "bwd_preprocess":
                 const.update(IS_CAUSAL=True, DOT_PRECISION=precision)
                 size = DTYPES[dtype].itemsize
-                if not (args.all or tuning.fits(name, config, const["BLOCK_D"], size, precision, arch)):
+                if not (args.all or configs.fits(name, config, const["BLOCK_D"], size, precision, arch)):
                     continue
             label = f"{config.kwargs} w{config.num_warps} s{config.num_stages}"
             try:
@@ -191,17 +192,17 @@ def check_candidates(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", type=int, choices=list(gpus.ARCHS), action="append",
+    p.add_argument("--arch", type=int, choices=list(archs.ARCHS), action="append",
                    help="compute capability (default: all of them)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compilations at once (default: CPUs)")
     p.add_argument("--candidates", action="store_true", help="the autotuning candidates instead of the defaults")
     p.add_argument("--kernel", choices=list(compiled.KERNELS), action="append")
     p.add_argument("--dtype", choices=list(DTYPES), action="append")
     p.add_argument("--head-dim", type=int, action="append")
-    p.add_argument("--all", action="store_true", help="with --candidates: also those tuning.fits prunes")
-    p.add_argument("--write-defaults", action="store_true", help="choose the defaults, write flashattn/defaults.py")
+    p.add_argument("--all", action="store_true", help="with --candidates: also those configs.fits prunes")
+    p.add_argument("--write-defaults", action="store_true", help="choose the defaults, write flashattn/gpu/defaults.py")
     args = p.parse_args()
-    args.arch = args.arch or list(gpus.ARCHS)
+    args.arch = args.arch or list(archs.ARCHS)
     if args.write_defaults:
         sys.exit(write_defaults(args.arch, max(1, args.jobs)))
     failures = check_candidates(args) if args.candidates else check_defaults(args.arch, max(1, args.jobs))
@@ -221,7 +222,7 @@ def check_decode(kernels, dtype, head_dim, everything):
     for precision in ["ieee", "tf32"] if dtype == "fp32" else ["ieee"]:
         fma = dtype == "fp32" and precision == "ieee"  # one configuration, whatever the candidate
         rows = [r for r in (16, 32, 64) if r <= max_block_r(TORCH_DTYPES[dtype])]
-        for block_r, candidate in itertools.product(rows, tuning.DECODE_CANDIDATES
+        for block_r, candidate in itertools.product(rows, configs.DECODE_CANDIDATES
                                                     if everything and not fma else [None]):
             launches += [(f"{precision} BLOCK_R={block_r}", launch)
                          for launch in decode_launches(dtype, head_dim, precision, block_r, candidate)]

@@ -8,7 +8,7 @@ a GPU: it catches errors in layouts, shared memory and barriers that only the co
 prints what each configuration costs: registers per thread at launch (each partition then sets its
 own budget with setmaxnreg, listed last), spilled bytes, shared memory, and the wgmma
 instructions, TMA copies and mbarrier waits in the PTX. ``--variants`` adds the forward variants
-that tools/hopper_check.py times (flashattn.gpu_checks.VARIANTS).
+that tools/hopper_check.py times (flashattn.measure.gpu_checks.VARIANTS).
 """
 import argparse
 import json
@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from flashattn import compiled, gpu_checks  # noqa: E402  (the checkout's flashattn)
+from flashattn.measure import compiled, gpu_checks  # noqa: E402  (the checkout's flashattn)
 
 
 def main():
@@ -38,7 +38,7 @@ def main():
             if args.variants and kernel == "fwd":
                 configs += gpu_checks.VARIANTS[head_dim]
             try:
-                rows = compiled.in_child("flashattn.compiled:gluon_report", kernel=kernel,
+                rows = compiled.in_child("flashattn.measure.compiled:gluon_report", kernel=kernel,
                                          head_dims=[head_dim], dtypes=args.dtype or ["fp16", "bf16"],
                                          causal=[bool(c) for c in (args.causal or [0, 1])], configs=configs)
             except compiled.CannotCompile as reason:

@@ -6,7 +6,7 @@ driver is replaced by a stand-in (:func:`install`) with which the kernels compil
 each launch returns at once (recorded when asked), and ``torch.cuda`` answers as for one GPU with
 132 SMs. The tensors stay on the CPU. What only a GPU can time is left out: Triton's C launcher
 and the driver's launch (a few us per kernel), CUDA allocations instead of CPU ones, and copying
-the lengths to the GPU (``python -m flashattn.bench decode --host-ab`` times those, and decode's
+the lengths to the GPU (``python -m flashattn.measure.bench_decode --host-ab`` times those, and decode's
 ways of launching and allocating side by side on a GPU).
 
     python tools/decode_host_time.py              # us per call, whole and by step
@@ -81,7 +81,10 @@ def install():
     torch.cuda.is_available = lambda: True
     torch.cuda.get_device_name = lambda *args: "sm_90, stand-in"
     torch.cuda.get_device_capability = lambda *args: (9, 0)
-    torch.cuda.get_device_properties = lambda *args: types.SimpleNamespace(multi_processor_count=132)
+    # the whole of what flashattn reads of a device (gpu.archs, kernels.decode), as an H100/H200
+    torch.cuda.get_device_properties = lambda *args: types.SimpleNamespace(
+        name="sm_90, stand-in", major=9, minor=0, multi_processor_count=132,
+        shared_memory_per_block_optin=227 * 1024, regs_per_multiprocessor=65536)
     torch.cuda.current_device = lambda: 0
     torch.cuda.is_current_stream_capturing = lambda: False
     from triton.runtime import driver
@@ -91,7 +94,7 @@ def install():
     import flashattn
 
     assert flashattn.RUNTIME == "gpu", flashattn.describe()
-    sys.modules["flashattn.decode"].DEVICE = torch.device("cpu")  # the stand-in GPU's tensors
+    sys.modules["flashattn.ops.decode"].DEVICE = torch.device("cpu")  # the stand-in GPU's tensors
     return stand_in
 
 
@@ -114,7 +117,8 @@ def main(argv):
 
     import flashattn
 
-    decode = sys.modules["flashattn.decode"]
+    from flashattn.kernels import decode as kernel_decode
+    from flashattn.ops import decode
     # The benchmark's setting at 4k tokens: B = 8, H_q = 32, H_kv = 8, N_q = 1, D = 128, bf16.
     q = torch.randn(8, 32, 1, 128).to(torch.bfloat16)
     k, v = (torch.randn(8, 8, 4096, 128).to(torch.bfloat16) for _ in range(2))
@@ -124,19 +128,19 @@ def main(argv):
     print(f"first call (compiles or loads the kernels): {time.perf_counter() - start:.2f} s")
     whole = per_call_us(lambda: flashattn.decode(q, k, v, lengths))
     print(f"flashattn.decode, B=8 H_q=32 H_kv=8 D=128 bf16, 4k cache: {whole:6.1f} us per call "
-          f"({decode._HOST['launch']} launches, {decode._HOST['buffers']} buffer(s))")
-    default = dict(decode._HOST)
-    for launch in decode.HOST_CHOICES["launch"]:  # decode's other ways (the lengths stay on the CPU here)
-        for buffers in decode.HOST_CHOICES["buffers"]:
+          f"({kernel_decode.HOST['launch']} launches, {kernel_decode.HOST['buffers']} buffer(s))")
+    default = dict(kernel_decode.HOST)
+    for launch in kernel_decode.HOST_CHOICES["launch"]:  # decode's other ways (the lengths stay on the CPU here)
+        for buffers in kernel_decode.HOST_CHOICES["buffers"]:
             if dict(default, launch=launch, buffers=buffers) != default:
-                decode._set_host(launch=launch, buffers=buffers)
+                kernel_decode.set_host(launch=launch, buffers=buffers)
                 label = f"{launch} launches, {buffers} buffer(s)"
                 print(f"  {label:40} {per_call_us(lambda: flashattn.decode(q, k, v, lengths), calls=1000, rounds=3):6.1f} us")
-    decode._set_host(**default)
-    steps = {"plan lookup (_plan_key)": lambda: decode._PLANS[decode._plan_key(q, k, v, lengths)],
+    kernel_decode.set_host(**default)
+    steps = {"plan lookup (plan_for)": lambda: decode.plan_for(q, k, v, lengths),
              "checks of every call (_check_call)": lambda: decode._check_call(q, k, v, None, False),
              "lengths checked (_lengths, no copy)": lambda: decode._lengths(lengths, 4096, 1, q.device),
-             "plan.run (allocations, 2 launches)": lambda: decode._PLANS[decode._plan_key(q, k, v, lengths)].run(
+             "plan.run (allocations, 2 launches)": lambda: decode.plan_for(q, k, v, lengths).run(
                  q, k, v, lengths, 4096, 0.1)}
     for name, fn in steps.items():
         print(f"  {name:40} {per_call_us(fn):6.1f} us")

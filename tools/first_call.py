@@ -91,7 +91,7 @@ TIMELINE = r"""
 import threading
 import triton.runtime.build, triton.runtime.cache, triton.runtime.jit, triton.compiler.compiler
 import triton.backends.nvidia.compiler as nvidia
-import flashattn.autograd, flashattn.warmup
+import flashattn.ops.autograd, flashattn.ops.warmup
 
 EVENTS, T0, _current = [], [time.perf_counter()], threading.local()
 
@@ -127,12 +127,12 @@ triton.runtime.cache.triton_key = timed(triton.runtime.cache.triton_key, lambda:
 triton.runtime.build._build = timed(triton.runtime.build._build, lambda name, *a, **k: f"C compiler: {name}")
 _CK = triton.compiler.compiler.CompiledKernel
 _CK._init_handles = timed(_CK._init_handles, lambda self: f"load {self.name}" if self.module is None else "")
-flashattn.autograd.attention_forward = timed(flashattn.autograd.attention_forward, lambda *a, **k: "forward op")
-flashattn.autograd.attention_backward = timed(flashattn.autograd.attention_backward, lambda *a, **k: "backward op")
-flashattn.warmup.wait = timed(flashattn.warmup.wait, lambda: "wait for the backward's compile")
-flashattn.warmup._prepare_triton = timed(flashattn.warmup._prepare_triton, lambda: "prepare Triton (warm-up)")
-flashattn.autograd.FlashAttention.backward = staticmethod(
-    timed(flashattn.autograd.FlashAttention.backward, lambda *a: "FlashAttention.backward"))
+flashattn.ops.autograd.attention_forward = timed(flashattn.ops.autograd.attention_forward, lambda *a, **k: "forward op")
+flashattn.ops.autograd.attention_backward = timed(flashattn.ops.autograd.attention_backward, lambda *a, **k: "backward op")
+flashattn.ops.warmup.wait = timed(flashattn.ops.warmup.wait, lambda: "wait for the backward's compile")
+flashattn.ops.warmup._prepare_triton = timed(flashattn.ops.warmup._prepare_triton, lambda: "prepare Triton (warm-up)")
+flashattn.ops.autograd.FlashAttention.backward = staticmethod(
+    timed(flashattn.ops.autograd.FlashAttention.backward, lambda *a: "FlashAttention.backward"))
 torch.Tensor.backward = timed(torch.Tensor.backward, lambda *a, **k: "Tensor.backward")
 SAMPLES = []  # (thread, time, innermost frames): where each thread's Python was, every 10 ms
 

@@ -2,12 +2,12 @@
 
     python tools/hopper_check.py OUT_DIR [--parts checks,fp32,bench,fp32bench] [--full] [--budget 285]
 
-Every part runs in child processes (flashattn.gpu_checks.run_job), so that an error, a crash or a
+Every part runs in child processes (flashattn.measure.gpu_checks.run_job), so that an error, a crash or a
 hang in one does not stop the others: a child that prints nothing for a while is killed, the case
 it was running is reported as HANG, and the child is started again after it.
 
   checks     the Gluon forward and dK/dV through flashattn.attention against float64, per (dtype,
-             head dim, causal) group, and each Gluon forward variant (flashattn.gpu_checks).
+             head dim, causal) group, and each Gluon forward variant (flashattn.measure.gpu_checks).
   fp32       float32 under the rule, in separate children per precision ('highest' = IEEE, or
              3xTF32 with FLASHATTN_TF32X3=1; 'high' = TF32): the test grid through
              flashattn.attention, and every candidate tile configuration of every kernel at head
@@ -36,8 +36,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from flashattn.gpu_checks import (BWD_VARIANTS, DTYPES, HEAD_DIMS, SHAPES, VARIANTS,  # noqa: E402
-                                  command, run_job)
+from flashattn.measure.gpu_checks import BWD_VARIANTS, DTYPES, HEAD_DIMS, SHAPES, VARIANTS, command, run_job
 #: Candidates the Triton kernels are tuned over in the timings (the first of each list, which won
 #: the full sweep on an H200: figures/data/h200_tile_configs.csv), so that tuning compiles few.
 TUNED = {"fwd": 3, "bwd_dkdv": 4, "bwd_dq": 4}
@@ -55,7 +54,7 @@ def _meta():
 
 
 def _tflops(ms, b, h, n, d, causal, mode):
-    from flashattn.bench import attention_flops
+    from flashattn.measure.bench import attention_flops
     return attention_flops(b, h, n, n, d, causal, "bwd" if mode == "dkdv" else mode) / ms * 1e-9
 
 
@@ -77,27 +76,28 @@ def _interleaved(fns, rounds=3):
 
 
 def _restrict_tuning():
-    from flashattn import tuning
+    from flashattn.gpu import configs
     for name, n in TUNED.items():
-        tuning.GPU_CONFIGS[name] = tuning.GPU_CONFIGS[name][:n]
+        configs.GPU_CONFIGS[name] = configs.GPU_CONFIGS[name][:n]
 
 
 def child_warm(args):
     """Compile kernels into Triton's disk cache (bench._compile_one runs each once on a small
     input), so that the timing children find them instead of compiling them one by one."""
     import torch
-    from flashattn import bench, tuning
+    from flashattn.gpu import configs
+    from flashattn.measure import bench
 
     if args.precision == "16bit":
         jobs = [(name, c, dtype, args.head_dim, causal) for dtype in DTYPES for causal in (False, True)
-                for name in TUNED for c in tuning.GPU_CONFIGS[name][:TUNED[name]]]
+                for name in TUNED for c in configs.GPU_CONFIGS[name][:TUNED[name]]]
     else:  # the float32 candidates of one precision, causal (what fp32bench times)
         dtype = "fp32" if args.precision == "highest" else "tf32"
         torch.set_float32_matmul_precision(args.precision)
-        precision = tuning.dot_precision(torch.float32)
+        precision = configs.dot_precision(torch.float32)
         jobs = [(name, c, dtype, args.head_dim, True) for name in ("fwd", "bwd_dkdv", "bwd_dq")
-                for c in tuning.candidates(name, torch.float32, precision)
-                if tuning.fits(name, c, tuning.block_d(args.head_dim), 4, precision)]
+                for c in configs.candidates(name, torch.float32, precision)
+                if configs.fits(name, c, configs.block_d(args.head_dim), 4, precision)]
     for name, c, dtype, d, causal in jobs:
         config = dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
         cid = f"warm-{dtype}-{name}-d{d}-{int(causal)}-{c.kwargs['BLOCK_Q']}x{c.kwargs['BLOCK_KV']}w{c.num_warps}s{c.num_stages}"
@@ -110,7 +110,8 @@ def child_bench(args):
     """16-bit forward and backward TFLOPS side by side, then the Gluon variants."""
     import torch
     from torch.nn.functional import scaled_dot_product_attention as sdpa
-    from flashattn import backward, forward, hopper, hopper_backward
+    from flashattn.hopper import forward as hopper, backward as hopper_backward
+    from flashattn.kernels import backward, forward
 
     _restrict_tuning()
     bad = set(filter(None, (args.skip or "").split(",")))
@@ -238,7 +239,7 @@ def child_fp32bench(args):
     import torch
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     import flashattn
-    from flashattn import tuning
+    from flashattn.gpu import configs
 
     provider, precision = args.provider.split(":")
     torch.set_float32_matmul_precision(precision)
@@ -249,7 +250,7 @@ def child_fp32bench(args):
     writer = csv.DictWriter(out, fieldnames=META_FIELDS + ["precision", "dot", "head_dim", "causal", "batch",
                                                           "heads", "seq_len", "provider", "mode", "ms", "tflops"])
     writer.writeheader()
-    dot = tuning.dot_precision(torch.float32) if provider == "flashattn" else "cuBLAS/cuDNN"
+    dot = configs.dot_precision(torch.float32) if provider == "flashattn" else "cuBLAS/cuDNN"
     for d in HEAD_DIMS:
         for n in ((4096, 8192) if args.full else (4096,)):
             cid = f"fp32bench-{provider}-{precision}-d{d}-causal-{n}"

@@ -15,8 +15,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from flashattn import bench, plotting, reference  # noqa: E402
-from flashattn.forward import attention_forward  # noqa: E402
+from flashattn import plotting
+from flashattn.measure import bench
+from flashattn.testing import reference  # noqa: E402
+from flashattn.kernels.forward import attention_forward  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 

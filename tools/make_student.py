@@ -28,7 +28,7 @@ from pathlib import Path
 import nbformat
 from traitlets.config import Config
 
-from flashattn.exercises.solutions import BEGIN, CODE_STUB, END
+from flashattn.course.exercises.solutions import BEGIN, CODE_STUB, END
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -261,7 +261,7 @@ def tables(notebooks):
                 continue
             for ex in exercises(present[name]):
                 functions = ", ".join(f"`{f}`" for f in ex["functions"]) or "(code)"
-                checker = f"`flashattn.exercises.{ex['checker']}`" if ex["checker"] else "?"
+                checker = f"`flashattn.course.exercises.{ex['checker']}`" if ex["checker"] else "?"
                 out.append(f"| {name.split('_', 1)[0]} | `{ex['grade_id']}` | {functions} | {checker} "
                            f"| {ex['points']:g} | {md_escape(ex['task'])} |")
     return "\n".join(out) + "\n"

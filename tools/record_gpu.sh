@@ -39,8 +39,8 @@ part() {  # part NAME SECONDS COMMAND...
 
 part tests-variants 150 $pytest $variant_tests
 part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_decode.py
-part bench-variants 150 python -m flashattn.bench_variants --out-dir "$out"
-part decode-host 50 python -m flashattn.bench decode --host-ab --out "$out/decode_host_ab.csv"
+part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"
+part decode-host 50 python -m flashattn.measure.bench_decode --host-ab --out "$out/decode_host_ab.csv"
 # the other modules with GPU tests (collecting every module would need the notebook tools too)
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v -F "$(printf '%s\n' $variant_tests)")
 part tests-gpu 300 ${pytest/$workers/} -m gpu $gpu_tests

@@ -6,10 +6,10 @@
 
 A default configuration is paid for twice: in the kernel's speed, and in the seconds its compile
 adds to the first call at a new setting. This tool measures both, for each candidate of each
-kernel (by default every float32 IEEE candidate of ``flashattn.tuning``; ``--configs grid``, a
+kernel (by default every float32 IEEE candidate of ``flashattn.gpu.configs``; ``--configs grid``, a
 wider grid; ``--only``, the configurations named):
 
-* ``compile_s``: the kernel's compile for this GPU (``flashattn.compiled.compile_kernel``, which
+* ``compile_s``: the kernel's compile for this GPU (``flashattn.measure.compiled.compile_kernel``, which
   Triton's cache does not short-cut: its cache is empty), from Triton's IR to the GPU binary. A
   first call waits for that plus loading the kernel and, once per process and signature, building
   its launcher with the C compiler;
@@ -19,7 +19,7 @@ wider grid; ``--only``, the configurations named):
   configuration set and the other two at their defaults), median of ``triton.testing.do_bench``;
 * ``sdpa_ms``: PyTorch's SDPA on the same inputs in the same run, and the ratio;
 * ``ok``: the configuration's results on a ragged causal shape (113 queries, 241 keys) against a
-  float64 reference, by the rule of ``flashattn.testing.judge``.
+  float64 reference, by the rule of ``flashattn.testing.rule.judge``.
 
 Each head dim and kernel's rows are printed fastest first. Compiles run one at a time, in this
 process, so that ``compile_s`` is what a first call on this machine waits for one kernel.
@@ -40,11 +40,12 @@ os.environ["FLASHATTN_AUTOTUNE"] = "0"
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from flashattn import compiled, tuning  # noqa: E402
-from flashattn.backward import attention_backward  # noqa: E402
-from flashattn.forward import attention_forward  # noqa: E402
-from flashattn.gpu_checks import _references  # noqa: E402
-from flashattn.testing import judge  # noqa: E402
+from flashattn.gpu import configs
+from flashattn.measure import compiled  # noqa: E402
+from flashattn.kernels.backward import attention_backward  # noqa: E402
+from flashattn.kernels.forward import attention_forward  # noqa: E402
+from flashattn.measure.gpu_checks import _references  # noqa: E402
+from flashattn.testing.rule import judge  # noqa: E402
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 FIELDS = ["gpu", "torch", "triton", "date", "dtype", "precision", "head_dim", "causal", "batch", "heads",
@@ -55,13 +56,13 @@ PRECISIONS = {"highest": "ieee", "high": "tf32"}
 
 def grid(name, block_d):
     """A wider set than the candidate lists: tiles of 16-64 rows, 2-8 warps, 1-2 stages, pruned by
-    the rules of ``tuning.fits`` on the running GPU (float32, IEEE)."""
-    configs = []
+    the rules of ``configs.fits`` on the running GPU (float32, IEEE)."""
+    fitting = []
     for bq, bkv, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (2, 4, 8), (1, 2)):
         config = triton.Config({"BLOCK_Q": bq, "BLOCK_KV": bkv}, num_warps=warps, num_stages=stages)
-        if tuning.fits(name, config, block_d, 4, "ieee"):
-            configs.append(config)
-    return configs
+        if configs.fits(name, config, block_d, 4, "ieee"):
+            fitting.append(config)
+    return fitting
 
 
 def parse_only(specs):
@@ -123,15 +124,15 @@ def sdpa_time(q, k, v, do, causal, name):
                                    return_mode="median")
 
 
-def sweep(name, configs, inputs, small, refs, causal, precision):
+def sweep(name, candidates, inputs, small, refs, causal, precision):
     """Compile, check and time each configuration of kernel ``name``: a list of CSV rows (their
     configuration and measurements)."""
     q, k, v, do = inputs
     d, found = q.shape[-1], []
-    for config in configs:
-        cfg = tuning.as_dict(config)
+    for config in candidates:
+        cfg = configs.as_dict(config)
         try:
-            compile_s, regs, spills = compile_time(name, config, tuning.block_d(d), causal, precision)
+            compile_s, regs, spills = compile_time(name, config, configs.block_d(d), causal, precision)
             ok = check(name, cfg, d, causal, refs, small)
             ms = float("nan") if spills else triton.testing.do_bench(run(q, k, v, do, causal, name, cfg),
                                                                       return_mode="median")
@@ -144,7 +145,7 @@ def sweep(name, configs, inputs, small, refs, causal, precision):
 
 def show(name, rows, default):
     """One kernel's rows, fastest first (those that spill last), the default marked."""
-    default = tuning.as_dict(default)
+    default = configs.as_dict(default)
     print(f"  {name:8} {'config':22} {'regs':>4} {'spills':>6} {'compile s':>9} {'ms':>8} {'SDPA/ours':>9}  ok",
           flush=True)
     for row in sorted(rows, key=lambda r: (r["spills"] > 0, r["ms"])):
@@ -182,7 +183,7 @@ def main(argv=None):
     only = parse_only(args.only) if args.only else None
     head_dims = sorted({d for _, d in only}) if only else args.head_dims
     for d in head_dims:
-        block_d = tuning.block_d(d)
+        block_d = configs.block_d(d)
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(args.batch, args.heads, args.seq_len, d, device="cuda", generator=g)
                        for _ in range(4))
@@ -191,24 +192,24 @@ def main(argv=None):
         print(f"\nhead dim {d}", flush=True)
         for name in args.kernels:
             if only is not None:
-                configs = only.get((name, d), [])
+                candidates = only.get((name, d), [])
             elif args.configs == "grid":
-                configs = grid(name, block_d)
+                candidates = grid(name, block_d)
             else:
-                configs = tuning.candidates(name, dtype, precision)
-            if not configs:
+                candidates = configs.candidates(name, dtype, precision)
+            if not candidates:
                 continue
-            rejected = [c for c in configs if not tuning.fits(name, c, block_d, 4, precision)]
+            rejected = [c for c in candidates if not configs.fits(name, c, block_d, 4, precision)]
             for config in rejected:
-                print(f"  {name} {tuning.as_dict(config)}: not timed, tuning.fits rejects it", flush=True)
-            configs = [c for c in configs if c not in rejected]
-            found = sweep(name, configs, (q, k, v, do), small, refs, causal, precision)
+                print(f"  {name} {configs.as_dict(config)}: not timed, configs.fits rejects it", flush=True)
+            candidates = [c for c in candidates if c not in rejected]
+            found = sweep(name, candidates, (q, k, v, do), small, refs, causal, precision)
             sdpa_ms = sdpa_time(q, k, v, do, causal, name)
             for row in found:
                 row.update(versions, dtype="fp32", precision=args.precision, head_dim=d, causal=int(causal),
                            batch=args.batch, heads=args.heads, seq_len=args.seq_len, kernel=name,
                            sdpa_ms=round(sdpa_ms, 4), sdpa_over_ms=round(sdpa_ms / row["ms"], 3))
-            show(name, found, tuning.default_config(name, dtype, precision, block_d))
+            show(name, found, configs.default_config(name, dtype, precision, block_d))
             rows += found
     if args.out:
         with open(args.out, "w", newline="") as f:

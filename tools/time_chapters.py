@@ -72,7 +72,7 @@ for number, cell in enumerate(cells):
 def run_with_nbclient(path, env):
     """Run the notebook through nbclient in a kernel of this Python; returns an error text or None."""
     sys.path.insert(0, str(ROOT))
-    from flashattn.notebook import execute  # noqa: E402
+    from flashattn.course.notebook import execute  # noqa: E402
 
     (result, _), = execute([path], cwd=path.parent, timeout=900, env=env).values()
     return None if not isinstance(result, Exception) else f"{type(result).__name__}: {str(result)[-1500:]}"

@@ -17,7 +17,7 @@ import torch
 from matplotlib.animation import FuncAnimation
 from matplotlib.patches import Rectangle
 
-from .. import traversal
+from ..kernels import traversal
 from .ch03_04 import TILE_COLORS
 from .common import to_numpy
 

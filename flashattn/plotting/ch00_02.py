@@ -98,7 +98,7 @@ def softmax_trace(x_row, block, ax=None):
     three axes, the row panel is left out."""
     import torch
 
-    from ..reference import online_softmax_trace
+    from ..testing.reference import online_softmax_trace
 
     x = torch.as_tensor(x_row, dtype=torch.float64).reshape(-1)
     trace = online_softmax_trace(x, block)

@@ -6,7 +6,7 @@ import numpy as np
 from matplotlib.colors import ListedColormap, LogNorm
 from matplotlib.patches import Patch
 
-from .. import traversal
+from ..kernels import traversal
 from .common import axes_for, to_numpy
 
 TILE_COLORS = {traversal.SKIPPED: "#d9d9d9", traversal.MASKED: "#f2b134", traversal.FULL: "#3a9e5f"}

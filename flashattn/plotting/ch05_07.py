@@ -5,7 +5,7 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from .. import traversal
+from ..kernels import traversal
 from .common import axes_for
 from .ch03_04 import TILE_COLORS, TILE_NAMES, tile_kinds_map
 
@@ -63,9 +63,9 @@ def backward_tile_maps(n_q, n_kv, is_causal, dkdv_blocks=(16, 32), dq_blocks=(32
     """The tiles of the two backward stages side by side, for one (batch, head).
 
     Left, the dK/dV stage (blocks ``(BLOCK_Q, BLOCK_KV) = dkdv_blocks``): one program per key block
-    (a column) walks DOWN it, over the query blocks of :func:`flashattn.traversal.q_ranges`.
+    (a column) walks DOWN it, over the query blocks of :func:`flashattn.kernels.traversal.q_ranges`.
     Right, the dQ stage (``dq_blocks``): one program per query block (a row) walks ALONG it, over
-    the key blocks of :func:`flashattn.traversal.kv_ranges`. Colours: full, masked or skipped."""
+    the key blocks of :func:`flashattn.kernels.traversal.kv_ranges`. Colours: full, masked or skipped."""
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(10, 4.6))
     arrow = dict(arrowstyle="->", color="#1f4e79", lw=1.2, alpha=0.8)
@@ -97,7 +97,7 @@ def backward_tile_maps(n_q, n_kv, is_causal, dkdv_blocks=(16, 32), dq_blocks=(32
 
 def rule_ratios(labels, checks, ax=None, title="error / bound for each case (below 1 passes)"):
     """The tolerance rule over a sweep: for each case (one label and its list of
-    :class:`flashattn.testing.Check`), the ratio error / bound of every quantity, on a log scale,
+    :class:`flashattn.testing.rule.Check`), the ratio error / bound of every quantity, on a log scale,
     with the pass line at 1."""
     ax = axes_for(ax, (max(6, 0.55 * len(labels) + 2), 4))
     names = [c.name for c in checks[0]]

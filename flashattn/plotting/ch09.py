@@ -6,7 +6,8 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from .. import reference, traversal
+from ..kernels import traversal
+from ..testing import reference
 from .ch03_04 import tile_kinds_map
 from .common import axes_for
 

@@ -83,7 +83,7 @@ def tile_rows(group, n_q, block_r, kv_head=0, ax=None, title=None):
 def decode_bandwidth(rows, ax=None, title=None, providers=("decode", "sdpa-gqa", "attention-repeated")):
     """The cache read per second (TB/s) of a decoding step against the cache length, one bar per
     provider, and the measured copy bandwidth as a line. ``rows`` are rows of the decode
-    benchmark's CSV (``python -m flashattn.bench decode``): ``provider``, ``cache_len``,
+    benchmark's CSV (``python -m flashattn.measure.bench_decode``): ``provider``, ``cache_len``,
     ``cache_tbps`` and ``of_copy`` (the fraction of the copy bandwidth)."""
     ax = axes_for(ax, (7, 4))
     lengths = sorted({int(r["cache_len"]) for r in rows})

@@ -1,0 +1,51 @@
+"""Checkers for the exercises: each takes a learner's function and says clearly what is right or wrong.
+
+    from flashattn.course import exercises
+    exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
+
+One module per group of chapters (``ch00_02``, ``ch03_04`` with chapter 04's Triton ladder in
+``ch04_ladder``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``), and ``common``
+for what they share; every checker, and the kernels that run a learner's Triton code, are
+available from here.
+"""
+from .ch00_02 import (check_lse_from_state, check_merge_softmax_states, check_naive_causal_attention,
+                      check_online_softmax, check_online_softmax_weighted_sum, check_score_bytes,
+                      check_softmax_exp2)
+from .ch03_04 import (FORWARD_MISTAKES, check_classify_tiles, check_fwd_inner, check_kv_stage_bounds,
+                      check_tiled_attention, fwd_exercise_kernel, run_fwd_inner, tiled_forward_with_mistake)
+from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_row_softmax_kernel,
+                          check_stream_kv_kernel)
+from .ch05_07 import check_attention_backward, check_row_lse_kernel, check_rule_test, check_softmax_backward
+from .ch06 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, dkdv_exercise_kernel,
+                   dq_exercise_kernel, run_dkdv_inner, run_dq_inner)
+from .ch08 import check_attention_cost, check_choose_config, check_estimate_resources
+from .ch09 import check_kv_head_map, check_varlen_programs, check_window_kv_range
+from .ch10 import check_merge_split_partials
+from .ch11 import check_ring_slot
+from .common import ExerciseError, attempt, expect_close
+
+__all__ = [
+    "ExerciseError", "attempt", "expect_close",
+    # chapters 00-02
+    "check_naive_causal_attention", "check_score_bytes", "check_online_softmax",
+    "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_lse_from_state",
+    "check_softmax_exp2",
+    # chapters 03-04
+    "check_classify_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
+    "fwd_exercise_kernel", "run_fwd_inner", "tiled_forward_with_mistake", "FORWARD_MISTAKES",
+    # chapter 04's Triton ladder
+    "check_block_shift_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",
+    "check_stream_kv_kernel",
+    # chapters 05-07
+    "check_softmax_backward", "check_attention_backward", "check_delta_kernel", "check_dkdv_inner",
+    "dkdv_exercise_kernel", "run_dkdv_inner", "check_dq_inner", "dq_exercise_kernel", "run_dq_inner",
+    "check_rule_test", "check_row_lse_kernel",
+    # chapter 08
+    "check_attention_cost", "check_estimate_resources", "check_choose_config",
+    # chapter 09
+    "check_kv_head_map", "check_window_kv_range", "check_varlen_programs",
+    # chapter 10
+    "check_merge_split_partials",
+    # chapter 11
+    "check_ring_slot",
+]

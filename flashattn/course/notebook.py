@@ -1,0 +1,128 @@
+"""Small helpers for the chapter notebooks: showing the package's real source, picking sizes."""
+import html
+import inspect
+import os
+
+from ..gpu.runtime import INTERPRET
+
+
+#: How show_source draws code: Pygments' "default" style, whose colours all reach WCAG's 4.5:1
+#: contrast on its own background, inside a bordered box whose background and text colours are
+#: fixed on every element that holds text. JupyterLab's themes colour <pre> elements themselves
+#: (dark in the dark theme), so a box that left them to the theme showed the style's dark-blue
+#: function names on near-black.
+SOURCE_STYLE = "default"
+SOURCE_TEXT = "#1f2328"    # the text that has no colour of its own (names, operators)
+SOURCE_MUTED = "#57606a"   # the file name and line above the code
+SOURCE_BORDER = "#d0d7de"
+
+
+def source_html(obj) -> str:
+    """The source of a function (or a @triton.jit kernel) as a highlighted HTML box that reads the
+    same in JupyterLab's light and dark themes."""
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+    from pygments.styles import get_style_by_name
+
+    fn = getattr(obj, "fn", obj)  # a @triton.jit function keeps the Python function in .fn
+    lines, first = inspect.getsourcelines(fn)
+    path = os.path.abspath(inspect.getsourcefile(fn))
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    inside = path.startswith(package_parent + os.sep)
+    where = os.path.relpath(path, package_parent) if inside else os.path.basename(path)
+    background = get_style_by_name(SOURCE_STYLE).background_color
+    code = highlight("".join(lines), PythonLexer(), HtmlFormatter(style=SOURCE_STYLE, noclasses=True, nowrap=True))
+    box = (f"border: 1px solid {SOURCE_BORDER}; border-radius: 4px; background: {background}; "
+           f"color: {SOURCE_TEXT}; margin: 0.4em 0")
+    head = (f"background: {background}; color: {SOURCE_MUTED}; border-bottom: 1px solid {SOURCE_BORDER}; "
+            "padding: 2px 8px; font-family: monospace; font-size: 85%")
+    pre = (f"background: {background}; color: {SOURCE_TEXT}; margin: 0; padding: 6px 8px; border: 0; "
+           "line-height: 125%; overflow-x: auto")
+    return (f'<div style="{box}"><div style="{head}">{html.escape(where.replace(os.sep, "/"))}, line {first}</div>'
+            f'<pre style="{pre}">{code}</pre></div>')
+
+
+def show_source(obj):
+    """Display the source of a function (a kernel included) from the package itself, highlighted.
+
+    Notebooks never paste kernel code: they show it from here, so what a learner reads is what
+    runs. Falls back to plain text outside Jupyter (or without Pygments).
+    """
+    fn = getattr(obj, "fn", obj)
+    try:
+        from IPython import get_ipython
+        from IPython.display import HTML, display
+        import pygments  # noqa: F401
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        print(inspect.getsource(fn))
+        return
+    display(HTML(source_html(fn)))
+
+
+def pick(cpu, gpu):
+    """``cpu`` on the interpreter, ``gpu`` on a GPU: one code path, sizes that fit the runtime."""
+    return cpu if INTERPRET else gpu
+
+
+# --- Running whole chapters (the tests, tools/build_html.py, tools/time_chapters.py) ------------------
+
+def _this_python():
+    """A kernel manager class that starts kernels with this very interpreter (like nbval's
+    --nbval-current-env), whatever kernelspec 'python3' points to on this machine."""
+    import sys
+
+    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    class ThisPython(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                              display_name="Python 3 (this environment)", language="python")
+
+    class Manager(AsyncKernelManager):
+        @default("kernel_spec_manager")
+        def _kernel_spec_manager_default(self):
+            return ThisPython()
+
+    return Manager
+
+
+def execute(paths, cwd=None, workers=1, timeout=600, allow_errors=False, env=None):
+    """Run notebooks top to bottom, each in a fresh kernel of this Python, ``workers`` at a time.
+
+    Returns ``{path: (the executed notebook, or the exception that stopped it; seconds)}``. Each
+    kernel starts in ``cwd`` (default: the notebook's own folder), with the environment variables
+    ``env`` (default: this process's). With ``allow_errors`` a cell that raises is recorded in its
+    outputs and the rest still runs.
+    """
+    import asyncio
+    import time
+    from pathlib import Path
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    manager = _this_python()
+
+    async def run(path, limit):
+        nb = nbformat.read(path, as_version=4)
+        async with limit:
+            start = time.perf_counter()
+            client = NotebookClient(nb, timeout=timeout, allow_errors=allow_errors, kernel_name="python3",
+                                    kernel_manager_class=manager,
+                                    resources={"metadata": {"path": str(cwd or Path(path).parent)}})
+            try:
+                await client.async_execute(**({"env": env} if env is not None else {}))
+            except Exception as error:  # a cell raised, the kernel died or a cell timed out
+                return path, (error, time.perf_counter() - start)
+        return path, (nb, time.perf_counter() - start)
+
+    async def run_all():
+        limit = asyncio.Semaphore(max(1, workers))
+        return dict(await asyncio.gather(*(run(path, limit) for path in paths)))
+
+    return asyncio.run(run_all())

@@ -1,0 +1,97 @@
+"""Where the course lives, said in one place: the repository, its branch, and what follows from them.
+
+A chapter opened on its own (from a repository link on Colab, or copied anywhere) starts with a
+cell that must install flashattn before anything can import it, so that cell cannot import this
+module: ``tools/sync_course.py`` writes the cell from :func:`first_cell`, and the README's
+"Open in Colab" links from :func:`colab_url`, and a test fails when either drifts from here.
+"""
+import pathlib
+import re
+import urllib.request
+
+from ..gpu.runtime import cache_dir
+
+#: The course's public repository and the branch learners get.
+REPOSITORY = "https://github.com/flashattn-course/flashattn-triton"
+BRANCH = "main"
+
+
+def pip_source() -> str:
+    """What ``pip install`` takes to install the package straight from the repository."""
+    return f"git+{REPOSITORY}@{BRANCH}"
+
+
+def _owner_and_name():
+    match = re.fullmatch(r"https://github\.com/([^/]+)/([^/]+?)(?:\.git)?/?", REPOSITORY)
+    if not match:
+        raise ValueError(f"REPOSITORY must be a https://github.com/OWNER/NAME address, got {REPOSITORY!r}")
+    return match.groups()
+
+
+def colab_url(path: str) -> str:
+    """The address that opens the notebook at ``path`` (relative to the repository's root) in Colab."""
+    owner, name = _owner_and_name()
+    return f"https://colab.research.google.com/github/{owner}/{name}/blob/{BRANCH}/{path}"
+
+
+def raw_url(path: str) -> str:
+    """The address of the file at ``path`` (relative to the repository's root), as plain bytes."""
+    owner, name = _owner_and_name()
+    return f"https://raw.githubusercontent.com/{owner}/{name}/{BRANCH}/{path}"
+
+
+# The first code cell of every chapter. It tries, in order: flashattn installed; the checkout the
+# notebook sits in (no network, and the package matches the notebook); on Colab, pip from the
+# repository; else it stops with the one command to run.
+_FIRST_CELL = '''\
+# The same first cell in every chapter: import flashattn; if it is not installed, take it from the
+# course's folder around this notebook, or, on Colab, install it from the course's repository.
+import importlib.util, pathlib, subprocess, sys
+COURSE = "{source}"
+if importlib.util.find_spec("flashattn") is None:
+    here = pathlib.Path.cwd()
+    checkout = next((p for p in (here, *here.parents) if (p / "flashattn" / "__init__.py").is_file()), None)
+    if checkout:
+        sys.path.insert(0, str(checkout))
+    elif "google.colab" in sys.modules:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", COURSE], check=True)
+        importlib.invalidate_caches()
+    else:
+        raise ModuleNotFoundError(f'flashattn is not installed: run  pip install "{{COURSE}}"  '
+                                  'and restart the kernel.')
+import flashattn
+print(flashattn.describe())'''
+
+
+def first_cell() -> str:
+    """The source of the first code cell of every chapter notebook."""
+    return _FIRST_CELL.format(source=pip_source())
+
+
+# --- The recorded GPU data, for a chapter opened away from the checkout -------------------------------
+
+def _checkouts():
+    """Folders that may hold the course's checkout: the one the package was installed from
+    (editable), and the one above the notebook's folder."""
+    return [pathlib.Path(__file__).resolve().parents[2], pathlib.Path.cwd().parent, pathlib.Path.cwd()]
+
+
+def data_file(name: str) -> pathlib.Path:
+    """The recorded measurement ``figures/data/<name>`` (or, for a ``name`` with a folder in it, that
+    path in the repository, e.g. ``docs/gpu-record/...``): from the checkout when there is one, else
+    downloaded once from the repository (a chapter opened on its own, on Colab)."""
+    relative = name if "/" in name else f"figures/data/{name}"
+    for root in _checkouts():
+        if (root / relative).is_file():
+            return root / relative
+    target = cache_dir() / "course" / BRANCH / relative
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(target.suffix + ".part")
+        try:
+            urllib.request.urlretrieve(raw_url(relative), partial)
+        except OSError as error:
+            raise FileNotFoundError(f"{relative} is not in a checkout here and could not be downloaded from "
+                                    f"{raw_url(relative)}: {error}") from error
+        partial.replace(target)
+    return target

@@ -1,0 +1,32 @@
+"""The Gluon kernels for H100/H200 (sm_90): the forward (``forward``) and the dK/dV kernel
+(``backward``), FlashAttention-3's structure written by hand (chapter 11).
+
+They compute what the Triton kernels of ``flashattn.kernels`` compute, in the same layout, so the
+two mix freely (``flashattn.ops.dispatch`` picks per call). Gluon has no interpreter, so nothing
+here is imported until :func:`load` asks for it on a GPU; on a CPU the modules are only read and
+compiled for sm_90 (``flashattn.measure.compiled``).
+"""
+import importlib
+import os
+import threading
+
+from ..gpu.runtime import INTERPRET
+
+_importing = threading.Lock()
+
+
+def load(name):
+    """``flashattn.hopper.<name>`` (``"forward"`` or ``"backward"``) where its kernels may run;
+    else None: on the interpreter (Gluon kernels cannot be defined for it), with
+    FLASHATTN_GLUON=0, or with a Triton that has no Gluon or another Gluon API. Imported on first
+    use."""
+    if INTERPRET or os.environ.get("FLASHATTN_GLUON", "1") == "0":
+        return None
+    try:
+        # One thread at a time: Triton's Gluon modules import one another, and two threads
+        # importing them at once (the warm-up's beside the forward's) can stop on Python's import
+        # deadlock error.
+        with _importing:
+            return importlib.import_module(f"{__name__}.{name}")
+    except ImportError:
+        return None

@@ -1,0 +1,214 @@
+"""The dK/dV backward kernel for Hopper GPUs (sm_90), written in Gluon.
+
+``flashattn.backward.attn_bwd_dkdv`` is the kernel the course teaches: one program keeps a block
+of keys and values and streams the queries past it, accumulating
+
+    dV += P^T dO        dK += dS^T Q        with  P^T = 2**(K Q^T * scale * log2 e - LSE),
+                                                   dS^T = P^T * (V dO^T - Delta)
+
+Per query tile that is four matmuls (K Q^T, V dO^T, P^T dO, dS^T Q) and the exponentials between
+them: the heavier half of the backward. This kernel schedules it the way ``flashattn.hopper``
+schedules the forward:
+
+* a *producer* warp loads each consumer's K and V once, then the tiles of Q and dO by TMA into a
+  ring of ``STAGES`` shared-memory buffers (one mbarrier says a stage is full, one that both
+  consumers are done with it); rows past the end of the sequence read as zeros;
+* two *consumer* warpgroups own ``BLOCK_N`` keys each and share every Q/dO tile. Each issues
+  ``S^T = K Q^T`` and ``dP^T = V dO^T`` together as asynchronous wgmma, waits for S^T only,
+  computes P^T while dP^T is still being multiplied, then issues ``dV += P^T dO`` with P^T from
+  registers and computes dS^T while that one runs, then ``dK += dS^T Q``.
+
+LSE and Delta are read with plain loads: a row of them is only 4 bytes per query, and TMA would need
+the sequence length to be a multiple of 4. Rows past the end get ``LSE = +inf``, so that their
+probabilities are exactly 0 whatever their (zero) scores: no mask is needed there. The keys'
+rows past the end compute garbage that the TMA store never writes.
+
+dQ stays with the Triton kernel (``flashattn.backward.attn_bwd_dq``), which needs no atomics and
+keeps the gradients bit-identical from run to run (this kernel too: each dK/dV tile is written by
+one program, in a fixed order). Gluon has no interpreter: these kernels run only where they are
+compiled for CUDA (``flashattn.backward`` calls them there).
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from ..gpu.launcher import run
+from ..kernels.tiles import qk_scale
+from .forward import HEAD_DIMS, block_layout, descriptor, mma_layout, supports, tma_ok  # noqa: F401
+
+#: Tile configuration per head dim: BLOCK_N keys per consumer warpgroup (two of them: a program
+#: owns 2 x BLOCK_N keys), BLOCK_M queries per Q/dO tile, STAGES tiles in flight. Chosen from
+#: compiling for sm_90 (tools/compile_hopper.py): the largest query tile that does not spill
+#: (at head dim 128, 64 queries spill 24-64 bytes per thread, 32 none); not yet timed against
+#: the alternatives (tools/hopper_check.py times them).
+CONFIGS = {
+    64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
+    128: dict(BLOCK_M=32, BLOCK_N=64, STAGES=2),
+}
+CONSUMERS = 2
+#: Registers per thread: at launch, then the consumers' and the producer's budgets (setmaxnreg).
+REGISTERS = dict(launch=168, consumer=240, producer=24)
+
+
+def tile_config(head_dim, overrides=None):
+    """The configuration of a head dim (CONFIGS), with ``overrides``."""
+    return dict(CONFIGS[head_dim], **(overrides or {}))
+
+
+def launch_options(cfg):
+    """The register budgets a configuration is compiled with: ``(constexprs, options)``."""
+    return (dict(CONSUMER_REGS=REGISTERS["consumer"], PRODUCER_REGS=REGISTERS["producer"]),
+            dict(num_warps=4, maxnreg=REGISTERS["launch"]))
+
+
+@gluon.jit
+def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
+                  ready, empty, batch, head, kv_start, q_lo, n_tiles,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: each consumer's K and V once, then Q and dO tile by tile into the ring."""
+    for c in gl.static_range(2):
+        mbarrier.expect(kv_ready.index(c), desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k, [batch, head, kv_start + c * BLOCK_N, 0],
+                                        kv_ready.index(c), k_smem.index(c))
+        tma.async_copy_global_to_shared(desc_v, [batch, head, kv_start + c * BLOCK_N, 0],
+                                        kv_ready.index(c), v_smem.index(c))
+    for j in range(n_tiles):
+        stage = j % STAGES
+        # The first round through the ring does not wait (see hopper._load_tile).
+        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(stage), desc_q.block_type.nbytes + desc_do.block_type.nbytes)
+        q_start = q_lo + j * BLOCK_M
+        tma.async_copy_global_to_shared(desc_q, [batch, head, q_start, 0], ready.index(stage),
+                                        q_smem.index(stage))
+        tma.async_copy_global_to_shared(desc_do, [batch, head, q_start, 0], ready.index(stage),
+                                        do_smem.index(stage))
+
+
+@gluon.jit
+def _bwd_consumer(desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+                  LSE, Delta, batch, head, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
+                  C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``. Everything is
+    transposed (keys along rows, queries along columns), as in ``backward.dkdv_inner``."""
+    s_layout: gl.constexpr = mma_layout(BLOCK_M)      # S^T, dP^T: BLOCK_N keys x BLOCK_M queries
+    acc_layout: gl.constexpr = mma_layout(HEAD_DIM)   # dK, dV: BLOCK_N keys x head dim
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = desc_dk.dtype
+
+    kv_first = kv_start + C * BLOCK_N
+    offs_kv = kv_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    mbarrier.wait(kv_ready.index(C), 0)
+    k = k_smem.index(C).reshape([BLOCK_N, HEAD_DIM])
+    v = v_smem.index(C).reshape([BLOCK_N, HEAD_DIM])
+
+    for j in range(n_tiles):
+        stage = j % STAGES
+        q_start = q_lo + j * BLOCK_M
+        offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
+        lse = gl.load(LSE + offs_q, mask=offs_q < n_q, other=float("inf"))
+        delta = gl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sT = warpgroup_mma_wait(1, deps=[sT])            # S^T is ready; dP^T may still run
+        if IS_CAUSAL:
+            if q_start < kv_first + BLOCK_N - 1:         # a tile on the diagonal: hide q < kv
+                visible = gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_kv, 1)
+                sT = gl.where(visible, sT, float("-inf"))
+        pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))              # P^T from the LSE
+        pT_op = gl.convert_layout(pT.to(dtype), a_layout)
+        dv = warpgroup_mma(pT_op, do, dv, is_async=True)                   # dV += P^T dO
+        dpT = warpgroup_mma_wait(1, deps=[dpT])          # dP^T is ready; dV may still run
+        dsT = pT * (dpT - gl.expand_dims(delta, 0))                        # dS^T (unscaled)
+        dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
+        dk = warpgroup_mma(dsT_op, q, dk, is_async=True)                   # dK += dS^T Q
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
+        mbarrier.arrive(empty.index(stage))              # this consumer is done with Q_j, dO_j
+
+    # dK carries the scale once; both leave through the K and V buffers (no longer read).
+    k.store((dk * scale).to(dtype))
+    v.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_dk, [batch, head, kv_first, 0], k_smem.index(C))
+    tma.async_copy_shared_to_global(desc_dv, [batch, head, kv_first, 0], v_smem.index(C))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["n_q", "n_kv"])
+def attn_bwd_dkdv_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, LSE, Delta,
+                        n_heads, n_q, n_kv, scale, qk_scale,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    kv_block, head, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    kv_start = kv_block * (2 * BLOCK_N)
+    LSE += (batch.to(gl.int64) * n_heads + head) * n_q
+    Delta += (batch.to(gl.int64) * n_heads + head) * n_q
+    # The queries that see these keys: from the diagonal on if causal (BLOCK_M divides 2 BLOCK_N,
+    # so kv_start is a tile boundary), else all of them.
+    if IS_CAUSAL:
+        q_lo = kv_start
+    else:
+        q_lo = 0
+    n_tiles = gl.cdiv(gl.maximum(n_q - q_lo, 0), BLOCK_M)
+
+    dtype: gl.constexpr = desc_q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2] + desc_k.block_type.shape, desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + desc_v.block_type.shape, desc_v.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(kv_ready.index(c), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    C0: gl.constexpr = 0
+    C1: gl.constexpr = 1
+    gl.warp_specialize([
+        (_bwd_consumer, (desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+                         LSE, Delta, batch, head, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
+                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        (_bwd_consumer, (desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
+                         LSE, Delta, batch, head, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
+                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
+                         ready, empty, batch, head, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=None):
+    """``(dk, dv)`` for inputs ``hopper.supports`` accepts, like the Triton dK/dV kernel:
+    ``lse2`` is the forward's base-2 LSE, ``delta`` is Delta (minus the LSE's gradient, if any),
+    both float32 (B, H, N_q), contiguous. ``config`` overrides entries of ``CONFIGS[head_dim]``."""
+    batch, heads, n_q, head_dim = q.shape
+    n_kv = k.shape[2]
+    if not tma_ok(do):  # dO from autograd may be expanded or strided: TMA needs rows 16 bytes apart
+        do = do.contiguous()
+    dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense, else contiguous
+    cfg = tile_config(head_dim, config)
+    regs, options = launch_options(cfg)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if (2 * bn) % bm:
+        raise ValueError(f"BLOCK_M ({bm}) must divide 2 x BLOCK_N ({2 * bn}): the causal query "
+                         "loop starts at the program's first key")
+    grid = (triton.cdiv(n_kv, 2 * bn), heads, batch)
+    run(attn_bwd_dkdv_sm90, grid, descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
+        descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
+        lse2.contiguous(), delta.contiguous(), heads, n_q, n_kv, scale, qk_scale(scale),
+        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+        IS_CAUSAL=bool(is_causal), **regs, **options)
+    return dk, dv

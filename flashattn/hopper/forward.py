@@ -1,0 +1,411 @@
+"""The forward pass for Hopper GPUs (sm_90), written in Gluon: FlashAttention-3's structure.
+
+``flashattn.forward`` is the kernel the course teaches: one program streams K and V past its
+block of queries and the compiler decides how loads and matmuls overlap. On an H100/H200 that
+reaches about 0.8-0.95x of cuDNN, because exp2 and the row reductions sit between the two matmuls
+of every step. This kernel schedules the same computation by hand, in Gluon (Triton's lower-level
+language, ``triton.experimental.gluon``, where the program says which warps do what, where each
+tile lives and when to wait):
+
+* **TMA**: a *producer* warp copies K and V tiles from global to shared memory with the Tensor
+  Memory Accelerator, into a ring of ``STAGES`` buffers. Each buffer has two mbarriers: *ready*
+  (the copy engine signals it when the bytes have landed) and *empty* (the consumers signal it
+  when they are done with the tile). The copy engine also checks bounds: rows past the end of the
+  sequence read as zeros, so no masks are needed on loads, whatever the tensors' strides.
+* **Asynchronous wgmma**: ``S = Q K^T`` and ``O += P V`` run on the tensor cores while the warps
+  go on; a warp waits for a result only when it needs it.
+* **Warp specialization**: two (or three) *consumer* warpgroups (4 warps each) own ``BLOCK_M``
+  query rows each and share every K/V tile; the producer warp gives most of its registers to them
+  (``setmaxnreg``). Within a warpgroup, the softmax of tile j runs while the tensor cores still
+  compute ``P V`` of tile j-1.
+* **Ping-pong** (``PINGPONG``): the consumers take turns to issue their matmuls (an mbarrier per
+  consumer passes the turn), so that one's softmax runs while the other's matmuls occupy the
+  tensor cores. Measured, it helps at head dim 128 and not at 64 (see ``CONFIGS``).
+
+It computes exactly what ``flashattn.forward.attention_forward`` computes (the output in q's dtype
+and the base-2 LSE), so the backward kernels work unchanged (``flashattn.hopper_backward`` is the
+dK/dV kernel written the same way). Gluon has no interpreter: these kernels run only where they
+are compiled for CUDA (``flashattn.forward`` calls them there; elsewhere this module is only read).
+"""
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..kernels.tiles import qk_scale
+
+#: Head dims this kernel is compiled and tested for.
+HEAD_DIMS = (64, 128)
+#: Tile configuration per (head dim, causal): BLOCK_M query rows per consumer warpgroup, BLOCK_N
+#: keys per K/V tile, STAGES K/V tiles in flight, PINGPONG whether the consumers take turns to
+#: issue their matmuls. Chosen from the variants timed side by side on an H200 (torch 2.11,
+#: triton 3.6), 2026-12-01, B=4, H=32, N=8192, fp16 and bf16 (figures/data/h200_gluon_forward.csv):
+#: at head dim 64 ping-pong off won in all four settings (+3-5% over on); at head dim 128 it
+#: stayed on, with 2 stages without the mask (+5% fp16, even bf16) and 3 with it (+3% on average).
+CONFIGS = {
+    (64, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, PINGPONG=False),
+    (64, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, PINGPONG=False),
+    (128, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, PINGPONG=True),
+    (128, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, PINGPONG=True),
+}
+#: What a configuration may also set: CONSUMERS, the consumer warpgroups (2 or 3) sharing each
+#: K/V tile; EXP2_FMA, every how many tiles a consumer computes exp2 with a polynomial on the FMA
+#: units instead of the special-function unit (0: never).
+DEFAULTS = dict(CONSUMERS=2, EXP2_FMA=0)
+#: Registers per thread, per number of consumers: at launch (every warp of the program shares the
+#: 64K registers of an SM; one producer warp takes a warpgroup's slot), then after setmaxnreg:
+#: the producer gives most of its share to the consumers. 3 x 128 x 160 + 128 x 24 <= 65536.
+REGISTERS = {2: dict(launch=168, consumer=240, producer=24),
+             3: dict(launch=128, consumer=160, producer=24)}
+
+
+def tile_config(head_dim, causal, overrides=None):
+    """The full configuration for (head dim, causal): CONFIGS, DEFAULTS, then ``overrides``."""
+    cfg = dict(DEFAULTS, **CONFIGS[head_dim, bool(causal)])
+    cfg.update(overrides or {})
+    if cfg["CONSUMERS"] not in REGISTERS:
+        raise ValueError(f"CONSUMERS must be one of {sorted(REGISTERS)}, got {cfg['CONSUMERS']}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+@gluon.constexpr_function
+def mma_layout(n):
+    """Accumulator layout of a wgmma whose result has ``n`` columns, for one warpgroup (4 warps
+    along the rows: 16 rows per warp and instruction)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+# ---------------------------------------------------------------------------- partitions
+
+
+@gluon.jit
+def _load_tile(desc, smem, ready, empty, batch, head, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Copy tile j of K or V into its slot of the ring, once the consumers have released it."""
+    stage = j % STAGES
+    # An mbarrier starts as if its phase of parity 1 had just completed, so the first round
+    # through the ring does not wait; later rounds wait for both consumers' release.
+    mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [batch, head, j * BLOCK_N, 0], ready.index(stage),
+                                    smem.index(stage))
+
+
+@gluon.jit
+def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+              v_empty, batch, head, q_start, n_tiles,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr):
+    """One warp: the queries of every consumer once, then K and V tile by tile into the ring, in
+    the order the consumers use them (K_j together with V_{j-1})."""
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [batch, head, q_start + c * BLOCK_M, 0],
+                                        q_ready.index(c), q_smem.index(c))
+    _load_tile(desc_k, k_smem, k_ready, k_empty, batch, head, 0, BLOCK_N, STAGES)
+    for j in range(1, n_tiles):
+        _load_tile(desc_k, k_smem, k_ready, k_empty, batch, head, j, BLOCK_N, STAGES)
+        _load_tile(desc_v, v_smem, v_ready, v_empty, batch, head, j - 1, BLOCK_N, STAGES)
+    _load_tile(desc_v, v_smem, v_ready, v_empty, batch, head, n_tiles - 1, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _exp2_fma(x):
+    """2**x with fused multiply-adds only, for x <= 0: 2**floor(x) * 2**f with f in [0, 1).
+
+    exp2 normally runs on the special-function unit (MUFU), which does 16 per clock and SM where
+    the FMA units do 128; at head dim 64 a tile has as many exponentials as at 128 for half the
+    matmul work, so MUFU can become the bottleneck (FlashAttention-4 moves part of them to FMAs).
+    2**f is a degree-4 polynomial (relative error 3e-6, far below the 16-bit rounding of P);
+    2**floor(x) is added to the float's exponent bits. x = -inf (a hidden score) is clamped to
+    -127, where the result is exactly 0."""
+    x = gl.maximum(x, -127.0)
+    xi = gl.floor(x)
+    f = x - xi
+    p = f * 0.0134266846 + 0.0522424735
+    p = p * f + 0.241280205
+    p = p * f + 0.693044845
+    p = p * f + 1.0
+    bits = p.to(gl.int32, bitcast=True) + (xi.to(gl.int32) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_end, n_kv, qk_scale, on_fma,
+                  BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_FMA: gl.constexpr):
+    """Fold the scores ``s`` of one tile into the running max and sum: ``(p, m_new, l_new,
+    alpha)``, exactly as ``flashattn.forward.fwd_inner`` does (base 2, scale folded into exp2).
+    With EXP2_FMA, ``on_fma`` says whether this tile's exponentials go to the FMA units."""
+    if kv_start >= kv_full_end:  # the causal diagonal or the ragged end: hide what does not exist
+        offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        visible = gl.expand_dims(offs_kv, 0) < n_kv
+        if IS_CAUSAL:
+            visible = visible & (gl.expand_dims(offs_q, 1) >= gl.expand_dims(offs_kv, 0))
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    x = s * qk_scale - gl.expand_dims(m_new, 1)
+    if EXP2_FMA > 0:
+        if on_fma:
+            p = _exp2_fma(x)
+        else:
+            p = gl.exp2(x)
+    else:
+        p = gl.exp2(x)
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+              LSE,
+              batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+              C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr):
+    """One warpgroup: rows ``q_start + C * BLOCK_M`` to ``+ BLOCK_M`` of the output.
+
+    The loop is software-pipelined by one tile: in step j it issues ``S_j = Q K_j^T`` and
+    ``O += P_{j-1} V_{j-1}``, waits for S_j only, and computes the softmax of tile j while the
+    tensor cores still work on P V. With PINGPONG the consumers issue in turn (C, then C + 1, ...):
+    consumer C waits for its mbarrier ``turn[C]`` and, once its matmuls are issued, passes the turn.
+    """
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = desc_o.dtype
+    NEXT: gl.constexpr = (C + 1) % CONSUMERS
+
+    q = q_smem.index(C).reshape([BLOCK_M, HEAD_DIM])
+    offs_q = q_start + C * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_ready.index(C), 0)
+
+    # Tile 0: S, then its softmax (nothing to overlap with yet).
+    mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn.index(C), 0)
+    k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+    s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(NEXT))
+    s = warpgroup_mma_wait(0, deps=[s])
+    mbarrier.arrive(k_empty.index(0))
+    # With EXP2_FMA = E, consumer C takes the FMA path on tiles j with j % E == C % E, so that
+    # the consumers do not all load the same unit at once.
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_q, 0, kv_full_end, n_kv, qk_scale,
+                                       C % gl.maximum(EXP2_FMA, 1) == 0, BLOCK_N, IS_CAUSAL, EXP2_FMA)
+    p = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(C), j & 1)
+        k = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(NEXT))
+        s = warpgroup_mma_wait(1, deps=[s])  # S_j is ready; P_{j-1} V_{j-1} may still run
+        mbarrier.arrive(k_empty.index(stage))
+        p_next, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_q, j * BLOCK_N, kv_full_end,
+                                                n_kv, qk_scale,
+                                                j % gl.maximum(EXP2_FMA, 1) == C % gl.maximum(EXP2_FMA, 1),
+                                                BLOCK_N, IS_CAUSAL, EXP2_FMA)
+        acc, p = warpgroup_mma_wait(0, deps=[acc, p])  # p's registers stay live until here
+        mbarrier.arrive(v_empty.index(prev))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(p_next.to(dtype), p_layout)
+
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(C), n_tiles & 1)
+    v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+    acc = warpgroup_mma(p, v, acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(NEXT))
+    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+    mbarrier.arrive(v_empty.index(last))
+
+    # Normalise once, keep LSE = M + log2(L), and write O through the Q buffer (no longer read).
+    lse = m_i + gl.log2(l_i)
+    gl.store(LSE + offs_q, lse, mask=offs_q < n_q)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = (acc / gl.expand_dims(l_o, 1)).to(dtype)
+    q.store(o)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_o, [batch, head, q_start + C * BLOCK_M, 0],
+                                    q_smem.index(C))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["n_q", "n_kv"])
+def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_scale,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                   CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BLOCK_Q: gl.constexpr = CONSUMERS * BLOCK_M  # query rows per program
+    q_block = gl.program_id(0)
+    if IS_CAUSAL:  # the last query blocks visit the most keys: start them first
+        q_block = gl.num_programs(0) - 1 - q_block
+    head = gl.program_id(1)
+    batch = gl.program_id(2)
+    q_start = q_block * BLOCK_Q
+    LSE += (batch.to(gl.int64) * n_heads + head) * n_q
+    # The same two key stages as flashattn.tiles.kv_stage_bounds, for the program's BLOCK_Q rows.
+    if IS_CAUSAL:
+        kv_end = gl.minimum(q_start + BLOCK_Q, n_kv)
+        kv_full_end = gl.minimum(q_start, n_kv) // BLOCK_N * BLOCK_N
+    else:
+        kv_end = n_kv
+        kv_full_end = n_kv // BLOCK_N * BLOCK_N
+    n_tiles = gl.cdiv(kv_end, BLOCK_N)
+
+    dtype: gl.constexpr = desc_q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(0))  # consumer 0 issues first
+
+    # The first consumer runs in the program's own 4 warps; the others and the producer are
+    # workers (Gluon needs the list of partitions spelled out).
+    C0: gl.constexpr = 0
+    C1: gl.constexpr = 1
+    C2: gl.constexpr = 2
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
+                         EXP2_FMA)),
+            (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
+                         EXP2_FMA)),
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+                         k_empty, v_empty, batch, head, q_start, n_tiles, BLOCK_M, BLOCK_N, STAGES,
+                         CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
+                         EXP2_FMA)),
+            (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
+                         EXP2_FMA)),
+            (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         C2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
+                         EXP2_FMA)),
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+                         k_empty, v_empty, batch, head, q_start, n_tiles, BLOCK_M, BLOCK_N, STAGES,
+                         CONSUMERS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------------------- host side
+
+
+def _gl_dtype(dtype):
+    return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+
+
+def block_layout(block_shape, dtype):
+    """The shared-memory layout TMA writes a (1, 1, rows, head dim) block in: swizzled so that
+    wgmma reads it without bank conflicts."""
+    return gl.NVMMASharedLayout.get_default_for(block_shape, _gl_dtype(dtype))
+
+
+def _tma_strides(t):
+    """``t``'s strides for a tensor descriptor: a dim of size 1 is never stepped along, so its
+    stride (which may be anything) is replaced by one TMA accepts."""
+    return [math.prod(t.shape[i + 1:]) if t.shape[i] == 1 else s for i, s in enumerate(t.stride())]
+
+
+def tma_ok(t):
+    """TMA's rules: 16-byte aligned data, the last dim contiguous, the other strides multiples of
+    16 bytes and not 0 (an expanded tensor repeats rows that TMA cannot repeat)."""
+    strides = _tma_strides(t)
+    return (t.data_ptr() % 16 == 0 and strides[-1] == 1
+            and all(s > 0 and s * t.element_size() % 16 == 0 for s in strides[:-1]))
+
+
+def supports(q, k, v, is_causal=False, scale=None):
+    """Whether this kernel computes attention of these (B, H, N, D) tensors: on a CUDA GPU of
+    compute capability 9.x, in fp16 or bf16, at head dim 64 or 128, with strides TMA accepts."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dim() != 4:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        return False
+    if q.shape[-1] not in HEAD_DIMS or 0 in q.shape or 0 in k.shape:
+        return False
+    return all(tma_ok(t) for t in (q, k, v))
+
+
+def descriptor(t, rows):
+    """A TMA descriptor for the (B, H, N, D) tensor ``t`` that copies blocks of ``rows`` rows."""
+    block = [1, 1, rows, t.shape[-1]]
+    return TensorDescriptor(t, list(t.shape), _tma_strides(t), block, block_layout(block, t.dtype))
+
+
+def launch_options(cfg):
+    """The register budgets a configuration is compiled with: ``(constexprs, options)``."""
+    regs = REGISTERS[cfg["CONSUMERS"]]
+    return (dict(CONSUMER_REGS=regs["consumer"], PRODUCER_REGS=regs["producer"]),
+            dict(num_warps=4, maxnreg=regs["launch"]))
+
+
+def attention_forward(q, k, v, is_causal, scale, config=None):
+    """``(o, lse2)`` like ``flashattn.forward.attention_forward``, for inputs ``supports`` accepts.
+    ``config`` overrides entries of the configuration of (head dim, causal): see :func:`tile_config`."""
+    batch, heads, n_q, head_dim = q.shape
+    n_kv = k.shape[2]
+    o = torch.empty_like(q)  # q's layout where q is dense, else contiguous: either suits TMA
+    lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
+    cfg = tile_config(head_dim, is_causal, config)
+    regs, options = launch_options(cfg)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (triton.cdiv(n_q, cfg["CONSUMERS"] * bm), heads, batch)
+    attn_fwd_sm90[grid](descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(o, bm),
+                         lse2, heads, n_q, n_kv, qk_scale(scale),
+                         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+                         IS_CAUSAL=bool(is_causal), PINGPONG=bool(cfg["PINGPONG"]),
+                         CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], **regs, **options)
+    return o, lse2

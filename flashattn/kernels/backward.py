@@ -1,0 +1,389 @@
+"""The FlashAttention backward kernels and their launcher.
+
+Chapter 05 derives, for one (batch, head), with ``S = scale * Q K^T``, ``P = softmax(S)``,
+``O = P V`` and the upstream gradient ``dO``:
+
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - Delta)        Delta_i = sum_d dO_id O_id
+    dQ = scale * dS K                     dK = scale * dS^T Q
+
+Nothing of size N_q x N_kv is stored: each kernel rebuilds the tiles of P it needs from Q, K and the
+log-sum-exp saved by the forward pass, ``P = 2**(S * log2(e) - LSE2)``. Three kernels run in turn:
+
+1. ``attn_bwd_preprocess``: Delta, one number per query row.
+2. ``attn_bwd_dkdv``: one program per key block keeps K and V on chip and loops over the query
+   blocks that see them, accumulating dK and dV (both need the same column of P).
+3. ``attn_bwd_dq``: one program per query block keeps Q on chip and loops over the key blocks,
+   accumulating dQ, like the forward pass.
+
+Each output tile is written by exactly one program, in a fixed order, so the result is bit-identical
+from run to run (no atomics). Under grouped-query attention the dK/dV program of a K/V head loops
+over the query heads that read it and sums their shares itself; under a sliding window or with
+packed sequences the kernels take the forward's ranges and tables (see flashattn.kernels.forward). Every
+program stores its tile, zeros included, so keys that no query sees get dK = dV = 0.
+FlashAttention-2 instead lets the dK/dV program add its share of dQ into memory with atomic adds
+(5 tile matmuls per tile pair instead of 7); docs/performance.md compares the two.
+
+Where did the ln 2 of base 2 go? The kernels rebuild ``P = 2**(s * scale * log2(e) - LSE2)`` from the
+raw score ``s = q.k``, so the chain rule gives ``dL/ds = ln(2) * scale * log2(e) * P * (dP - Delta)``:
+the ln 2 from the derivative of ``2**x`` cancels the log2(e) folded into the exponent. The loops
+compute ``dS = P * (dP - Delta)`` with no constant at all, and dQ and dK are multiplied by
+``scale`` once, at the end.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..gpu import launcher
+from ..gpu.configs import block_d, dkdv_steps_fit, dot_precision
+from ..gpu.runtime import kernel_dtype
+from .tiles import (dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, q_window_bounds, qk_scale,
+                    sequence_of_program, store_tile)
+from .traversal import window_masking
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_q"])  # one binary for every length
+def attn_bwd_preprocess(O, dO, Delta,
+                         stride_ob, stride_oh, stride_on, stride_od,
+                         stride_dob, stride_doh, stride_don, stride_dod,
+                         n_heads, n_q,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Delta_i = sum_d dO_id * O_id for BLOCK_Q query rows, in fp32."""
+    q_block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    O += batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    dO += batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    Delta += (batch.to(tl.int64) * n_heads + head) * n_q
+    offs_q = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = load_tile(O, offs_q, offs_d, stride_on, stride_od, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + offs_q, delta, mask=offs_q < n_q)
+
+
+@triton.jit
+def dkdv_inner(dk, dv, k, v,
+                Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
+                offs_kv, offs_d, q_lo, q_hi, n_q, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                WINDOW: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False, win_left=0, win_right=0):
+    """Accumulate into dK and dV the query blocks ``[q_lo, q_hi)``.
+
+    Everything here is transposed (keys along rows, queries along columns) because the key block
+    is the one that stays: ``sT = K Q^T`` is S^T, and so on."""
+    for q_start in range(q_lo, q_hi, BLOCK_Q):
+        q_start = tl.multiple_of(q_start, BLOCK_Q)
+        offs_q = q_start + tl.arange(0, BLOCK_Q)
+        q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        if MASKED:
+            lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
+            delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
+        else:
+            lse = tl.load(LSE + offs_q)
+            delta = tl.load(Delta + offs_q)
+        if EMPTY_ROWS:  # a row that saw no key has LSE -inf: 2**(-inf - +inf) = 0, not NaN
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)   # S^T / scale
+        if MASKED:  # hidden pairs get a score of -inf, hence a probability of exactly 0
+            visible = offs_q[None, :] < n_q
+            if IS_CAUSAL:
+                visible = visible & (offs_q[None, :] >= offs_kv[:, None])
+            if WINDOW:
+                visible = visible & (offs_kv[:, None] >= offs_q[None, :] - win_left) \
+                    & (offs_kv[:, None] <= offs_q[None, :] + win_right)
+            sT = tl.where(visible, sT, float("-inf"))
+        if LSE.dtype.element_ty == tl.float64:  # the LSE to more than float32's precision
+            lse_hi = lse.to(tl.float32)
+            # (a row that saw no key has an infinite LSE and no low part: inf - inf would be NaN)
+            finite = tl.abs(lse_hi) < float("inf")
+            lse_lo = (tl.where(finite, lse, 0.0) - tl.where(finite, lse_hi, 0.0).to(tl.float64)).to(tl.float32)
+            pT = tl.exp2(sT * qk_scale - lse_hi[None, :] - lse_lo[None, :])
+        else:
+            pT = tl.exp2(sT * qk_scale - lse[None, :])               # P^T, rebuilt from the LSE
+        dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                    # dV += P^T dO
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
+        dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
+        dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_PRECISION)                     # dK += dS^T Q
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
+def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
+                   stride_qb, stride_qh, stride_qn, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_dob, stride_doh, stride_don, stride_dod,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                   stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                   n_heads, n_q, n_kv, scale, qk_scale,
+                   n_group, win_left, win_right, Programs, CuSeqQ, CuSeqK,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
+    # Grid: (key blocks, K/V heads, batch). Under grouped-query attention K/V head ``kv_head`` is
+    # read by the n_group query heads kv_head * n_group + g: this program sums their shares of
+    # dK and dV itself, in a fixed order (no atomics, no copy of K and V per query head).
+    # Packed sequences (VARLEN): axis 0 walks the table ``Programs`` of (sequence, key block).
+    kv_block, kv_head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    dK += batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+    dV += batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+    Q += batch.to(tl.int64) * stride_qb
+    dO += batch.to(tl.int64) * stride_dob
+    LSE += batch.to(tl.int64) * n_heads * n_q
+    Delta += batch.to(tl.int64) * n_heads * n_q
+    n_rows = n_q  # the LSE's row length: all sequences' queries under VARLEN
+    if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
+        kv_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
+                                                                       kv_block)
+        K += kv_offset * stride_kn
+        V += kv_offset * stride_vn
+        dK += kv_offset * stride_dkn
+        dV += kv_offset * stride_dvn
+        Q += q_offset * stride_qn
+        dO += q_offset * stride_don
+        LSE += q_offset
+        Delta += q_offset
+
+    kv_start = kv_block * BLOCK_KV
+    offs_kv = kv_start + tl.arange(0, BLOCK_KV)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    dk = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
+
+    # Which queries see this key block (flashattn.kernels.traversal.q_ranges is the same in Python):
+    # [q_lo, q_full_lo) cross the diagonal, [q_full_lo, q_full_hi) are whole unmasked blocks and
+    # [q_full_hi, q_hi) is the ragged end. Queries before q_lo see none of these keys. Under a
+    # window (traversal.q_window_ranges) both ends are masked and the queries past q_hi skipped.
+    if WINDOW:
+        q_lo, q_full_lo, q_full_hi, q_hi = q_window_bounds(kv_start, n_q, win_left, win_right,
+                                                           BLOCK_Q, BLOCK_KV)
+    else:
+        if IS_CAUSAL:
+            q_lo = kv_start
+            q_full_lo = kv_start + BLOCK_KV  # BLOCK_Q divides BLOCK_KV (checked by the launcher)
+        else:
+            q_lo = 0
+            q_full_lo = 0
+        q_full_hi = q_full_lo + tl.maximum(n_q - q_full_lo, 0) // BLOCK_Q * BLOCK_Q  # empty past n_q
+        q_hi = n_q
+    for g in range(0, n_group):  # the query heads that read this K/V head
+        head = kv_head * n_group + g
+        Q_h = Q + head.to(tl.int64) * stride_qh
+        dO_h = dO + head.to(tl.int64) * stride_doh
+        LSE_h = LSE + head.to(tl.int64) * n_rows
+        Delta_h = Delta + head.to(tl.int64) * n_rows
+        dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                             stride_don, stride_dod, offs_kv, offs_d, q_lo, tl.minimum(q_full_lo, n_q),
+                             n_q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                             WINDOW, WINDOW or VARLEN, win_left, win_right)
+        dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                             stride_don, stride_dod, offs_kv, offs_d, q_full_lo, q_full_hi, n_q, qk_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
+                             WINDOW, WINDOW or VARLEN, win_left, win_right)
+        dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                             stride_don, stride_dod, offs_kv, offs_d, q_full_hi, q_hi, n_q, qk_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                             WINDOW, WINDOW or VARLEN, win_left, win_right)
+
+    # Every program stores its whole tile, zeros included: keys no query sees get dK = dV = 0.
+    dk *= scale  # S = scale * Q K^T, so dK carries the scale once
+    store_tile(dK, dk, offs_kv, offs_d, stride_dkn, stride_dkd, n_kv, HEAD_DIM, HEAD_DIM < BLOCK_D)
+    store_tile(dV, dv, offs_kv, offs_d, stride_dvn, stride_dvd, n_kv, HEAD_DIM, HEAD_DIM < BLOCK_D)
+
+
+@triton.jit
+def dq_inner(dq, q, do, lse, delta,
+              K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+              offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
+              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              WINDOW: tl.constexpr = False, win_left=0, win_right=0):
+    """Accumulate into dQ the key blocks ``[kv_lo, kv_hi)``."""
+    for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
+        kv_start = tl.multiple_of(kv_start, BLOCK_KV)
+        offs_kv = kv_start + tl.arange(0, BLOCK_KV)
+        k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # S / scale
+        if MASKED:
+            visible = offs_kv[None, :] < n_kv
+            if IS_CAUSAL:
+                visible = visible & (offs_q[:, None] >= offs_kv[None, :])
+            if WINDOW:
+                visible = visible & (offs_kv[None, :] >= offs_q[:, None] - win_left) \
+                    & (offs_kv[None, :] <= offs_q[:, None] + win_right)
+            s = tl.where(visible, s, float("-inf"))
+        p = tl.exp2(s * qk_scale - lse[:, None])                      # P, rebuilt from the LSE
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
+        ds = p * (dp - delta[:, None])                                 # dS (unscaled)
+        dq = dot_acc(ds.to(k.dtype), k, dq, DOT_PRECISION)                # dQ += dS K
+    return dq
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
+def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
+                 stride_qb, stride_qh, stride_qn, stride_qd,
+                 stride_kb, stride_kh, stride_kn, stride_kd,
+                 stride_vb, stride_vh, stride_vn, stride_vd,
+                 stride_dob, stride_doh, stride_don, stride_dod,
+                 stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+                 n_heads, n_q, n_kv, scale, qk_scale,
+                 n_group, win_left, win_right, Programs, CuSeqQ, CuSeqK,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                 IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
+    # The forward kernel's grid and its grouped heads and packed sequences (see attn_fwd).
+    q_block = tl.program_id(0)
+    if IS_CAUSAL and not VARLEN:  # the last query blocks visit the most keys: start them first
+        q_block = tl.num_programs(0) - 1 - q_block
+    head, batch = tl.program_id(1), tl.program_id(2)
+    kv_head = head // n_group
+    Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    dO += batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    dQ += batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+    LSE += (batch.to(tl.int64) * n_heads + head) * n_q
+    Delta += (batch.to(tl.int64) * n_heads + head) * n_q
+    if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
+        q_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
+                                                                      q_block)
+        Q += q_offset * stride_qn
+        dO += q_offset * stride_don
+        dQ += q_offset * stride_dqn
+        LSE += q_offset
+        Delta += q_offset
+        K += kv_offset * stride_kn
+        V += kv_offset * stride_vn
+
+    q_start = q_block * BLOCK_Q
+    offs_q = q_start + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
+    if LSE.dtype.element_ty == tl.float64:
+        # The LSE to more than float32's precision: P = 2**(S' - hi) * 2**-lo, and dQ is linear in
+        # P, so the loop uses hi and dQ is multiplied by 2**-lo once, at the end.
+        lse_hi = lse.to(tl.float32)
+        finite = tl.abs(lse_hi) < float("inf")  # a row that saw no key: no low part
+        lse_lo = (tl.where(finite, lse, 0.0) - tl.where(finite, lse_hi, 0.0).to(tl.float64)).to(tl.float32)
+        row_factor = tl.exp2(-lse_lo)
+        lse = lse_hi
+    else:
+        row_factor = tl.full([BLOCK_Q], 1.0, dtype=tl.float32)
+    delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
+    if WINDOW or VARLEN:  # a row that saw no key has LSE -inf: 2**(-inf - +inf) = 0, not NaN
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+
+    # The same stages as the forward kernel.
+    if WINDOW:
+        kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
+                                                                BLOCK_Q, BLOCK_KV)
+        dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
+                       win_right)
+        dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True, win_left,
+                       win_right)
+        dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
+                       win_right)
+    else:
+        kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
+        dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
+        dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
+
+    dq *= scale * row_factor[:, None]
+    store_tile(dQ, dq, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
+
+
+def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
+                       window_size=(-1, -1), sequences=None, dkdv=None):
+    """Launch the three backward kernels on (B, H, N, D) tensors of any strides.
+
+    ``lse2`` is the forward's base-2 log-sum-exp. ``dlse``, if given, is the gradient reaching the
+    natural-log LSE output: since d lse_i / d S_ij = P_ij, it only shifts Delta (Delta - dlse).
+    ``configs`` may fix the tiles per kernel: ``{"bwd_dkdv": {...}, "bwd_dq": {...}, ...}``.
+    ``k``/``v`` with fewer heads than ``q``, ``window_size`` and ``sequences`` as in
+    ``forward.attention_forward``. ``dkdv``, if given, computes dK and dV in place of the Triton
+    kernel: ``dkdv(q, k, v, do, lse2, delta, is_causal, scale) -> (dk, dv)`` (``flashattn.ops.dispatch``
+    passes the Gluon kernel of ``flashattn.hopper.forward.backward`` there). Returns ``(dq, dk, dv)`` in
+    the dtypes of q, k and v.
+    """
+    configs = configs or {}
+    batch, heads, n_q, head_dim = q.shape
+    heads_kv, n_kv = k.shape[1], k.shape[2]
+    dtypes = q.dtype, k.dtype, v.dtype
+    q, k, v, o, do = kernel_dtype(q, k, v, o, do)
+    dq = torch.empty_like(q)
+    if n_q == 0 or n_kv == 0:
+        return tuple(torch.zeros_like(t, dtype=d) for t, d in zip((q, k, v), dtypes))
+    causal, window, win_left, win_right = window_masking(is_causal, window_size, n_q + n_kv)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim))
+    masking = dict(common, IS_CAUSAL=causal,
+                   DOT_PRECISION=dot_precision(q.dtype, common["BLOCK_D"]),
+                   WINDOW=window, VARLEN=sequences is not None)
+    seq_len = max(n_q, n_kv)
+    variants = (heads // heads_kv, win_left, win_right)
+
+    delta = torch.empty_like(lse2, dtype=torch.float32)
+    launcher.launch(  # rows are independent here: packed sequences need no table
+        "bwd_preprocess", attn_bwd_preprocess,
+        lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
+        (o, do, delta, *o.stride(), *do.stride(), heads, n_q),
+        common, seq_len, configs.get("bwd_preprocess"))
+    if dlse is not None:
+        delta -= dlse
+
+    def grid_and_tables(name, side, block_name, blocks, grid_heads):
+        """The grid and the table arguments of the dK/dV (side "kv") or dQ (side "q") kernel."""
+        config = configs.get(name)
+        if sequences is None:
+            return config, (lambda meta: (triton.cdiv(blocks, meta[block_name]), grid_heads, batch)), \
+                (None, None, None)
+        config = config or sequences.config(name, q.dtype, masking)
+        table = sequences.programs(side, config[block_name], win_left, win_right)
+        return config, (table.shape[0], grid_heads, 1), \
+            (table, sequences.cu_seqlens_q, sequences.cu_seqlens_k)
+
+    if dkdv is not None:
+        dk, dv = dkdv(q, k, v, do, lse2, delta, causal, scale)
+    else:
+        # Every element of dK and dV is written by a program (zeros where no query looks).
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        config, grid, tables = grid_and_tables("bwd_dkdv", "kv", "BLOCK_KV", n_kv, heads_kv)
+        launcher.launch(
+            "bwd_dkdv", attn_bwd_dkdv, grid,
+            (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+             *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
+            masking, seq_len, _checked_dkdv(config))
+    config, grid, tables = grid_and_tables("bwd_dq", "q", "BLOCK_Q", n_q, heads)
+    launcher.launch(
+        "bwd_dq", attn_bwd_dq, grid,
+        (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+         *dq.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
+        masking, seq_len, config)
+    return tuple(t.to(d) for t, d in zip((dq, dk, dv), dtypes))
+
+
+def _checked_dkdv(config):
+    if config is not None and not dkdv_steps_fit(config["BLOCK_Q"], config["BLOCK_KV"]):
+        raise ValueError(f"bwd_dkdv config {config}: BLOCK_Q must divide BLOCK_KV, because the "
+                         "query loop starts at the diagonal of each key block")
+    return config

@@ -1,0 +1,319 @@
+"""The decode kernels: attention of new tokens against a KV cache, split-KV (flash-decoding).
+
+Generating text calls attention once per new token: N_q new queries per sequence (usually 1)
+against the keys and values of everything generated so far, kept in a cache. There is almost no
+arithmetic per byte of cache (2 x 2 FLOPs per query row and cached element), so a decoding step
+runs at the speed of memory: the whole job is to read the cache once, with every SM pulling.
+
+Two ideas get there:
+
+* **Grouped heads in one tile.** The ``H_q / H_kv`` query heads that share a KV head (grouped-query
+  attention) and the N_q new tokens are the rows of one query tile, so a KV head's cache is read
+  once for all of them, not once per query head.
+* **Split-KV.** One program per (batch, KV head) gives 64 programs at B = 8, H_kv = 8: half an
+  H200's 132 SMs idle. So the keys of each sequence are split into ``num_splits`` runs, one
+  program each; every program writes a partial state (O, LSE) of its rows, and a second small
+  kernel merges the partial states with chapter 01's merge of softmax states. With one split
+  the first kernel writes the final output itself.
+
+Both kernels work in base 2 like the forward kernel (LSE = M + log2 L, scale x log2e folded into
+exp2); the public ``lse`` is natural log, like ``torch.logsumexp``.
+"""
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..gpu import configs, direct
+from ..gpu.runtime import INTERPRET, kernel_dtype
+from .forward import fwd_inner
+from .tiles import load_tile, qk_scale, store_tile
+
+MAX_BLOCK_R = 64          # query rows per tile; more rows (many heads per group) take more tiles
+MAX_BLOCK_R_FP32 = 32     # float32 tiles of 64 rows spill (IEEE) or overflow shared memory (TF32)
+LN2 = tl.constexpr(math.log(2.0))  # LSE in base 2 x ln 2 = natural log
+
+#: The split heuristic. A memory-bound kernel needs many loads in flight on every SM: aim for
+#: PROGRAMS_PER_SM programs per SM, but give each split at least MIN_TILES_PER_SPLIT key tiles
+#: (a partial state costs a write and a read of its rows) and at most MAX_SPLITS (the merge reads
+#: all partial states of a row as one tile). The interpreter pretends to have INTERPRETER_SMS SMs,
+#: so that small caches in tests and notebooks are split as well.
+PROGRAMS_PER_SM = 2
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+INTERPRETER_SMS = 8
+
+
+@triton.jit(do_not_specialize=["n_q", "group", "num_splits"])  # one binary for every length
+def decode_split(Q, K, V, LENS, O, LSE,
+                  stride_qb, stride_qh, stride_qn, stride_qd,
+                  stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd,
+                  n_q, group, num_splits, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_KV: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Grid: axis 0 = (row block, split), axis 1 = KV heads, axis 2 = batch.
+    split = tl.program_id(0) % num_splits
+    row_block = tl.program_id(0) // num_splits
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
+    n_kv = tl.load(LENS + batch).to(tl.int32)  # this sequence's cache length L
+
+    # Row r of the tile is new token t = r % n_q of query head kv_head * group + r // n_q.
+    n_rows = group * n_q
+    offs_r = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    t = offs_r % n_q
+    offs_d = tl.arange(0, BLOCK_D)
+    Q += batch.to(tl.int64) * stride_qb + (kv_head * group).to(tl.int64) * stride_qh
+    row_offsets = (offs_r // n_q) * stride_qh + t * stride_qn
+    q_ptrs = Q + row_offsets[:, None] + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    # The new tokens are the last n_q of the cache: token t sits at position L - n_q + t and sees
+    # keys 0 .. L - n_q + t (bottom-right alignment), the causal mask of the forward kernel.
+    pos = n_kv - n_q + t
+
+    # Keys [0, n_seen) are seen by every row. They are cut into num_splits runs of whole tiles,
+    # and the last run also takes the keys only later tokens see, [n_seen, L). So every split
+    # starts with a key that all its rows see, and -inf masks stay safe as in the forward kernel.
+    # Splits past the end (a short sequence, or L = 0) get no keys.
+    n_seen = tl.maximum(n_kv - n_q + 1, 0)
+    span = tl.cdiv(tl.cdiv(n_seen, BLOCK_KV), num_splits) * BLOCK_KV
+    kv_lo = split * span
+    kv_hi = tl.where(kv_lo + span < n_seen, kv_lo + span, n_kv)
+    kv_hi = tl.where(kv_lo < n_seen, kv_hi, kv_lo)
+    # Only the tiles from the last whole tile of [0, n_seen) on need the mask.
+    kv_full_end = tl.minimum(tl.maximum(n_seen // BLOCK_KV * BLOCK_KV, kv_lo), kv_hi)
+
+    K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    # The forward kernel's inner loop, unchanged: whole tiles without a mask, then the diagonal
+    # (where keys past a row's position, and past L, are hidden; keys >= L are never loaded).
+    acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                               pos, offs_d, kv_lo, kv_full_end, n_kv, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_KV, False, True, DOT_PRECISION)
+    acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                               pos, offs_d, kv_full_end, kv_hi, n_kv, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_KV, True, True, DOT_PRECISION)
+
+    # A split without keys has L = 0: it writes the neutral state O = 0, LSE = -inf, which
+    # weighs nothing in the merge (and is the answer for L = 0: an empty sum, like SDPA).
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+    if FINAL:  # the only split: this is the answer, LSE in natural log
+        lse = lse * LN2
+    # Outputs are (B, H_q, N_q, num_splits, D), contiguous: this program's rows are rows
+    # (batch * H_kv + kv_head) * n_rows + r of the (B * H_q * N_q) output rows.
+    first_row = (batch.to(tl.int64) * tl.num_programs(1) + kv_head) * n_rows
+    O += (first_row * num_splits + split) * HEAD_DIM
+    LSE += first_row * num_splits + split
+    store_tile(O, o, offs_r, offs_d, num_splits * HEAD_DIM, 1, n_rows, HEAD_DIM, HEAD_DIM < BLOCK_D)
+    tl.store(LSE + offs_r * num_splits, lse, mask=offs_r < n_rows)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def decode_merge(O_PART, LSE_PART, O, LSE, num_splits,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # One program per output row: merge its num_splits partial states (O_s, LSE_s).
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(LSE_PART + row * num_splits + offs_s, mask=offs_s < num_splits,
+                    other=float("-inf"))
+    # Chapter 01's merge: bring every partial sum to the common max M, then add. Each O_s is
+    # already divided by its own sum L_s = 2**(LSE_s - M_s), so it is weighed by 2**(LSE_s - M).
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key (L = 0): all weights 0
+    w = tl.exp2(lse_s - m_safe)
+    l = tl.sum(w, 0)
+    o_s = load_tile(O_PART + row * num_splits * HEAD_DIM, offs_s, offs_d, HEAD_DIM, 1,
+                    num_splits, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    l_safe = tl.where(l > 0, l, 1.0)
+    o = tl.sum(o_s * w[:, None], 0) / l_safe
+    lse = tl.where(l > 0, m_safe + tl.log2(l_safe), float("-inf"))
+    tl.store(O + row * HEAD_DIM + offs_d, o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE + row, lse * LN2)
+
+
+def max_block_r(dtype) -> int:
+    """The most query rows of one tile for inputs of ``dtype`` (at head dims up to 256, compiled
+    for sm_90 without spilling: ``tests/test_decode_compile.py``)."""
+    return MAX_BLOCK_R_FP32 if dtype == torch.float32 else MAX_BLOCK_R
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (INTERPRETER_SMS on the interpreter)."""
+    if INTERPRET:
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b  # triton.cdiv in plain Python: it costs microseconds on the host
+
+
+def choose_num_splits(programs, n_seen, block_kv, n_sm, programs_per_sm=PROGRAMS_PER_SM):
+    """How many splits for ``programs`` unsplit programs (batch x KV heads x row blocks), when
+    the longest sequence has ``n_seen`` keys seen by all its new tokens: the count nearest to
+    ``programs_per_sm`` programs on each of the ``n_sm`` SMs (nearest rather than above, so that
+    the programs come in whole waves and no SM is left with a lone extra one), but no more than
+    gives each split MIN_TILES_PER_SPLIT tiles of ``block_kv`` keys, and at most MAX_SPLITS. So 1
+    (no merge) when the programs already fill the GPU or the cache is short."""
+    if programs <= 0 or n_seen <= 0:
+        return 1
+    wanted = round(programs_per_sm * n_sm / programs)
+    most = _cdiv(n_seen, block_kv) // MIN_TILES_PER_SPLIT
+    return max(1, min(wanted, most, MAX_SPLITS))
+
+
+def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, config=None,
+                   partials=False):
+    """Launch the decode kernels on checked arguments: ``q`` (B, H_q, N_q, D), caches (B, H_kv,
+    N_max, D) of any strides, ``lengths`` an int32/int64 tensor (B,) on the device, ``max_len``
+    its largest value. ``num_splits`` and ``config`` (BLOCK_KV, num_warps, num_stages) default to
+    the heuristic and configs.decode_config. Returns ``(out, lse)``, lse in natural log.
+
+    With ``partials``, the merge is not run: returns the split kernel's partial states instead,
+    ``o_part`` (B, H_q, N_q, num_splits, D) and ``lse_part`` (B, H_q, N_q, num_splits), float32,
+    each O_s divided by its own sum and LSE_s in base 2 (-inf for a split without keys)."""
+    plan = Plan(q, k_cache, v_cache, config)
+    out, lse = plan.run(q, k_cache, v_cache, lengths, max_len, scale, num_splits, partials)
+    return (out, lse) if partials else (out, lse.view(plan.rows))
+
+
+#: How decode does the host work of every call. Not a user setting: the decode benchmark
+#: (``python -m flashattn.bench decode --host-ab``) switches it to time the ways side by side.
+#:
+#: * ``launch``: the first launch of each kind goes through Triton's JIT (which compiles the
+#:   kernel); later ones go through the JIT again (``"jit"``), through the compiled kernel as
+#:   Triton offers it (``"compiled"``: ``CompiledKernel[grid](*args)``, which asks for the current
+#:   device and stream and builds launch metadata for the launch hooks at every launch), or
+#:   straight to the compiled kernel's launcher as the JIT calls it (``"launcher"``), without
+#:   launch metadata while no launch hook is registered (a profiler such as proton registers one;
+#:   then it goes through the compiled kernel).
+#: * ``lengths``: lengths given on the CPU are copied to the GPU without waiting for its queued
+#:   work, straight from ``"pageable"`` memory (CUDA stages so small a copy at once) or through
+#:   ``"pinned"`` memory (one more step, a pinned block from PyTorch's pool).
+#: * ``buffers``: with several splits, the partial states and the lse in ``"one"`` float32
+#:   allocation, or each in its own (``"separate"``).
+#:
+#: The default is what an H200 measured fastest on the host (torch 2.11, triton 3.6, 2026-12-01:
+#: 47 us per call at a 4k cache against 54 us for one buffer, 55-127 us for the other ways;
+#: figures/data/h200_decode_host_ab.csv).
+HOST = dict(launch="launcher", lengths="pageable", buffers="separate")
+HOST_CHOICES = dict(launch=("jit", "compiled", "launcher"), lengths=("pinned", "pageable"),
+                    buffers=("separate", "one"))
+
+
+def set_host(**settings):
+    """Change some of ``HOST`` (the benchmark's switch); returns the settings before."""
+    for name, value in settings.items():
+        if value not in HOST_CHOICES.get(name, ()):
+            raise ValueError(f"decode's host setting {name}={value!r}: expected one of "
+                             f"{HOST_CHOICES.get(name, ())} for one of {tuple(HOST_CHOICES)}")
+    before = dict(HOST)
+    HOST.update(settings)
+    return before
+
+
+def _round4(n):
+    return (n + 3) // 4 * 4  # float32 elements to a multiple of 16 bytes
+
+
+class Plan:
+    """What decode decides from the shapes, strides and dtypes alone (tile sizes, configuration,
+    the split heuristic's inputs, the kernels' fixed arguments), and the kernels compiled for
+    them, launched directly after the first launch through Triton's JIT (``flashattn.gpu.direct``)."""
+
+    def __init__(self, q, k_cache, v_cache, config=None):
+        batch, n_heads, n_q, head_dim = q.shape
+        self.batch, self.n_heads, self.n_q, self.head_dim = batch, n_heads, n_q, head_dim
+        self.kv_heads, self.n_max = k_cache.shape[1], k_cache.shape[2]
+        self.group = n_heads // self.kv_heads
+        self.rows = (batch, n_heads, n_q)
+        self.n_rows = batch * n_heads * n_q
+        self.out_shape = (batch, n_heads, n_q, head_dim)
+        self.device, self.out_dtype = q.device, q.dtype
+        # the dtype the kernels read and write: float32 for bfloat16 where runtime.kernel_dtype
+        # says so (the interpreter, GPUs before sm_80)
+        self.dtype = dtype = kernel_dtype(q)[0].dtype
+        self.strides = (*q.stride(), *k_cache.stride(), *v_cache.stride())  # kept in the plan's key
+        n_rows = self.group * n_q
+        # tl.dot needs at least 16 rows
+        self.block_r = min(max(16, triton.next_power_of_2(n_rows)), max_block_r(q.dtype))
+        self.row_blocks = _cdiv(n_rows, self.block_r)
+        self.precision = configs.decode_precision(dtype)
+        self.block_d = configs.block_d(head_dim)
+        self.config = dict(config or configs.decode_config(dtype, self.precision, self.block_r,
+                                                          self.block_d))
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.empty = self.n_rows * head_dim == 0
+        self.kernels = {}  # (kernel, num_splits, partials, lengths' alignment) -> direct.Compiled
+
+    def num_splits(self, max_len):
+        return choose_num_splits(self.batch * self.kv_heads * self.row_blocks, max_len - self.n_q + 1,
+                                 self.config["BLOCK_KV"], sm_count(self.device))
+
+    def run(self, q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, partials=False,
+            keep_lse=True):
+        """The launches, on arguments of this plan's shapes, dtypes, strides and alignment.
+        Returns ``(out, lse)`` with lse flat (B * H_q * N_q,), or the partial states, shaped.
+        Without ``keep_lse`` (the caller drops lse), lse may be a view of the partial states'
+        buffer (it would hold that buffer's memory while it lives)."""
+        strides = self.strides
+        if self.dtype != self.out_dtype:
+            q, k_cache, v_cache = kernel_dtype(q, k_cache, v_cache)
+            strides = (*q.stride(), *k_cache.stride(), *v_cache.stride())  # a copy may be denser
+        if partials and self.empty:
+            raise ValueError("partials need at least one query row (q has shape "
+                             f"{tuple(q.shape)})")
+        if self.empty or (max_len == 0 and not partials):
+            # no sequence has a key: an empty sum, like scaled_dot_product_attention
+            return (torch.zeros(self.out_shape, device=self.device, dtype=self.out_dtype),
+                    torch.full(self.rows, float("-inf"), device=self.device, dtype=torch.float32))
+        if num_splits is None:
+            num_splits = self.num_splits(max_len)
+        final = num_splits == 1 and not partials
+        n_rows, f32 = self.n_rows, torch.float32
+        one = HOST["buffers"] == "one"
+        lse_in_work = one and not (final or partials or keep_lse)
+        out = None if partials else torch.empty(self.out_shape, device=self.device, dtype=self.dtype)
+        lse = None if partials or lse_in_work else torch.empty(n_rows, device=self.device, dtype=f32)
+        if final:
+            o_part, lse_part = out, lse
+        elif one:
+            # O_s, LSE_s (and lse) in one allocation, each from a multiple of 16 bytes, so that
+            # every call's pointers align as the first call's (Triton specialized on them)
+            size_o, size_l = _round4(n_rows * num_splits * self.head_dim), _round4(n_rows * num_splits)
+            work = torch.empty(size_o + size_l + lse_in_work * n_rows, device=self.device, dtype=f32)
+            o_part, lse_part = work[:size_o], work[size_o:size_o + size_l]
+            if lse_in_work:
+                lse = work[size_o + size_l:]
+        else:
+            o_part = torch.empty(n_rows * num_splits * self.head_dim, device=self.device, dtype=f32)
+            lse_part = torch.empty(n_rows * num_splits, device=self.device, dtype=f32)
+        key = (num_splits, partials, lengths.data_ptr() % 16)
+        direct.launch(self.kernels, ("split",) + key, decode_split,
+                      (self.row_blocks * num_splits, self.kv_heads, self.batch),
+                      (q, k_cache, v_cache, lengths, o_part, lse_part, *strides,
+                       self.n_q, self.group, num_splits, qk_scale(scale)),
+                      lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_R=self.block_r,
+                                   FINAL=final, DOT_PRECISION=self.precision, **self.config),
+                      HOST["launch"])
+        if partials:
+            return (o_part[:n_rows * num_splits * self.head_dim].view(*self.rows, num_splits, self.head_dim),
+                    lse_part[:n_rows * num_splits].view(*self.rows, num_splits))
+        if not final:
+            direct.launch(self.kernels, ("merge",) + key, decode_merge, (n_rows,),
+                          (o_part, lse_part, out, lse, num_splits),
+                          lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
+                                       BLOCK_S=triton.next_power_of_2(num_splits)),
+                          HOST["launch"])
+        return (out if out.dtype == self.out_dtype else out.to(self.out_dtype)), lse

@@ -1,0 +1,228 @@
+"""The FlashAttention forward kernel and its launcher.
+
+One program computes ``BLOCK_Q`` rows of the output for one (batch, head). It keeps its tile of Q
+on chip, streams the tiles of K and V past it, and folds each one into a running softmax (the
+online softmax of chapter 01, in base 2 as in chapter 02). Nothing of size N_q x N_kv ever
+reaches memory: per query row it writes the output row and one number, the log-sum-exp, which the
+backward pass uses to rebuild the probabilities.
+
+The keys a query block visits split in two stages (chapter 03, ``tiles.kv_stage_bounds``):
+
+1. ``[0, kv_full_end)``: whole tiles that every query of the block sees; no mask at all.
+2. ``[kv_full_end, kv_end)``: tiles on the causal diagonal or past the end of the sequence; an
+   element-wise mask hides the pairs that do not exist. Keys from ``kv_end`` on are never loaded.
+
+Three variants switch on with arguments, not copies of the kernel (``flashattn.attention``'s
+``enable_gqa`` and ``window_size``, and ``flashattn.ops.varlen``):
+
+* grouped-query attention: query head ``h`` reads K/V head ``h // n_group`` in place;
+* a sliding window (``WINDOW``): masked tiles at both edges of the window, whole tiles between,
+  none outside (``tiles.kv_window_bounds``), so the cost grows with N * window;
+* packed sequences (``VARLEN``): each program reads its (sequence, query block) from a table and
+  the sequence's offset and length from ``cu_seqlens``, then works as for one sequence.
+
+A row that sees no key under a window, or in a sequence without keys, gets the output 0 and
+the LSE -inf.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..gpu import configs, launcher
+from ..gpu.runtime import kernel_dtype
+from .tiles import (dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, qk_scale, sequence_of_program,
+                    store_tile)
+from .traversal import window_masking
+
+
+@triton.jit
+def fwd_inner(acc, m_i, l_i, q,
+               K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+               offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               WINDOW: tl.constexpr = False, win_left=0, win_right=0):
+    """Fold the key/value tiles ``[kv_lo, kv_hi)`` into the running state ``(acc, m_i, l_i)``.
+
+    ``m_i`` is the running row maximum and ``l_i`` the running row sum, both in base 2 and already
+    multiplied by the softmax scale; ``acc`` is the unnormalised output. With ``WINDOW`` query
+    ``i`` sees only keys ``i - win_left .. i + win_right``.
+    """
+    for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
+        kv_start = tl.multiple_of(kv_start, BLOCK_KV)  # lets the compiler prove aligned addresses
+        offs_kv = kv_start + tl.arange(0, BLOCK_KV)
+        k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM,
+                      MASKED, HEAD_DIM < BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw scores q.k, fp32
+        if MASKED:
+            visible = offs_kv[None, :] < n_kv                       # keys past the end do not exist
+            if IS_CAUSAL:
+                visible = visible & (offs_q[:, None] >= offs_kv[None, :])
+            if WINDOW:
+                visible = visible & (offs_kv[None, :] >= offs_q[:, None] - win_left) \
+                    & (offs_kv[None, :] <= offs_q[:, None] + win_right)
+            # -inf is safe: key 0 comes first and every row sees it, so m_i is finite by the time
+            # a row meets a tile where all its keys are hidden (then 2**(-inf - m_i) = 0).
+            s = tl.where(visible, s, float("-inf"))
+        # The scale (times log2 e) is applied to the row max and folded into one fused
+        # multiply-add inside exp2, so the loop spends no extra instruction on scaling S.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        if MASKED and WINDOW:
+            # Under a window a row may meet hidden keys before its first visible one: while its
+            # max is still -inf, subtract 0 instead, so 2**(-inf - 0) = 0 rather than NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        p = tl.exp2(s * qk_scale - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)                                # rescales what came before
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
+                      MASKED, HEAD_DIM < BLOCK_D)
+        acc = acc * alpha[:, None]
+        acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
+def attn_fwd(Q, K, V, O, LSE,
+              stride_qb, stride_qh, stride_qn, stride_qd,
+              stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd,
+              stride_ob, stride_oh, stride_on, stride_od,
+              n_heads, n_q, n_kv, qk_scale,
+              n_group, win_left, win_right, Programs, CuSeqQ, CuSeqK,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
+    # Grid: axis 0 = query blocks, axis 1 = heads, axis 2 = batch. Programs are started in axis-0
+    # order, so the blocks running side by side belong to one head and share its K and V in L2.
+    # Grouped-query attention: query head ``head`` reads K/V head ``head // n_group`` in place.
+    # Packed sequences (VARLEN): axis 0 walks the table ``Programs`` of (sequence, query block),
+    # the batch axis is 1, and n_q counts the rows of all sequences until the table says which one.
+    q_block = tl.program_id(0)
+    if IS_CAUSAL and not VARLEN:  # the last query blocks visit the most keys: start them first
+        q_block = tl.num_programs(0) - 1 - q_block
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    kv_head = head // n_group
+    # 64-bit offsets: batch * stride can pass 2**31 elements for large inputs.
+    Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    O += batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    LSE += (batch.to(tl.int64) * n_heads + head) * n_q
+    if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
+        q_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
+                                                                      q_block)
+        Q += q_offset * stride_qn
+        O += q_offset * stride_on
+        LSE += q_offset
+        K += kv_offset * stride_kn
+        V += kv_offset * stride_vn
+
+    q_start = q_block * BLOCK_Q
+    offs_q = q_start + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+
+    if WINDOW:
+        # A sliding window: masked tiles at its two edges, whole tiles between, none outside.
+        kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
+                                                                BLOCK_Q, BLOCK_KV)
+        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
+                                   win_left, win_right)
+        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True,
+                                   win_left, win_right)
+        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
+                                   win_left, win_right)
+    else:
+        kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
+        # Stage 1: whole tiles every query of the block sees.
+        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
+        # Stage 2: the diagonal and the ragged end, with the element-wise mask.
+        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
+
+    if WINDOW or VARLEN:
+        # A row that saw no key (outside every window, or a sequence without keys) has L = 0 and
+        # acc = 0: dividing by 1 gives the output 0 and LSE = -inf + log2(1) = -inf, not NaN.
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    # Divide by the softmax denominator once, at the end (chapter 01), and keep
+    # LSE = M + log2(L): one number per row from which the backward rebuilds P = 2**(S' - LSE).
+    acc = acc / l_i[:, None]
+    # In float64 when the launcher asks for it: at large scores M + log2(L) rounded to float32
+    # shifts every P the backward rebuilds from it by the same factor (see attention_forward).
+    lse = m_i.to(LSE.dtype.element_ty) + tl.log2(l_i).to(LSE.dtype.element_ty)
+    tl.store(LSE + offs_q, lse, mask=offs_q < n_q)
+    store_tile(O, acc, offs_q, offs_d, stride_on, stride_od, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
+
+
+def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
+                      lse_dtype=torch.float32):
+    """Launch the forward kernel on (B, H, N, D) tensors of any strides.
+
+    Returns ``(o, lse2)``: the output, shaped and typed like ``q``, and the base-2 log-sum-exp of
+    the scaled scores, float32 of shape (B, H, N_q). ``config`` fixes the tile sizes (a dict such as
+    ``{"BLOCK_Q": 64, "BLOCK_KV": 32}``); by default they are tuned on a GPU and fixed on the CPU.
+
+    ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention: query head ``h`` reads
+    K/V head ``h // (H_q / H_kv)``). ``window_size = (left, right)`` limits what each query sees
+    (``traversal.window_masking``). ``sequences`` (a ``flashattn.kernels.sequences.Sequences``) says that the
+    tensors are packed sequences, (1, H, total, D), each attending only within itself.
+
+    ``lse_dtype`` float64 keeps the LSE to more than float32's precision, for float32 inputs:
+    at scores of +-100 a float32 LSE is off by up to 4e-6, and every P the backward rebuilds from
+    it is off by the same factor, which made dV's error several times PyTorch's (whose largest P
+    are exact). flashattn.attention asks for it; the backward kernels read either.
+
+    This is the Triton kernel everywhere; ``flashattn.ops.dispatch`` sends some calls on an
+    H100/H200 to the Gluon kernel of ``flashattn.hopper.forward`` instead.
+    """
+    batch, heads, n_q, head_dim = q.shape
+    n_kv = k.shape[2]
+    causal, window, win_left, win_right = window_masking(is_causal, window_size, n_q + n_kv)
+    out_dtype = q.dtype
+    q, k, v = kernel_dtype(q, k, v)
+    o = torch.empty_like(q)
+    lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=lse_dtype)
+    if n_q == 0:
+        return o.to(out_dtype), lse2
+    if n_kv == 0:  # softmax over no keys: an empty sum, like scaled_dot_product_attention
+        return o.zero_().to(out_dtype), lse2.fill_(float("-inf"))
+
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), IS_CAUSAL=causal,
+                      DOT_PRECISION=configs.dot_precision(q.dtype, configs.block_d(head_dim)),
+                      WINDOW=window, VARLEN=sequences is not None)
+    programs = cu_seqlens_q = cu_seqlens_k = None
+    if sequences is None:
+        def grid(meta):
+            return (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch)
+    else:  # the table of (sequence, query block) depends on the tile, so the tile is fixed first
+        config = config or sequences.config("fwd", q.dtype, constexprs)
+        programs = sequences.programs("q", config["BLOCK_Q"], win_left, win_right)
+        cu_seqlens_q, cu_seqlens_k = sequences.cu_seqlens_q, sequences.cu_seqlens_k
+        grid = (programs.shape[0], heads, 1)
+        if programs.shape[0] == 0:  # every sequence empty
+            return o.to(out_dtype), lse2
+    launcher.launch(
+        "fwd", attn_fwd, grid,
+        (q, k, v, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+         heads, n_q, n_kv, qk_scale(scale),
+         heads // k.shape[1], win_left, win_right, programs, cu_seqlens_q, cu_seqlens_k),
+        constexprs, seq_len=max(n_q, n_kv), config=config)
+    return o.to(out_dtype), lse2

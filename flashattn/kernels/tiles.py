@@ -1,0 +1,145 @@
+"""The @triton.jit functions and constants the kernels share: loading and storing one tile, adding
+a tile's product to a running sum, and the two stages of keys a query block visits.
+
+A kernel sees one head of one batch element as a matrix whose rows are sequence positions and whose
+columns are the head dimension. ``rows`` and ``cols`` are the row and column indices of the tile;
+``stride_row``/``stride_col`` say how far apart consecutive rows and columns are in memory, so
+any layout works (a (B, N, H, D) tensor viewed as (B, H, N, D) simply has ``stride_row = H*D``).
+
+Masks cost instructions and a mask that varies along the head dimension stops the compiler from
+loading 16 bytes at a time, so each tile checks only what can actually be out of range: rows near a
+ragged sequence end (``CHECK_ROWS``) and padded columns when the head dim is not a power of two
+(``CHECK_COLS``). Both flags are compile-time constants: the checks vanish where they are off.
+"""
+import math
+
+import triton
+import triton.language as tl
+
+LN2 = math.log(2.0)  # ln 2: the LSE in base 2 times LN2 is the natural-log LSE
+LOG2E = 1.0 / LN2    # log2(e) = 1 / ln 2: e**x == 2**(x * LOG2E)
+
+
+def qk_scale(scale: float) -> float:
+    """``scale * log2(e)``, the factor the kernels multiply raw scores by before ``exp2``, kept at
+    least 2**-126, the smallest normal float32.
+
+    A smaller factor would reach the kernels as a float32 denormal or as 0, and ``-inf * 0`` (a
+    hidden score times the factor) is NaN, where scaled_dot_product_attention returns the mean of
+    the values. The clamp changes no result: below 2**-126 every scaled score is under 2**-26 in
+    size for any |q.k| < 2**100, so each ``exp2`` of a difference of scores rounds to exactly 1
+    in float32 with the true factor and with the clamped one alike."""
+    return max(scale * LOG2E, 2.0 ** -126)
+
+
+@triton.jit
+def load_tile(base, rows, cols, stride_row, stride_col, n_rows, n_cols,
+              CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Tile ``base[rows, cols]``; elements with ``rows >= n_rows`` or ``cols >= n_cols`` read as 0."""
+    ptrs = base + rows[:, None] * stride_row + cols[None, :] * stride_col
+    if CHECK_ROWS and CHECK_COLS:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    elif CHECK_ROWS:
+        tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    elif CHECK_COLS:
+        tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def store_tile(base, tile, rows, cols, stride_row, stride_col, n_rows, n_cols,
+               CHECK_COLS: tl.constexpr):
+    """Write ``tile`` to ``base[rows, cols]`` in the pointee's dtype, skipping rows past ``n_rows``
+    (always checked: a store is done once per program, so the mask costs nothing that matters)."""
+    ptrs = base + rows[:, None] * stride_row + cols[None, :] * stride_col
+    mask = rows[:, None] < n_rows
+    if CHECK_COLS:
+        mask = mask & (cols[None, :] < n_cols)
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b``: how every kernel adds one tile's product to a running sum.
+
+    On tensor cores (16-bit inputs, or TF32) ``tl.dot(a, b, acc)`` does it in one fused operation.
+    In IEEE float32 ``tl.dot`` becomes a chain of fused multiply-adds that continues straight
+    through ``acc``, so a sum over N keys or queries is rounded N times in a row and its error
+    grows with N. Summing the tile's product from zero and then adding it rounds in two levels,
+    like cuBLAS's blocked sums. In 3xTF32 (``"tf32x3"``) Triton already does so: it rewrites the
+    dot into three TF32 dots summed from zero, then adds ``acc`` (tests/test_compiled_sm90.py
+    checks both in the compiled IR).
+    """
+    if DOT_PRECISION == "ieee" and a.dtype == tl.float32:
+        # Triton's compiler rewrites ``acc + tl.dot(a, b)`` (a dot started from the constant 0)
+        # back into ``tl.dot(a, b, acc)``. Starting from ``acc * 0.0`` instead (0 for the finite
+        # sums here, but not a constant) keeps the two levels apart, for one multiply per element.
+        return acc + tl.dot(a, b, acc * 0.0, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def kv_stage_bounds(q_start, n_kv, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                    IS_CAUSAL: tl.constexpr):
+    """``(kv_full_end, kv_end)`` for the query block starting at ``q_start``: keys
+    ``[0, kv_full_end)`` in whole tiles that need no mask, ``[kv_full_end, kv_end)`` with the mask,
+    none after. The forward and the dQ kernel share it; ``flashattn.kernels.traversal.kv_ranges`` is the
+    same in plain Python."""
+    if IS_CAUSAL:
+        kv_end = tl.minimum(q_start + BLOCK_Q, n_kv)  # query i sees keys 0..i
+        kv_full_end = tl.minimum(q_start, n_kv) // BLOCK_KV * BLOCK_KV
+    else:
+        kv_end = n_kv
+        kv_full_end = n_kv // BLOCK_KV * BLOCK_KV
+    return kv_full_end, kv_end
+
+
+@triton.jit
+def kv_window_bounds(q_start, n_kv, win_left, win_right,
+                     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """``(kv_lo, kv_full_lo, kv_full_hi, kv_hi)`` for the query block starting at ``q_start`` under a
+    sliding window, where query ``i`` sees keys ``i - win_left .. i + win_right`` (both >= 0 here:
+    the launcher turns an unbounded side into a bound past every key, and causal into
+    ``win_right = 0``). Keys ``[kv_lo, kv_full_lo)`` and ``[kv_full_hi, kv_hi)`` need the mask,
+    ``[kv_full_lo, kv_full_hi)`` are whole tiles every query of the block sees, and the tiles
+    outside ``[kv_lo, kv_hi)`` are never loaded: the cost follows the window, not N_kv.
+    ``flashattn.kernels.traversal.kv_window_ranges`` is the same in plain Python."""
+    # Seen by some query of the block: keys q_start - win_left .. q_start + BLOCK_Q - 1 + win_right.
+    kv_lo = tl.maximum(q_start - win_left, 0) // BLOCK_KV * BLOCK_KV
+    kv_hi = tl.minimum(q_start + BLOCK_Q + win_right, n_kv)
+    # Seen by every query of the block: keys q_start + BLOCK_Q - 1 - win_left .. q_start + win_right.
+    kv_full_lo = tl.maximum(q_start + BLOCK_Q - 1 - win_left + BLOCK_KV - 1, 0) // BLOCK_KV * BLOCK_KV
+    kv_full_hi = tl.minimum(q_start + win_right + 1, n_kv) // BLOCK_KV * BLOCK_KV
+    kv_full_lo = tl.minimum(tl.maximum(kv_full_lo, kv_lo), kv_hi)
+    kv_full_hi = tl.maximum(kv_full_hi, kv_full_lo)
+    return kv_lo, kv_full_lo, kv_full_hi, kv_hi
+
+
+@triton.jit
+def q_window_bounds(kv_start, n_q, win_left, win_right,
+                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """``(q_lo, q_full_lo, q_full_hi, q_hi)`` for the key block starting at ``kv_start`` under a
+    sliding window (the dK/dV kernel's view of :func:`kv_window_bounds`): key ``j`` is seen by
+    queries ``j - win_right .. j + win_left``. Queries ``[q_full_lo, q_full_hi)`` come in whole
+    blocks that see every key of the block; the two ranges around them need the mask; the rest
+    are skipped. ``flashattn.kernels.traversal.q_window_ranges`` is the same in plain Python.
+
+    It is :func:`kv_window_bounds` with the roles of queries and keys exchanged: seen from key
+    ``j``, the window reaches ``win_right`` queries back and ``win_left`` forward."""
+    return kv_window_bounds(kv_start, n_q, win_right, win_left, BLOCK_KV, BLOCK_Q)
+
+
+@triton.jit
+def sequence_of_program(Programs, CuSeqQ, CuSeqK, program):
+    """Packed sequences (``flashattn.ops.varlen``): the ``program``-th entry of the offset table
+    ``Programs`` (pairs ``(sequence, block)``) and that sequence's place in the packed tensors.
+    Returns ``(block, q_offset, n_q, kv_offset, n_kv)``; offsets are 64-bit."""
+    sequence = tl.load(Programs + 2 * program)
+    block = tl.load(Programs + 2 * program + 1)
+    q_offset = tl.load(CuSeqQ + sequence)
+    n_q = tl.load(CuSeqQ + sequence + 1) - q_offset
+    kv_offset = tl.load(CuSeqK + sequence)
+    n_kv = tl.load(CuSeqK + sequence + 1) - kv_offset
+    return block, q_offset.to(tl.int64), n_q, kv_offset.to(tl.int64), n_kv

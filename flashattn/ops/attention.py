@@ -1,0 +1,173 @@
+"""``flashattn.attention``: the public op, a drop-in for scaled_dot_product_attention.
+
+This module checks the arguments (so that a mistake is reported in terms of the caller's
+arguments, not as a crash inside Triton), brings any number of leading dims to the kernels'
+(batch, heads, seq, head_dim) layout, and calls the autograd function.
+"""
+import math
+import numbers
+
+import numpy as np
+import torch
+
+from .autograd import FlashAttention, natural_lse
+from ..gpu.runtime import DEVICE, RUNTIME
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def attention(q, k, v, is_causal=False, scale=None, return_lse=False, enable_gqa=False,
+              window_size=(-1, -1)):
+    """Scaled dot-product attention, ``softmax(q @ k^T * scale) @ v``, computed by FlashAttention.
+
+    Args:
+        q: queries, shape ``(..., N_q, D)``.
+        k, v: keys and values, shape ``(..., N_kv, D)``, with the same leading dims as ``q``.
+            Any strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
+        is_causal: mask so that query ``i`` sees keys ``0..i`` (top-left aligned, like SDPA).
+        scale: the factor applied to ``q @ k^T``; defaults to ``1 / sqrt(D)``.
+        return_lse: also return the log-sum-exp of each row of the scaled, masked scores.
+        enable_gqa: grouped-query attention, as SDPA's flag: ``q`` is ``(..., H_q, N_q, D)`` and
+            ``k``, ``v`` are ``(..., H_kv, N_kv, D)`` with ``H_q`` a multiple of ``H_kv``; query head
+            ``h`` reads K/V head ``h // (H_q // H_kv)``. The kernels read each group's K and V in
+            place (no copy per query head), and the backward sums dK and dV over the group.
+        window_size: ``(left, right)``, a sliding window as in FlashAttention: query ``i`` sees key
+            ``j`` only if ``j >= i - left`` (when ``left >= 0``) and ``j <= i + right`` (when
+            ``right >= 0``); -1 leaves that side unbounded. Positions are aligned top-left, as for
+            ``is_causal``, which adds ``j <= i``. Tiles wholly outside the window are never
+            loaded, so the cost grows with ``N * window``, not ``N**2``. A query that sees no key
+            gets the output 0, the lse -inf and zero gradients.
+
+    Returns:
+        ``out`` with ``q``'s shape and dtype, or ``(out, lse)`` with ``lse`` of shape ``(..., N_q)``,
+        float32, natural log (``torch.logsumexp`` of the scores). Both are differentiable.
+
+    Dtypes float16, bfloat16 and float32 are supported. float32 follows
+    ``torch.get_float32_matmul_precision()``: 'highest' (PyTorch's default) keeps float32's
+    accuracy (IEEE float32; ``FLASHATTN_TF32X3=1`` asks for 3xTF32 on tensor cores instead, which
+    is experimental and warns); 'high' or 'medium' let the kernels use TF32 tensor cores, like
+    PyTorch's own matmul.
+    On the CPU (Triton's interpreter) bfloat16 inputs are computed in float32 and rounded back.
+    Under ``torch.autocast``, q, k and v are cast to the autocast dtype first, as
+    scaled_dot_product_attention does. It works under ``torch.compile`` (as one opaque operator),
+    ``torch.func.vmap`` and ``torch.func.grad``; it has no double backward (a gradient of the
+    gradients raises a RuntimeError).
+    """
+    q, k, v = _autocast(q, k, v)
+    check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa)
+    window_size = check_window_size(window_size)
+    is_causal, return_lse = bool(is_causal), bool(return_lse)  # numpy bools too
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    # The kernels index (batch, head, seq, head_dim) with a stride for each. A 3-D or 4-D input is
+    # used as is (no copy); more leading dims are merged into the batch, which reshape does
+    # without copying whenever their strides allow it.
+    lead = q.shape[:-2]
+    heads = lead[-1] if lead else 1
+    batch = math.prod(lead[:-1])
+    heads_kv = k.shape[-3] if k.dim() > 2 else 1
+    q4 = q.reshape(batch, heads, q.shape[-2], head_dim)
+    k4, v4 = (t.reshape(batch, heads_kv, t.shape[-2], head_dim) for t in (k, v))
+    out, lse2 = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size)
+    out = out.reshape(q.shape)
+    return (out, natural_lse(lse2).reshape(q.shape[:-1])) if return_lse else out
+
+
+def _autocast(q, k, v):
+    """Under ``torch.autocast`` on the inputs' device, the 16- and 32-bit float inputs cast to the
+    autocast dtype (what autocast does for scaled_dot_product_attention); else unchanged."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors  # check_inputs names the culprit
+    device = q.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):  # check_inputs refuses others
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.dtype in SUPPORTED_DTYPES else t for t in tensors)
+
+
+def _type_name(x):
+    """``bool``, ``int``, ``numpy.float64``: the type's name, with its module where not built in."""
+    kind = type(x)
+    module = kind.__module__.split(".")[0]
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+def check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa=False):
+    """Raise TypeError or ValueError naming the argument and what was expected."""
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa must be a bool, got {_type_name(enable_gqa)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(t)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float16, torch.bfloat16 "
+                            "or torch.float32")
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., seq_len, head_dim); "
+                             f"got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all three must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all three must be "
+                             "on the same device")
+        if t.shape[:-2] != q.shape[:-2]:
+            _check_heads(name, t, q, enable_gqa)
+        if t.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{name} has head dim {t.shape[-1]} but q has {q.shape[-1]}; "
+                             "they must be equal")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"k has leading dims {tuple(k.shape[:-2])} but v has {tuple(v.shape[:-2])}; "
+                         "they must be equal")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k has {k.shape[-2]} keys but v has {v.shape[-2]} values; "
+                         "their sequence lengths must be equal")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim (last dim of q, k, v) is {q.shape[-1]}; expected 1 to "
+                         f"{MAX_HEAD_DIM}")
+    if q.device.type != DEVICE.type:
+        where = "a CUDA GPU" if DEVICE.type == "cuda" else "the CPU (Triton's interpreter)"
+        raise ValueError(f"q is on {q.device}, but flashattn runs on {where} here: pass tensors "
+                         f"on {DEVICE.type} (flashattn.RUNTIME is {RUNTIME!r})")
+    for name, flag in (("is_causal", is_causal), ("return_lse", return_lse)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {_type_name(flag)}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {_type_name(scale)}")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a finite positive number, got {scale}")
+
+
+def _check_heads(name, t, q, enable_gqa):
+    """``t`` (k or v) has other leading dims than ``q``: fine only for grouped-query attention,
+    where they differ in the heads dim alone and H_kv divides H_q; else a ValueError."""
+    if t.dim() < 3 or q.dim() < 3 or t.shape[:-3] != q.shape[:-3] or t.dim() != q.dim():
+        raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has "
+                         f"{tuple(q.shape[:-2])}; they must be equal (no broadcasting)")
+    heads_q, heads_kv = q.shape[-3], t.shape[-3]
+    if not enable_gqa:
+        raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has {tuple(q.shape[:-2])}: "
+                         f"{name} has {heads_kv} heads but q has {heads_q}; they must be equal, or pass "
+                         "enable_gqa=True for grouped-query attention")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"enable_gqa=True needs q's heads to be a multiple of {name}'s heads; got "
+                         f"{heads_q} query heads and {heads_kv} {name} heads")
+
+
+def check_window_size(window_size):
+    """``window_size`` as a tuple ``(left, right)`` of ints >= -1, or a TypeError/ValueError
+    naming it."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError("window_size must be a pair (left, right) of ints (-1 for unbounded), got "
+                        f"{window_size!r}")
+    for side in window_size:
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+            raise TypeError(f"window_size must be a pair of ints, got {window_size!r}")
+        if side < -1:
+            raise ValueError(f"window_size={tuple(window_size)!r}: each side must be >= 0, or -1 "
+                             "for unbounded")
+    return int(window_size[0]), int(window_size[1])

@@ -1,0 +1,211 @@
+"""``flashattn.decode``: attention of new tokens against a KV cache, for generation loops.
+
+The checks, and a plan per kind of arguments: what depends only on the arguments' shapes, dtypes,
+strides and devices (their checks, the tile sizes, the compiled kernels) is worked out at their
+first call and remembered, so that a decoding step, tens of microseconds on a GPU, spends little
+time on the host. The kernels and their launcher are ``flashattn.kernels.decode``.
+"""
+import math
+import numbers
+
+import torch
+
+from ..gpu.runtime import DEVICE, INTERPRET, RUNTIME
+from ..kernels.decode import HOST, Plan
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LENGTH_DTYPES = (torch.int32, torch.int64)
+MAX_HEAD_DIM = 256
+MAX_GRID_DIM = 65535      # CUDA's limit on grid axes 1 and 2 (KV heads, batch)
+
+
+#: decode's plans: (the arguments' shapes, strides, dtypes, devices, alignment) -> Plan. An entry
+#: means the checks that read nothing else (``_check_tensors``) passed for such arguments.
+_PLANS = {}
+MAX_PLANS = 64  # a loop that changes shapes every step starts afresh now and then
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
+    """Attention of the newest ``N_q`` tokens of each sequence against its KV cache.
+
+    Args:
+        q: the new tokens' queries, ``(B, H_q, N_q, D)``; N_q is usually 1.
+        k_cache, v_cache: ``(B, H_kv, N_max, D)``, any strides (a ``(B, N_max, H_kv, D)`` cache
+            transposed works as is). ``H_q`` must be a multiple of ``H_kv``: query head ``h``
+            uses KV head ``h // (H_q / H_kv)`` (grouped-query attention, as SDPA's enable_gqa).
+        cache_seqlens: integer tensor ``(B,)`` (int32 or int64) of valid lengths ``L``, with
+            ``N_q <= L <= N_max``, or ``L = 0`` for an empty sequence (its output is 0 and its
+            lse -inf, the empty sum, like SDPA with no keys). Entries at or past ``L`` are never
+            read: they may hold anything, NaN included.
+        scale: the factor applied to ``q @ k^T``; defaults to ``1 / sqrt(D)``.
+        return_lse: also return the log-sum-exp of each row of scaled scores.
+
+    The new tokens are the last ``N_q`` entries of each valid cache, so token ``t`` sees keys
+    ``0 .. L - N_q + t`` (aligned bottom-right, as in decoding and speculative decoding).
+
+    Returns:
+        ``out`` of shape ``(B, H_q, N_q, D)`` in q's dtype, or ``(out, lse)`` with ``lse`` of shape
+        ``(B, H_q, N_q)``, float32, natural log.
+
+    Checking the lengths reads them on the host. Pass ``cache_seqlens`` on the CPU (generation
+    loops usually know the lengths there): it is checked there and copied to the GPU without
+    waiting. On the GPU, checking costs one synchronisation per call. Either way the lengths are
+    read anew at every call, so decode cannot be captured in a CUDA graph (it says so).
+
+    A decoding step is short (tens of microseconds on a GPU), so decode keeps its host work
+    small: what depends only on the arguments' shapes, dtypes, strides and devices (their checks,
+    the tile sizes, the compiled kernels) is worked out at their first call and remembered.
+
+    decode is forward only: it has no backward. Rather than return a result that silently cuts
+    the autograd graph, it raises a ValueError when gradients are enabled and an input requires
+    grad. Under ``torch.no_grad()`` or ``torch.inference_mode()``, as generation runs, the same
+    inputs are fine and the result does not require grad.
+    """
+    plan = plan_for(q, k_cache, v_cache, cache_seqlens)
+    _check_call(q, k_cache, v_cache, scale, return_lse)
+    if not INTERPRET and torch.cuda.is_current_stream_capturing():
+        raise ValueError("flashattn.decode reads cache_seqlens on the host at every call, so it "
+                         "cannot be captured in a CUDA graph (the graph would replay the lengths "
+                         "of the capture)")
+    lengths, max_len = _lengths(cache_seqlens, plan.n_max, plan.n_q, plan.device)
+    out, lse = plan.run(q, k_cache, v_cache, lengths, max_len,
+                        plan.scale if scale is None else float(scale), keep_lse=return_lse)
+    return (out, lse.view(plan.rows)) if return_lse else out
+
+
+def plan_for(q, k_cache, v_cache, cache_seqlens):
+    """The plan for such arguments (``flashattn.kernels.decode.Plan``): remembered, or made after
+    the checks that read only the tensors' types, dtypes, shapes, strides and devices."""
+    key = _plan_key(q, k_cache, v_cache, cache_seqlens)
+    plan = _PLANS.get(key)
+    if plan is None:  # the first call with such arguments: check them, then plan
+        _check_tensors(q, k_cache, v_cache, cache_seqlens)
+        plan = Plan(q, k_cache, v_cache)
+        if key is not None:
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _plan_key(q, k_cache, v_cache, cache_seqlens):
+    """Everything ``_check_tensors`` and ``Plan`` read, and everything Triton specializes the
+    kernels on (pointer alignment, strides), besides the length values. None (never a plan's key)
+    for arguments that are not all tensors with memory: the checks then run and say what is wrong."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor)
+            and isinstance(v_cache, torch.Tensor) and isinstance(cache_seqlens, torch.Tensor)):
+        return None
+    try:
+        return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16,
+                k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.data_ptr() % 16,
+                v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.data_ptr() % 16,
+                cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device,
+                torch.get_float32_matmul_precision(),  # float32's dot precision (TF32 or not)
+                None if INTERPRET else torch.cuda.current_device())  # where the kernels are loaded
+    except RuntimeError:  # a tensor without memory (data_ptr() refuses)
+        return None
+
+
+def _lengths(cache_seqlens, n_max, n_q, device):
+    """Check the length values on the host; return the lengths on ``device`` and the largest."""
+    on_host = cache_seqlens.is_cpu
+    host = cache_seqlens if on_host else cache_seqlens.cpu()  # the one synchronisation
+    count = host.numel()
+    if count == 0:
+        return cache_seqlens, 0
+    if count <= 64:  # a few lengths: quicker as a list than through torch.aminmax
+        values = host.tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = (int(x) for x in torch.aminmax(host))
+    if low < 0 or high > n_max or (n_q > 1 and low < n_q and ((host > 0) & (host < n_q)).any()):
+        bad = ((host < 0) | (host > n_max) | ((host > 0) & (host < n_q))).nonzero()[0, 0].item()
+        raise ValueError(f"cache_seqlens[{bad}] is {host[bad].item()}; each length must be 0 (an "
+                         f"empty sequence) or from N_q = {n_q} (the new tokens are the last N_q "
+                         f"entries of the cache) to N_max = {n_max} (the caches' dim 2)")
+    if on_host and device.type == "cuda":
+        # non_blocking: the copy does not wait for the GPU's queued work (from pageable memory,
+        # CUDA stages the few bytes before the call returns; see kernels.decode.HOST)
+        host = host.contiguous()
+        if HOST["lengths"] == "pinned":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True), high
+    return cache_seqlens.contiguous(), high
+
+
+def _check_tensors(q, k_cache, v_cache, cache_seqlens):
+    """Raise TypeError or ValueError naming the argument and what was expected: the checks that
+    read only the tensors' types, dtypes, shapes, strides and devices (what ``_plan_key`` holds)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float16, torch.bfloat16 "
+                            "or torch.float32")
+        if t.dim() != 4:
+            shape = "(B, H_q, N_q, D)" if name == "q" else "(B, H_kv, N_max, D)"
+            raise ValueError(f"{name} must have 4 dims {shape}; got shape {tuple(t.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all three must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all three must be "
+                             "on the same device")
+    if q.device.type != DEVICE.type:
+        where = "a CUDA GPU" if DEVICE.type == "cuda" else "the CPU (Triton's interpreter)"
+        raise ValueError(f"q is on {q.device}, but flashattn runs on {where} here: pass tensors "
+                         f"on {DEVICE.type} (flashattn.RUNTIME is {RUNTIME!r})")
+    batch, n_heads, _, head_dim = q.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has "
+                         f"{tuple(k_cache.shape)}; they must be equal")
+    if k_cache.shape[0] != batch:
+        raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch}; "
+                         "they must be equal")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache has head dim {k_cache.shape[3]} but q has {head_dim}; "
+                         "they must be equal")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim (last dim of q and the caches) is {head_dim}; expected 1 to "
+                         f"{MAX_HEAD_DIM}")
+    kv_heads = k_cache.shape[1]
+    if kv_heads == 0 or n_heads % kv_heads:
+        raise ValueError(f"q has {n_heads} heads and k_cache {kv_heads}; the query heads must be "
+                         "a multiple of the KV heads (each KV head serves H_q / H_kv query heads)")
+    if batch > MAX_GRID_DIM or kv_heads > MAX_GRID_DIM:
+        raise ValueError(f"batch {batch} and KV heads {kv_heads} must each be at most "
+                         f"{MAX_GRID_DIM} (CUDA's grid limit)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        span = (t.shape[2] - 1) * abs(t.stride(2)) + (head_dim - 1) * abs(t.stride(3))
+        if t.shape[2] and span >= 2**31:
+            raise ValueError(f"{name}: one (batch, head) spans 2**31 elements or more (strides "
+                             f"{t.stride()}); the kernel indexes within a head in 32 bits")
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be a torch.Tensor of int32 or int64, got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype not in LENGTH_DTYPES:
+        raise TypeError(f"cache_seqlens has dtype {cache_seqlens.dtype}; expected torch.int32 or "
+                        "torch.int64")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens has shape {tuple(cache_seqlens.shape)}; expected "
+                         f"({batch},), one length per sequence of q")
+    if cache_seqlens.device not in (q.device, torch.device("cpu")):
+        raise ValueError(f"cache_seqlens is on {cache_seqlens.device}; expected {q.device} (like "
+                         "q) or the CPU")
+
+
+def _check_call(q, k_cache, v_cache, scale, return_lse):
+    """The checks of every call: the grad mode, ``scale`` and ``return_lse``."""
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.requires_grad:
+                raise ValueError(f"{name} requires grad, but decode is forward only (no backward): "
+                                 "call it under torch.no_grad() or torch.inference_mode(), or pass "
+                                 f"{name}.detach()")
+    if return_lse is not True and return_lse is not False:
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a finite positive number, got {scale}")

@@ -1,0 +1,54 @@
+"""Which kernels run an attention call: the Gluon kernels for Hopper where they apply and were
+measured faster, the Triton kernels everywhere else.
+
+Both compute the same output and the same base-2 LSE in the same layout, so they mix within one
+call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``,
+and the backward takes its dK/dV from ``flashattn.hopper.backward`` at the head dims of
+:data:`GLUON_DKDV_HEAD_DIMS`, its Delta and dQ from the Triton kernels. Grouped heads, windows,
+packed sequences and a fixed configuration take the Triton kernels; so does every call with
+``FLASHATTN_GLUON=0``.
+"""
+import torch
+
+from .. import hopper
+from ..kernels import backward, forward
+from ..kernels.traversal import window_masking
+
+#: Head dims at which the backward takes dK/dV from the Gluon kernel on Hopper. On an H200 (B = 4,
+#: H = 32, N = 4096 and 8192, fp16 and bf16) the whole backward with it reached 0.72-0.80x of SDPA's
+#: default (cuDNN) at head dim 128, against 0.69-0.72x with the Triton dK/dV kernel, but 0.74-0.82x
+#: at head dim 64, where the Triton kernel reached 0.80-0.87x
+#: (docs/gpu-record/2026-12-01-0832-gluon-forward-backward-bench.csv).
+GLUON_DKDV_HEAD_DIMS = (128,)
+
+
+def _plain(q, k, is_causal, window_size, sequences):
+    """Whether a call is one the Gluon kernels compute: no grouped heads, no window (a window
+    that is just the causal mask counts as causal), no packed sequences. Returns
+    ``(plain, causal)``."""
+    causal, window, _, _ = window_masking(is_causal, window_size, q.shape[2] + k.shape[2])
+    return k.shape[1] == q.shape[1] and not window and sequences is None, causal
+
+
+def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
+                      lse_dtype=torch.float32):
+    """``(o, lse2)`` as :func:`flashattn.kernels.forward.attention_forward` computes them, from
+    the Gluon forward where it applies (see the module's docstring)."""
+    plain, causal = _plain(q, k, is_causal, window_size, sequences)
+    gluon = hopper.load("forward") if plain and config is None else None
+    if gluon is not None and gluon.supports(q, k, v):
+        return gluon.attention_forward(q, k, v, causal, scale)
+    return forward.attention_forward(q, k, v, is_causal, scale, config, window_size, sequences, lse_dtype)
+
+
+def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
+                       window_size=(-1, -1), sequences=None):
+    """``(dq, dk, dv)`` as :func:`flashattn.kernels.backward.attention_backward` computes them,
+    dK/dV from the Gluon kernel where it applies (see the module's docstring)."""
+    plain, _ = _plain(q, k, is_causal, window_size, sequences)
+    gluon = None
+    if plain and (configs or {}).get("bwd_dkdv") is None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS:
+        gluon = hopper.load("backward")
+    dkdv = gluon.attention_backward_dkdv if gluon is not None and gluon.supports(q, k, v) else None
+    return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,
+                                       window_size, sequences, dkdv=dkdv)

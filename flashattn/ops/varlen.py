@@ -1,0 +1,113 @@
+"""``flashattn.varlen_attention``: a batch of sequences of different lengths, packed end to end.
+
+Padding a batch to its longest sequence wastes work on the padding (and attention on padding must
+then be masked). FlashAttention's ``flash_attn_varlen_func`` instead packs the sequences one after
+another, with no padding at all, and describes the batch by the cumulative lengths:
+
+    q: (total_q, H_q, D)      k, v: (total_k, H_kv, D)
+    cu_seqlens_q = [0, n_0, n_0 + n_1, ..., total_q]     (int32, batch + 1 entries)
+
+Sequence ``b`` owns the rows ``cu_seqlens[b]:cu_seqlens[b + 1]``, and its queries see only its own
+keys, aligned top-left as in :func:`flashattn.attention` (query ``i`` of a sequence, with
+``is_causal``, sees that sequence's keys ``0..i``). Grouped-query attention and sliding windows
+work as there.
+
+How the kernels do it: the very same forward and backward kernels as ``flashattn.attention``, with
+``VARLEN`` switched on. Their launch grid walks a table of programs built here from the lengths,
+one entry ``(sequence, block)`` per query block (forward, dQ) or key block (dK/dV) of every
+sequence, so no program is spent on padding. The kernel reads its entry, then the sequence's offset
+and length from ``cu_seqlens``, and from there on works as for one sequence. The table lists the
+programs with the most work first, so that the long sequences do not finish last.
+
+Checking ``cu_seqlens`` (non-decreasing, from 0 to the total) reads it on the host once per call.
+The tile sizes are fixed before the launch (the table depends on them): the default configuration
+of each kernel, not autotuned.
+"""
+import numbers
+
+import torch
+
+from ..kernels.sequences import Sequences
+from .attention import check_inputs, check_window_size
+from .autograd import FlashAttention, natural_lse
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
+                     scale=None, return_lse=False, enable_gqa=False, window_size=(-1, -1)):
+    """Attention over a batch of packed sequences of different lengths (no padding), in the layout
+    of FlashAttention's ``flash_attn_varlen_func``.
+
+    Args:
+        q: ``(total_q, H_q, D)``, the queries of all sequences one after another.
+        k, v: ``(total_k, H_kv, D)``, the keys and values likewise (``H_kv = H_q`` unless
+            ``enable_gqa``).
+        cu_seqlens_q, cu_seqlens_k: int32 tensors of ``batch + 1`` entries on the inputs' device,
+            the cumulative lengths: starting at 0, non-decreasing, ending at ``total_q`` (``total_k``).
+            Sequence ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; a sequence may be empty.
+        max_seqlen_q, max_seqlen_k: at least the longest query (key) sequence, as FlashAttention
+            asks; checked here, not needed by the kernels.
+        is_causal, scale, enable_gqa, window_size: as in :func:`flashattn.attention`, within each
+            sequence (positions counted from the sequence's first row, aligned top-left).
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out`` of shape ``(total_q, H_q, D)`` in ``q``'s dtype, or ``(out, lse)`` with ``lse`` of shape
+        ``(H_q, total_q)``, float32, natural log (FlashAttention's layout). Queries of a sequence
+        with no visible key get 0 and lse -inf. Gradients flow to ``q``, ``k`` and ``v``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for varlen_attention; "
+                             f"got shape {tuple(t.shape)}")
+    # The (heads, tokens, head_dim) views have flashattn.attention's layout: its checks apply as is.
+    check_inputs(*(t.transpose(0, 1) if isinstance(t, torch.Tensor) else t for t in (q, k, v)),
+           is_causal, scale, return_lse, enable_gqa)
+    window_size = check_window_size(window_size)
+    lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(f"cu_seqlens_q has {len(lengths_q) + 1} entries but cu_seqlens_k has "
+                         f"{len(lengths_k) + 1}; both must be batch + 1 long")
+    for name, bound, lengths in (("max_seqlen_q", max_seqlen_q, lengths_q),
+                                 ("max_seqlen_k", max_seqlen_k, lengths_k)):
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(bound).__name__}")
+        longest = max(lengths, default=0)
+        if bound < longest:
+            raise ValueError(f"{name} is {bound} but the longest sequence in cu_seqlens_{name[-1]} "
+                             f"has {longest} tokens")
+
+    head_dim = q.shape[-1]
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    sequences = Sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
+    # One "batch" of H heads whose rows are all sequences' tokens: views, no copies.
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out, lse2 = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size, sequences)
+    out = out[0].transpose(0, 1)
+    return (out, natural_lse(lse2[0])) if return_lse else out
+
+
+def _check_cu_seqlens(name, cu_seqlens, total, device):
+    """The lengths of the sequences (a list of ints), or a TypeError/ValueError naming ``name``."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {cu_seqlens.dtype}; expected torch.int32")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{name} is on {cu_seqlens.device} but q is on {device}; they must be on "
+                         "the same device")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries; got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()  # one read on the host: the checks and the launch tables need it
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {bounds[0]}")
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if min(lengths) < 0:
+        at = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"{name} must be non-decreasing; it decreases from {bounds[at]} to "
+                         f"{bounds[at + 1]} at index {at + 1}")
+    if bounds[-1] != total:
+        raise ValueError(f"{name} must end at the number of tokens, {total}; got {bounds[-1]}")
+    return lengths
+

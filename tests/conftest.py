@@ -21,6 +21,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def bare_venv(folder):
+    """A fresh virtual environment in ``folder`` that sees this environment's packages (PyTorch,
+    Triton, Jupyter: through a path file, so nothing is downloaded) but not its flashattn, whose
+    editable install hooks stay behind. Returns its Python."""
+    import site
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    python = Path(folder) / "bin" / "python"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    # a plain path line: the .pth files of those folders (flashattn's editable finder) do not run
+    Path(purelib, "outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return python
+
+
 @pytest.fixture(scope="session")
 def solutions():
     """``solutions(chapter, edits=(), stub=None)``: every solution cell of notebooks/<chapter>_*.ipynb

@@ -138,6 +138,7 @@ def course(tmp_path, monkeypatch):
     return tmp_path, run
 
 
+@pytest.mark.slow
 # nbgrader 0.9.6 with SQLAlchemy 2.1 warns while it records a submission (the grades are right);
 # pytest.ini turns RuntimeWarnings, which SAWarning is, into errors
 @pytest.mark.filterwarnings("ignore:Object of type <Submitted")

@@ -27,6 +27,7 @@ from flashattn.gpu.defaults import DEFAULTS
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_every_default_compiles_for_every_architecture():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(flashattn.__file__).resolve().parent.parent),

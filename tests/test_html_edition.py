@@ -18,8 +18,43 @@ import flashattn
 
 from conftest import executed_notebooks
 
+pytestmark = pytest.mark.slow  # whole chapters run: CI's fast part leaves them out
+
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+VERBATIM = re.compile(r"<(pre|code|script|style|math)\b.*?</\1>", re.S)
+
+
+def offline_problems(page):
+    """What keeps ``page`` from reading offline: scripts or modules fetched from elsewhere, formulas
+    left as TeX in the prose (outside code, outputs and MathML), images without alternative text."""
+    problems = []
+    remote = re.findall(r'<script[^>]*\bsrc="(https?://[^"]+)"', page)
+    remote += re.findall(r'\b(?:import|from)\s*\(?\s*["\'](https?://[^"\']+)', page)
+    remote += re.findall(r'<link[^>]*\bhref="(https?://[^"]+\.(?:css|js))"', page)
+    if remote:
+        problems.append(f"fetches {sorted(set(remote))}")
+    prose = re.sub(r"<[^>]+>", " ", VERBATIM.sub(" ", page.partition("<body")[2] or page))
+    tex = re.findall(r"\$\$|\\frac|\\text\{|\$[^$\s][^$]*\\[a-zA-Z]+[^$]*\$", prose)
+    if tex:
+        problems.append(f"formulas left as TeX: {tex[:5]}")
+    no_alt = [tag[:80] for tag in re.findall(r"<img\b[^>]*>", page) if not re.search(r'\balt="[^"]+"', tag)]
+    if no_alt:
+        problems.append(f"{len(no_alt)} images without alternative text, e.g. {no_alt[0]}")
+    return problems
+
+
+def test_the_offline_check_finds_what_it_looks_for():
+    """A page that loads MathJax from a CDN, leaves a formula as TeX and an image without alt text
+    fails the check on each count; the same page made offline passes."""
+    bad = ('<html><head><script src="https://cdnjs.cloudflare.com/mathjax.js"></script></head><body>'
+           '<p>the factor $\\alpha = \\frac{1}{2}$</p><img src="data:image/png;base64,AA"></body></html>')
+    assert len(offline_problems(bad)) == 3
+    good = ('<html><head></head><body><p>the factor <math><mi>α</mi></math></p><pre>cost = $5 \\frac</pre>'
+            '<img alt="a plot" src="data:image/png;base64,AA"></body></html>')
+    assert offline_problems(good) == []
 
 
 def image_outputs(nb):
@@ -64,6 +99,11 @@ def test_html_edition(tmp_path, request):
             problems.append(f"{page.name}: the first cell's output is missing (not executed?)")
         if 'href="index.html"' not in text:
             problems.append(f"{page.name}: no link back to the index")
+        problems += [f"{page.name}: {p}" for p in offline_problems(text)]
+    problems += [f"index.html: {p}" for p in offline_problems(index)]
+    prose = re.sub(r"<[^>]+>", "", VERBATIM.sub("", index))
+    if re.search(r"\]\(|`|(?<!\w)\*\w[^*]*\*(?!\w)", prose):
+        problems.append("index.html: its chapter blurbs show unrendered Markdown")
     assert not problems, "\n".join(problems)
 
     # chapter 08 was executed on the H200 and its outputs recorded: the page carries them

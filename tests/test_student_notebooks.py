@@ -21,6 +21,8 @@ import flashattn
 from flashattn.course.exercises.solutions import BEGIN, END, stubbed
 from flashattn.course.notebook import execute
 
+pytestmark = pytest.mark.slow  # whole chapters run: CI's fast part leaves them out
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 EXERCISES = ROOT / "exercises"

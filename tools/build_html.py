@@ -9,8 +9,8 @@ edition is for reading without running. It executes each chapter top to bottom o
 a CPU, through Triton's interpreter, as CI does), converts it with nbconvert, figures embedded in
 the page, and adds what a CPU cannot show: where a chapter was also executed on a GPU and its
 outputs were recorded (``docs/gpu-record/*chapter-NN-outputs*``), those outputs, under the cells
-that printed them. Building needs no network; the pages load MathJax from its CDN to draw the
-formulas (offline, the formulas show as TeX).
+that printed them. The pages need no network either: the formulas are turned into MathML when
+the page is built (latex2mathml, which every browser draws), and no script is loaded from elsewhere.
 """
 import argparse
 import html
@@ -121,6 +121,19 @@ def without_widgets(nb):
     return nb
 
 
+def with_alt_text(nb):
+    """Every figure a cell printed as an image carrying its alternative text (the ``alt`` that
+    flashattn.plotting.alt puts beside each figure; the lab template drops it)."""
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if "image/png" in data:
+                alt = output.get("metadata", {}).get("image/png", {}).get("alt") or "a figure the cell above draws"
+                data["text/html"] = (f'<img alt="{html.escape(alt, quote=True)}" '
+                                     f'src="data:image/png;base64,{data.pop("image/png").strip()}">')
+    return nb
+
+
 def with_navigation(nb, position, entries):
     """Links to the index and to the chapters before and after, at the top and the bottom."""
     links = ["[index](index.html)"]
@@ -139,12 +152,53 @@ def chapter_page(nb, name):
 
     exporter = HTMLExporter(template_name="lab", embed_images=True)
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": name, "path": str(NOTEBOOKS)}})
-    return body
+    return offline(body)
+
+
+# --- Offline: math as MathML, no scripts from elsewhere ------------------------------------------------
+
+# nbconvert's page loads require.js and MathJax from a CDN, and mermaid (for diagrams, which the
+# course has none of) as a module from one; offline, MathJax's absence leaves every formula as TeX.
+REMOTE_SCRIPTS = re.compile(r'<script[^>]*\bsrc="https?://[^"]*"[^>]*>\s*</script>'
+                            r'|<script type="text/x-mathjax-config">.*?</script>'
+                            r'|<script type="module">(?:(?!</script>).)*?https?://(?:(?!</script>).)*</script>', re.S)
+# Elements whose text is not prose: code, outputs, scripts, and math already converted.
+VERBATIM = re.compile(r"<(pre|code|script|style|math)\b.*?</\1>", re.S)
+MATH = re.compile(r"\$\$(.+?)\$\$|(?<![\\$])\$(?!\s)([^$]+?)(?<!\s)\$", re.S)
+
+
+def mathml(text):
+    """``text`` (HTML prose) with every ``$...$`` and ``$$...$$`` formula as a MathML element."""
+    from latex2mathml.converter import convert
+
+    def formula(match):
+        display, inline = match.groups()
+        return convert(html.unescape(display if display is not None else inline),
+                       display="block" if display is not None else "inline")
+    # Between tags only: a formula never holds one (nbconvert keeps math away from markdown).
+    return "".join(piece if piece.startswith("<") else MATH.sub(formula, piece)
+                   for piece in re.split(r"(<[^>]*>)", text))
+
+
+def offline(page):
+    """The page with its formulas drawn as MathML and the scripts it would fetch from a CDN removed."""
+    page = REMOTE_SCRIPTS.sub("", page)
+    head, sep, body = page.partition("<body")
+    if not sep:  # a fragment
+        head, body = "", page
+    parts, last = [], 0
+    for match in VERBATIM.finditer(body):
+        parts += [mathml(body[last:match.start()]), match.group(0)]
+        last = match.end()
+    parts.append(mathml(body[last:]))
+    return head + sep + "".join(parts)
 
 
 def index_page(entries):
+    from nbconvert.filters import markdown2html
+
     items = "\n".join(f'<li><a href="{stem}.html"><strong>{html.escape(heading)}</strong></a>'
-                      f'<p>{html.escape(paragraph)}</p></li>' for stem, heading, paragraph in entries)
+                      f'{offline(markdown2html(paragraph))}</li>' for stem, heading, paragraph in entries)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>FlashAttention in Triton, from scratch</title>
 <style>body {{ font-family: system-ui, sans-serif; max-width: 52em; margin: 2em auto; padding: 0 1em;
@@ -172,7 +226,7 @@ def build(out, reuse=None, workers=2):
     entries = [(path.stem, *title(runs[path])) for path in paths]
     written = []
     for position, path in enumerate(paths):
-        nb = without_widgets(runs[path])
+        nb = with_alt_text(without_widgets(runs[path]))
         record = record_of(path)
         if record is not None:
             nb = with_record(nb, record)

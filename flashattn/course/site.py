@@ -5,15 +5,18 @@ cell that must install flashattn before anything can import it, so that cell can
 module: ``tools/sync_course.py`` writes the cell from :func:`first_cell`, and the README's
 "Open in Colab" links from :func:`colab_url`, and a test fails when either drifts from here.
 """
+import os
 import pathlib
 import re
 import urllib.request
 
 from ..gpu.runtime import cache_dir
 
-#: The course's public repository and the branch learners get.
-REPOSITORY = "https://github.com/flashattn-course/flashattn-triton"
-BRANCH = "main"
+#: The course's public repository and the branch learners get. An instructor who publishes the
+#: course elsewhere sets FLASHATTN_COURSE_REPOSITORY (and FLASHATTN_COURSE_BRANCH) and runs
+#: ``python tools/sync_course.py``, which rewrites every chapter's first cell and the Colab links.
+REPOSITORY = os.environ.get("FLASHATTN_COURSE_REPOSITORY", "https://github.com/flashattn-course/flashattn-triton")
+BRANCH = os.environ.get("FLASHATTN_COURSE_BRANCH", "main")
 
 
 def pip_source() -> str:
@@ -34,6 +37,11 @@ def colab_url(path: str) -> str:
     return f"https://colab.research.google.com/github/{owner}/{name}/blob/{BRANCH}/{path}"
 
 
+def blob_url(path: str) -> str:
+    """The address of the file at ``path`` (relative to the repository's root) on its web page."""
+    return f"{REPOSITORY.rstrip('/')}/blob/{BRANCH}/{path}"
+
+
 def raw_url(path: str) -> str:
     """The address of the file at ``path`` (relative to the repository's root), as plain bytes."""
     owner, name = _owner_and_name()
@@ -42,30 +50,30 @@ def raw_url(path: str) -> str:
 
 # The first code cell of every chapter. It tries, in order: flashattn installed; the checkout the
 # notebook sits in (no network, and the package matches the notebook); on Colab, pip from the
-# repository; else it stops with the one command to run.
+# repository; else it stops with the commands to run.
 _FIRST_CELL = '''\
-# The same first cell in every chapter: import flashattn; if it is not installed, take it from the
-# course's folder around this notebook, or, on Colab, install it from the course's repository.
+# Every chapter starts here: import flashattn (not installed: from the folder around this notebook, or on Colab)
 import importlib.util, pathlib, subprocess, sys
 COURSE = "{source}"
 if importlib.util.find_spec("flashattn") is None:
     here = pathlib.Path.cwd()
-    checkout = next((p for p in (here, *here.parents) if (p / "flashattn" / "__init__.py").is_file()), None)
-    if checkout:
-        sys.path.insert(0, str(checkout))
+    folder = next((p for p in (here, *here.parents) if (p / "flashattn" / "__init__.py").is_file()), None)
+    if folder:
+        sys.path.insert(0, str(folder))
     elif "google.colab" in sys.modules:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", COURSE], check=True)
         importlib.invalidate_caches()
     else:
-        raise ModuleNotFoundError(f'flashattn is not installed: run  pip install "{{COURSE}}"  '
-                                  'and restart the kernel.')
+        raise ModuleNotFoundError(f"flashattn is not installed: run  pip install {{COURSE}}  (without an NVIDIA "
+                                  "GPU, first  pip install torch --index-url https://download.pytorch.org/whl/cpu)")
 import flashattn
 print(flashattn.describe())'''
 
 
-def first_cell() -> str:
-    """The source of the first code cell of every chapter notebook."""
-    return _FIRST_CELL.format(source=pip_source())
+def first_cell(source=None) -> str:
+    """The source of the first code cell of every chapter notebook; ``source`` (what its pip
+    installs on Colab) defaults to :func:`pip_source`."""
+    return _FIRST_CELL.format(source=source or pip_source())
 
 
 # --- The recorded GPU data, for a chapter opened away from the checkout -------------------------------

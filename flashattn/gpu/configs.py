@@ -339,7 +339,8 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
     interpreter's, DECODE_FMA_CONFIG for IEEE float32 (and every dtype on a GPU without tensor
     cores), else ``candidate`` (default: the first of DECODE_CANDIDATES). Tall query tiles get
     smaller key tiles (the fp32 score tile BLOCK_R x BLOCK_KV stays at most 32 x 128) and more warps
-    (at 64 rows and 4 warps the compiler needs 254 registers); the stages are cut to what shared
+    (8 from 32 rows on: at 64 rows and 4 warps the compiler needs 254 registers, and at 32 rows
+    Triton 3.6's spills 8 bytes per thread at head dim 128); the stages are cut to what shared
     memory holds (Triton keeps num_stages - 1 K and V tiles in flight: at most 70 % of what a block
     may use on ``arch``, 160 KB on sm_90, leaving the rest to the query tile and the compiler)."""
     if INTERPRET:
@@ -349,7 +350,7 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
         candidate = DECODE_FMA_CONFIG
     block_kv, warps, stages = candidate or DECODE_CANDIDATES[0]
     block_kv = max(16, min(block_kv, 32 * 128 // block_r))
-    warps = max(warps, block_r // 8)
+    warps = max(warps, 8 if block_r >= 32 else 4)
     if dtype == torch.float32 and block_d >= 256:  # TF32 tiles of 32 rows spill at 4 warps
         warps = max(warps, 8)
     stage_bytes = 2 * block_kv * block_d * dtype.itemsize

@@ -37,7 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..gpu.launcher import run
 from ..kernels.tiles import qk_scale
-from .forward import HEAD_DIMS, block_layout, descriptor, mma_layout, supports, tma_ok  # noqa: F401
+from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, supports, tma_load,  # noqa: F401
+                      tma_ok, tma_store)
 
 #: Tile configuration per head dim: BLOCK_N keys per consumer warpgroup (two of them: a program
 #: owns 2 x BLOCK_N keys), BLOCK_M queries per Q/dO tile, STAGES tiles in flight. Chosen from
@@ -71,9 +72,9 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
     """One warp: each consumer's K and V once, then Q and dO tile by tile into the ring."""
     for c in gl.static_range(2):
         mbarrier.expect(kv_ready.index(c), desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [batch, head, kv_start + c * BLOCK_N, 0],
+        tma_load(desc_k, [batch, head, kv_start + c * BLOCK_N, 0],
                                         kv_ready.index(c), k_smem.index(c))
-        tma.async_copy_global_to_shared(desc_v, [batch, head, kv_start + c * BLOCK_N, 0],
+        tma_load(desc_v, [batch, head, kv_start + c * BLOCK_N, 0],
                                         kv_ready.index(c), v_smem.index(c))
     for j in range(n_tiles):
         stage = j % STAGES
@@ -81,9 +82,9 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
         mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), desc_q.block_type.nbytes + desc_do.block_type.nbytes)
         q_start = q_lo + j * BLOCK_M
-        tma.async_copy_global_to_shared(desc_q, [batch, head, q_start, 0], ready.index(stage),
+        tma_load(desc_q, [batch, head, q_start, 0], ready.index(stage),
                                         q_smem.index(stage))
-        tma.async_copy_global_to_shared(desc_do, [batch, head, q_start, 0], ready.index(stage),
+        tma_load(desc_do, [batch, head, q_start, 0], ready.index(stage),
                                         do_smem.index(stage))
 
 
@@ -139,8 +140,8 @@ def _bwd_consumer(desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, r
     k.store((dk * scale).to(dtype))
     v.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc_dk, [batch, head, kv_first, 0], k_smem.index(C))
-    tma.async_copy_shared_to_global(desc_dv, [batch, head, kv_first, 0], v_smem.index(C))
+    tma_store(desc_dk, [batch, head, kv_first, 0], k_smem.index(C))
+    tma_store(desc_dv, [batch, head, kv_first, 0], v_smem.index(C))
     tma.store_wait(0)
 
 

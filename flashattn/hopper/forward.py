@@ -39,6 +39,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..kernels.tiles import qk_scale
 
+# TMA's copies, under the names of the Triton at hand: Triton 3.9 calls them async_load and
+# async_store (and removed async_copy_shared_to_global); 3.6 to 3.8 have only the old names.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
 #: Head dims this kernel is compiled and tested for.
 HEAD_DIMS = (64, 128)
 #: Tile configuration per (head dim, causal): BLOCK_M query rows per consumer warpgroup, BLOCK_N
@@ -94,7 +99,7 @@ def _load_tile(desc, smem, ready, empty, batch, head, j, BLOCK_N: gl.constexpr, 
     # through the ring does not wait; later rounds wait for both consumers' release.
     mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [batch, head, j * BLOCK_N, 0], ready.index(stage),
+    tma_load(desc, [batch, head, j * BLOCK_N, 0], ready.index(stage),
                                     smem.index(stage))
 
 
@@ -107,7 +112,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, 
     the order the consumers use them (K_j together with V_{j-1})."""
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_q, [batch, head, q_start + c * BLOCK_M, 0],
+        tma_load(desc_q, [batch, head, q_start + c * BLOCK_M, 0],
                                         q_ready.index(c), q_smem.index(c))
     _load_tile(desc_k, k_smem, k_ready, k_empty, batch, head, 0, BLOCK_N, STAGES)
     for j in range(1, n_tiles):
@@ -250,7 +255,7 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     o = (acc / gl.expand_dims(l_o, 1)).to(dtype)
     q.store(o)
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc_o, [batch, head, q_start + C * BLOCK_M, 0],
+    tma_store(desc_o, [batch, head, q_start + C * BLOCK_M, 0],
                                     q_smem.index(C))
     tma.store_wait(0)
 

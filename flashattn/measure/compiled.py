@@ -265,7 +265,9 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
                     except Exception as error:  # report and go on: one configuration cannot hide others
                         if not rows and "ptxas" in str(error).lower():
                             raise CannotCompile(f"cannot compile for sm_90 here: {str(error)[:200]}")
-                        row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+                        text = str(error)  # a compile error ends with its cause, after the source
+                        text = text if len(text) <= 900 else f"{text[:300]} ... {text[-600:]}"
+                        row["error"] = f"{type(error).__name__}: {text}"
                     rows.append(row)
     return rows
 

@@ -5,6 +5,7 @@ Each function draws into a matplotlib Axes (a new figure if none is given) and r
 notebooks and ``tools/make_figures.py`` draw the same pictures from the same code. One module per
 group of chapters; every picture is available from here (``plotting.tile_map(...)``).
 """
+from . import alt
 from .animation import as_html, dkdv_walk, dq_walk, forward_walk
 from .ch00_02 import capacity_ladder, exp_range, matrix_panels, memory_curve, partial_outputs, softmax_trace
 from .ch03_04 import (TILE_COLORS, TILE_NAMES, error_heatmap, error_heatmaps, gantt, int_table, launch_strips,
@@ -28,3 +29,5 @@ __all__ = [
     "provider_bars",
     "forward_walk", "dkdv_walk", "dq_walk", "as_html",
 ]
+
+alt.register()  # in a notebook, every figure shown gets alternative text (plotting.alt)

@@ -269,7 +269,7 @@ def check_online_softmax(fn):
                      "x[:, start:start + block]",
                      None if s.shape[-1] % block == 0 or block > s.shape[-1] else
                      _stream(s, torch.eye(s.shape[-1], dtype=torch.float64), block, "drop_tail")[0])]
-        _diagnose(f"{name} probabilities", got, want, mistakes, atol=1e-10, rtol=1e-8, where=where)
+        _diagnose(f"the probability row of {name}", got, want, mistakes, atol=1e-10, rtol=1e-8, where=where)
     passed(f"{name} equals torch.softmax on {len(cases)} cases (ragged blocks, rising maxima, "
            "huge and masked scores)")
 
@@ -369,7 +369,7 @@ def check_softmax_exp2(fn):
         if got_t.shape == want.shape and not torch.isfinite(got_t).all():
             raise ExerciseError(f"{name} returned inf or NaN{where}: subtract the row max of "
                                 "s * qk_scale before exp2 (masked -inf scores then give 2^-inf = 0)")
-        _diagnose(f"{name} probabilities", got, want, [
+        _diagnose(f"the probability row of {name}", got, want, [
             ("it matches softmax(s * scale * ln 2): exp2 needs the exponent in base 2, so multiply "
              "by qk_scale = scale * log2e (LOG2E = 1 / ln 2), not by scale alone",
              torch.softmax(s * scale * LN2, -1)),

@@ -215,7 +215,7 @@ def check_references(fn, name, forbid=(), allow=(), _seen=None):
                 break
             if id(obj) in shortcuts:
                 what, kind = shortcuts[id(obj)]
-                raise ExerciseError(f"{name} calls {what}, which {_WHY[kind]}.")
+                raise ExerciseError(f"{name} calls {what}, but {_WHY[kind]}.")
             if "flashattn" in forbid and _is_flashattn(obj) and not inspect.ismodule(obj):
                 inner = getattr(obj, "fn", obj)
                 dotted = f"{inner.__module__}.{getattr(inner, '__name__', chain[depth])}"
@@ -295,7 +295,7 @@ def forbidden(name, forbid=(), row_block=None):
             if owner is not None and hasattr(owner, attr):
                 dotted = f"{module}.{attr}".replace("torch.Tensor.", "Tensor.")
                 patches.append((owner, attr, lambda o, a, f, d=dotted, k=kind: guard(
-                    o, a, f, f"{name} calls {d}, which {_WHY[k]}.")))
+                    o, a, f, f"{name} calls {d}, but {_WHY[k]}.")))
     if row_block is not None:
         for module, attr in _REDUCTIONS:
             patches.append((_resolve(module), attr, watch))

@@ -395,3 +395,34 @@ def fail_on_rank_one():
     if dist.get_rank() == 1:
         raise ValueError("only rank 1 raises")
     dist.barrier()  # rank 0 waits for rank 1, which never comes: launch must stop it
+
+
+# -- The benchmark (python -m flashattn.measure.ring), at tiny sizes on the CPU ----------------
+
+def test_the_benchmark_parses_times_and_writes_its_csv(tmp_path):
+    import csv
+
+    from flashattn.measure import ring as bench_ring
+
+    args = bench_ring.parse_args([])
+    assert (args.seq_lens, args.heads, args.kv_heads, args.dtype, args.causal, args.layout) == (
+        [16384, 32768, 65536, 131072], 32, 32, "bf16", True, "zigzag")
+    assert args.providers == ["ring", "context_parallel"]
+    with pytest.raises(SystemExit):
+        bench_ring.parse_args(["--heads", "6", "--kv-heads", "4"])
+    assert bench_ring.tokens_per_s_per_gpu(2, 65536, 500.0, 4) == 2 * 65536 / 0.5 / 4
+
+    out = tmp_path / "ring.csv"
+    argv = ["--seq-lens", "16", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--dtype", "fp32",
+            "--warmup", "0", "--repeats", "1", "--out", str(out)]
+    for world in (1, 2):
+        rows = launch(bench_ring.main, world, argv, timeout=300)
+        assert [r["provider"] for r in rows[0]] == ["ring"]  # context_parallel's SDPA needs CUDA
+    with open(out, newline="") as f:
+        written = list(csv.DictReader(f))
+    assert [(r["world"], r["provider"], r["seq_len"], r["layout"]) for r in written] == [
+        ("1", "ring", "16", "zigzag"), ("2", "ring", "16", "zigzag")]
+    for r in written:
+        assert set(r) == set(bench_ring.FIELDS) and float(r["ms"]) > 0
+        assert float(r["tokens_per_s_per_gpu"]) == pytest.approx(
+            bench_ring.tokens_per_s_per_gpu(1, 16, float(r["ms"]), int(r["world"])), rel=1e-3)

@@ -4,9 +4,9 @@
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
 One module per group of chapters (``ch00_02``, ``ch03_04`` with chapter 04's Triton ladder in
-``ch04_ladder``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``), and ``common``
-for what they share; every checker, and the kernels that run a learner's Triton code, are
-available from here.
+``ch04_ladder``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``), and
+``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
+are available from here.
 """
 from .ch00_02 import (check_lse_from_state, check_merge_softmax_states, check_naive_causal_attention,
                       check_online_softmax, check_online_softmax_weighted_sum, check_score_bytes,

@@ -249,7 +249,7 @@ def test_every_transfer_overlaps_a_kernel(runs):
         assert text.count("post") == (world - 1) + (world - 1) + world, text
 
 
-def test_one_small_all_gather_of_unshard(runs):
+def test_unshard_gives_back_the_whole_tensor(runs):
     for world in (1, 2, 4):
         q = make_inputs(CASES[world][0])[0]
         for r in runs[world]:
@@ -384,6 +384,17 @@ def test_errors_without_a_process_group():
         shard(x)
     with pytest.raises(ValueError, match=re.escape("world must be an int >= 1, got 0")):
         launch(run_case, 0)
+
+
+def test_a_function_of_a_notebook_cell_is_refused(monkeypatch):
+    import types
+
+    def in_a_cell():
+        return 1
+    in_a_cell.__module__ = "__main__"
+    monkeypatch.setitem(__import__("sys").modules, "__main__", types.ModuleType("__main__"))  # no __file__
+    with pytest.raises(ValueError, match="define it in a module"):
+        launch(in_a_cell, 2)
 
 
 def test_a_failing_rank_is_reported_and_does_not_hang():

@@ -18,6 +18,7 @@ import datetime
 import io
 import multiprocessing
 import multiprocessing.connection
+import sys
 import time
 import traceback
 
@@ -82,6 +83,10 @@ def launch(fn, world, *args, backend=None, timeout=300, **kwargs):
     they are not all done within ``timeout`` seconds (they are stopped then)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be an int >= 1, got {world!r}")
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
+        raise ValueError(f"launch runs {getattr(fn, '__name__', fn)!r} in other processes, which import it by "
+                         "its module and name: define it in a module (a .py file) and import it from there, "
+                         "not in a notebook cell or an interactive session")
     backend = backend or default_backend(world)
     context = _context()
     # The parent holds the rendezvous (a TCP store on a free port); the ranks connect to it.

@@ -163,10 +163,12 @@ def ring_attention(q, k, v, is_causal=False, scale=None, group=None, layout="zig
 
     Dtypes float16, bfloat16 and float32, as ``flashattn.attention``. Every rank must call it
     with the same settings and shards of the same shapes; the ranks check that together first
-    (one small all-gather) so that a wrong argument on any rank raises a TypeError or ValueError
-    on every rank instead of a hang. Works with gloo on CPUs (Triton's interpreter) and NCCL on GPUs.
+    (one all-gather of a few integers per call) so that a wrong argument on any rank raises a
+    TypeError or ValueError on every rank instead of a hang. Works with gloo on CPUs (Triton's
+    interpreter) and NCCL on GPUs (set each rank's GPU with ``torch.cuda.set_device`` first, as
+    NCCL's point-to-point operations need). No double backward.
     """
-    rank, world = group_rank_and_size(group)
+    group_rank_and_size(group)  # a process group must exist (and ``group`` be one)
     error = None
     try:
         check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa)

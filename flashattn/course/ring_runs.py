@@ -80,8 +80,6 @@ def ring_case(case):
     """What one rank does for a case: cut its shards, run ring attention forward and backward, and
     return its shards of out, lse, dq, dk, dv and what it recorded in each (``forward`` and
     ``backward``: lists of :class:`Recorder` events)."""
-    if DEVICE.type == "cuda":
-        torch.cuda.manual_seed(0)
     device = torch.device("cuda", torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE
     q, k, v, do, dlse = case_inputs(case, device)
     layout = case["layout"]

@@ -143,14 +143,14 @@ def context_parallel_run(args, n, device, world):
         pass
     mesh = init_device_mesh(device.type, (world,))
     buffers = list(whole_inputs(args, n, device))
+    gqa = dict(enable_gqa=True) if args.kv_heads != args.heads else {}  # passed only when needed
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(buffers)):
         local = [t.requires_grad_() for t in buffers[:3]]
 
         def step():
             for t in local:
                 t.grad = None
-            out = scaled_dot_product_attention(*local, is_causal=args.causal,
-                                               enable_gqa=args.kv_heads != args.heads)
+            out = scaled_dot_product_attention(*local, is_causal=args.causal, **gqa)
             out.backward(buffers[3])
         return time_ms(step, args.warmup, args.repeats, device)
 

@@ -1,5 +1,6 @@
 """The course's pictures, by chapter: tile maps, online-softmax traces, error heatmaps, memory and
-TFLOPS curves, the ring of context parallelism, and animations of one program walking its tiles (``animation``).
+TFLOPS curves, the ring of context parallelism, and animations of one program walking its tiles
+(``animation``).
 
 Each function draws into a matplotlib Axes (a new figure if none is given) and returns it, so the
 notebooks and ``tools/make_figures.py`` draw the same pictures from the same code. One module per

@@ -37,11 +37,12 @@ def agree(group, error, facts):
     the rank's own error where it has one, else a ValueError naming the ranks that refused, or the
     first fact that differs with every rank's value."""
     names = list(facts)  # the same order on every rank: the same code builds it
+    too_long = [name for name in names if len(facts[name]) > MAX_FACT]
+    if error is None and too_long:  # refused like any other local error: after the gather
+        error = ValueError(f"{too_long[0]} has {len(facts[too_long[0]])} entries, more than {MAX_FACT}")
     row = [0 if error is not None else 1]
     for name in names:
         values = () if error is not None else tuple(int(v) for v in facts[name])
-        if len(values) > MAX_FACT:
-            raise ValueError(f"{name} has {len(values)} entries, more than {MAX_FACT}")
         row += [len(values), *values, *([0] * (MAX_FACT - len(values)))]
     world = dist.get_world_size(group)
     mine = torch.tensor(row, dtype=torch.int64, device=gather_device(group))

@@ -10,9 +10,9 @@ after. On the CPU the group uses gloo and the kernels Triton's interpreter; with
 NCCL and rank ``r`` on GPU ``r``.
 
 The processes are forked from a server process (Python's "forkserver") that, on the CPU, has
-already imported flashattn, so that a launch costs a fraction of a second after the first. If any rank
-raises, or dies, the others are stopped and the error of the rank that failed first is raised
-here with its traceback: a launch never hangs past its ``timeout``.
+already imported flashattn, so that a launch costs a fraction of a second after the first. If
+any rank raises, or dies, the others are stopped and the error of the rank that failed first is
+raised here with its traceback: a launch never hangs past its ``timeout``.
 """
 import datetime
 import io

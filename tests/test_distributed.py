@@ -135,8 +135,9 @@ def run_bad_calls():
             found[name] = (None, "no error")
         except Exception as error:  # noqa: BLE001 (the test reads the type)
             found[name] = (type(error).__name__, str(error))
-    for name, fn in {"shard of a sequence not cut in 2 x world": lambda: shard(torch.randn(1, 1, 6, 2)),
-                     "unshard of different sizes": lambda: flashattn.distributed.unshard(torch.randn(1, 1, 2 + 2 * rank, 2))}.items():
+    calls = {"shard of a sequence not cut in 2 x world": lambda: shard(torch.randn(1, 1, 6, 2)),
+             "unshard of different sizes": lambda: flashattn.distributed.unshard(torch.randn(1, 1, 2 + 2 * rank, 2))}
+    for name, fn in calls.items():
         try:
             fn()
             found[name] = (None, "no error")
@@ -194,7 +195,8 @@ def whole_sequence(c):
             ("flashattn", (q, k, v), lambda *t: flashattn.attention(*t, is_causal=c["causal"], enable_gqa=gqa,
                                                                      return_lse=True)),
             ("pytorch", baseline_inputs(q, k, v), lambda *t: masked_attention(*t, c["causal"], enable_gqa=gqa)),
-            ("float64", [t.double() for t in (q, k, v)], lambda *t: masked_attention(*t, c["causal"], enable_gqa=gqa))):
+            ("float64", [t.double() for t in (q, k, v)],
+             lambda *t: masked_attention(*t, c["causal"], enable_gqa=gqa))):
         leaves = [t.detach().clone().requires_grad_() for t in inputs]
         out, lse = fn(*leaves)
         grads = torch.autograd.grad(loss_of(out, lse, do, dlse), leaves)
@@ -281,10 +283,12 @@ def test_balance_at_scale():
     """At 8 ranks and long sequences the busiest rank of the zigzag layout does about half the
     tiles of the contiguous layout's busiest (whose time sets the ring's), and every rank the same."""
     n, world, block = 8192, 8, 128
-    zigzag, contiguous = (schedule.rank_tiles(world, n, layout, True, block, block) for layout in ("zigzag", "contiguous"))
+    zigzag, contiguous = (schedule.rank_tiles(world, n, layout, True, block, block)
+                          for layout in ("zigzag", "contiguous"))
     assert max(zigzag) == min(zigzag) and sum(zigzag) == sum(contiguous)
     assert 1.8 < max(contiguous) / max(zigzag) < 2.0
-    assert schedule.rank_tiles(world, n, "zigzag", False, block, block) == [(n // world // block) ** 2 * world] * world
+    full = schedule.rank_tiles(world, n, "zigzag", False, block, block)
+    assert full == [(n // world // block) ** 2 * world] * world
 
 
 # -- The schedule and the layouts, in one process ---------------------------------------------

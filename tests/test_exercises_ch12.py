@@ -21,7 +21,8 @@ CHUNKS = """    return torch.cat([torch.arange(first * chunk, (first + 1) * chun
                       torch.arange(first * chunk, (first + 1) * chunk)])""")], "in the wrong order"),
     ("one chunk only", [(CHUNKS, "    return torch.arange(first * chunk, (first + 1) * chunk)")], "only chunk r"),
     ("a number, not positions", [(CHUNKS, "    return chunk")], "should return a 1-D tensor or a list of ints"),
-    ("positions off by one", [(CHUNKS, CHUNKS.replace("torch.arange(first * chunk,", "torch.arange(first * chunk + 1,"))],
+    ("positions off by one",
+     [(CHUNKS, CHUNKS.replace("torch.arange(first * chunk,", "torch.arange(first * chunk + 1,"))],
      "returned 3 positions: each of the 1 rank(s) holds n / world = 4"),
 )
 def test_zigzag_positions_mistakes_are_named(solutions, edits, message):
@@ -48,7 +49,8 @@ AFTER = "return [((1, 2), (0, 2), False)]"
     ("half the keys when the source comes later", [(AFTER, "return [((1, 2), (0, 1), False)]")],
      "never computes a score the query sees"),
     ("skipping later sources, as contiguous", [(AFTER, "return []")], "never computes a score the query sees"),
-    ("a block twice", [(AFTER, "return [((1, 2), (0, 2), False), ((1, 2), (1, 2), False)]")], "computes a score twice"),
+    ("a block twice", [(AFTER, "return [((1, 2), (0, 2), False), ((1, 2), (1, 2), False)]")],
+     "computes a score twice"),
     ("causal on a block that needs none", [(BEFORE, "return [((0, 2), (0, 1), True)]")],
      "never computes a score the query sees"),
     ("chunk indices past the shard", [(AFTER, "return [((2, 4), (0, 2), False)]")],

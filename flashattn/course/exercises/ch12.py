@@ -71,7 +71,9 @@ def check_zigzag_positions(zigzag_positions):
 
 
 def _short(values, most=12):
-    return str(values) if len(values) <= most else f"[{', '.join(map(str, values[:most]))}, ...] ({len(values)} in all)"
+    if len(values) <= most:
+        return str(values)
+    return f"[{', '.join(map(str, values[:most]))}, ...] ({len(values)} in all)"
 
 
 # --- Exercise 2: the blocks of a ring step -----------------------------------------------------------

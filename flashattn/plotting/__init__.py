@@ -1,5 +1,6 @@
 """The course's pictures, by chapter: tile maps, online-softmax traces, error heatmaps, memory and
-TFLOPS curves, and animations of one program walking its tiles (``animation``).
+TFLOPS curves, the ring of context parallelism, and animations of one program walking its tiles
+(``animation``).
 
 Each function draws into a matplotlib Axes (a new figure if none is given) and returns it, so the
 notebooks and ``tools/make_figures.py`` draw the same pictures from the same code. One module per
@@ -16,6 +17,7 @@ from .ch09 import (measured_bars, padded_blocks, tiles_against_n, varlen_program
                    window_tile_map, window_times)
 from .ch10 import decode_bandwidth, place_programs, sm_map, tile_rows
 from .ch11 import provider_bars
+from .ch12 import computed_blocks, memory_per_gpu, overlap_timeline, rank_tile_bars, ring_holdings, ring_schedule
 
 __all__ = [
     "matrix_panels", "capacity_ladder", "memory_curve", "softmax_trace", "partial_outputs", "exp_range",
@@ -27,6 +29,7 @@ __all__ = [
     "measured_bars", "window_times",
     "place_programs", "sm_map", "tile_rows", "decode_bandwidth",
     "provider_bars",
+    "ring_holdings", "ring_schedule", "computed_blocks", "rank_tile_bars", "overlap_timeline", "memory_per_gpu",
     "forward_walk", "dkdv_walk", "dq_walk", "as_html",
 ]
 

@@ -4,9 +4,9 @@
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
 One module per group of chapters (``ch00_02``, ``ch03_04`` with chapter 04's Triton ladder in
-``ch04_ladder``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``), and ``common``
-for what they share; every checker, and the kernels that run a learner's Triton code, are
-available from here.
+``ch04_ladder``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``), and
+``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
+are available from here.
 """
 from .ch00_02 import (check_lse_from_state, check_merge_softmax_states, check_naive_causal_attention,
                       check_online_softmax, check_online_softmax_weighted_sum, check_score_bytes,
@@ -22,6 +22,7 @@ from .ch08 import check_attention_cost, check_choose_config, check_estimate_reso
 from .ch09 import check_kv_head_map, check_varlen_programs, check_window_kv_range
 from .ch10 import check_merge_split_partials
 from .ch11 import check_ring_slot
+from .ch12 import check_zigzag_blocks, check_zigzag_positions
 from .common import ExerciseError, attempt, expect_close
 
 __all__ = [
@@ -48,4 +49,6 @@ __all__ = [
     "check_merge_split_partials",
     # chapter 11
     "check_ring_slot",
+    # chapter 12
+    "check_zigzag_positions", "check_zigzag_blocks",
 ]

@@ -1,0 +1,62 @@
+"""The checkers of chapter 12 fail plausible mistakes (each one the solution with a named edit) with
+a message that names the mistake. (tests/test_exercise_checks.py runs the solution and the stub.)"""
+import re
+
+import pytest
+
+from exercise_cases import mistakes
+from flashattn.course import exercises as ex
+
+MIRROR = "first, second = rank, 2 * world - 1 - rank"
+CHUNKS = """    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])"""
+
+
+@mistakes(
+    ("the mirror chunk off by one", [(MIRROR, "first, second = rank, 2 * world - rank")], "one too far"),
+    ("the contiguous layout", [(CHUNKS, "    return torch.arange(rank * (n // world), (rank + 1) * (n // world))")],
+     "positions of the contiguous layout"),
+    ("chunks of n / world", [("chunk = n // (2 * world)", "chunk = n // world")], "the chunks are too long"),
+    ("the later chunk first", [(CHUNKS, """    return torch.cat([torch.arange(second * chunk, (second + 1) * chunk),
+                      torch.arange(first * chunk, (first + 1) * chunk)])""")], "in the wrong order"),
+    ("one chunk only", [(CHUNKS, "    return torch.arange(first * chunk, (first + 1) * chunk)")], "only chunk r"),
+    ("a number, not positions", [(CHUNKS, "    return chunk")], "should return a 1-D tensor or a list of ints"),
+    ("positions off by one",
+     [(CHUNKS, CHUNKS.replace("torch.arange(first * chunk,", "torch.arange(first * chunk + 1,"))],
+     "returned 3 positions: each of the 1 rank(s) holds n / world = 4"),
+)
+def test_zigzag_positions_mistakes_are_named(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_zigzag_positions(solutions("12", edits).zigzag_positions)
+
+
+OWN = "return [((0, 2), (0, 2), True)]"
+BEFORE = "return [((0, 2), (0, 1), False)]"
+AFTER = "return [((1, 2), (0, 2), False)]"
+
+
+@mistakes(
+    ("step 0 without the mask", [(OWN, "return [((0, 2), (0, 2), False)]")],
+     "computes a score the causal mask hides: query position 0 against key position 1 (with chunks of 3 "
+     "positions: query 0 of the rank's shard, key 1 of the held one). At step 0 (source == rank)"),
+    ("the two cases swapped", [(BEFORE, AFTER + "  # swapped"),
+                               (AFTER + "   # both", BEFORE + "   # both")],
+     "computes a score the causal mask hides: query position 0 against key position 3"),
+    ("every key when the source comes first", [(BEFORE, "return [((0, 2), (0, 2), False)]")],
+     "computes a score the causal mask hides"),
+    ("every query when the source comes later", [(AFTER, "return [((0, 2), (0, 2), False)]")],
+     "When the source comes later (source > rank)"),
+    ("half the keys when the source comes later", [(AFTER, "return [((1, 2), (0, 1), False)]")],
+     "never computes a score the query sees"),
+    ("skipping later sources, as contiguous", [(AFTER, "return []")], "never computes a score the query sees"),
+    ("a block twice", [(AFTER, "return [((1, 2), (0, 2), False), ((1, 2), (1, 2), False)]")],
+     "computes a score twice"),
+    ("causal on a block that needs none", [(BEFORE, "return [((0, 2), (0, 1), True)]")],
+     "never computes a score the query sees"),
+    ("chunk indices past the shard", [(AFTER, "return [((2, 4), (0, 2), False)]")],
+     "returned the block ((2, 4), (0, 2), False)"),
+    ("not a list of triples", [(OWN, "return (0, 2)")], "should return a list of (q_chunks, kv_chunks, causal)"),
+)
+def test_zigzag_blocks_mistakes_are_named(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_zigzag_blocks(solutions("12", edits).zigzag_blocks)

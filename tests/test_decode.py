@@ -354,6 +354,42 @@ def test_many_lengths_are_checked_too():
             flashattn.decode(q, k, v, wrong)
 
 
+@pytest.mark.parametrize("n_q", [1, 3])
+def test_max_seqlen_reads_no_length_on_the_host(monkeypatch, n_q):
+    """With max_seqlen the lengths stay where they are and are never read on the host (what a CUDA
+    graph needs): the same answers as the checked path, whatever the split count it implies."""
+    q, k, v, lens = make_cache([37, 0, 20, 64], 64, heads=4, kv_heads=2, n_q=n_q, head_dim=16,
+                               dtype=torch.float32, seed=3)
+    want, want_lse = flashattn.decode(q, k, v, lens, return_lse=True)
+    monkeypatch.setattr(DECODE, "_lengths", lambda *args: pytest.fail("the lengths were read on the host"))
+    on_device = lens.to(DEVICE)
+    for bound in (64, 40):
+        out, lse = flashattn.decode(q, k, v, on_device, return_lse=True, max_seqlen=bound)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-6)
+
+
+def test_max_seqlen_keeps_unchecked_lengths_inside_the_cache():
+    """Unchecked lengths past the cache read as the whole cache, negative ones as empty: nothing
+    outside the cache is read."""
+    q, k, v, _ = make_cache([16, 16], 16, heads=2, kv_heads=1, n_q=1, head_dim=16, dtype=torch.float32)
+    out = flashattn.decode(q, k, v, torch.tensor([1000, -5], dtype=torch.int32, device=DEVICE), max_seqlen=16)
+    want = flashattn.decode(q, k, v, torch.tensor([16, 0], dtype=torch.int32))
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_seqlen, error, words", [
+    (65, ValueError, "max_seqlen is 65; expected 0 to N_max = 64"),
+    (-1, ValueError, "max_seqlen is -1"),
+    (3.0, TypeError, "max_seqlen must be an int"),
+    (True, TypeError, "max_seqlen must be an int"),
+])
+def test_max_seqlen_is_checked(max_seqlen, error, words):
+    q, k, v, lens = make_cache([10], 64, heads=2, kv_heads=1, n_q=1, head_dim=16, dtype=torch.float32)
+    with pytest.raises(error, match=re.escape(words)):
+        flashattn.decode(q, k, v, lens.to(DEVICE), max_seqlen=max_seqlen)
+
+
 def test_the_host_settings_are_checked():
     with pytest.raises(ValueError, match="launch='fast'"):
         kernel_decode.set_host(launch="fast")
@@ -447,11 +483,33 @@ def test_gpu_later_calls_launch_the_compiled_kernels_directly(dtype):
 
 @pytest.mark.gpu
 def test_gpu_capture_in_a_cuda_graph_is_refused():
-    """decode reads the lengths on the host at every call: a CUDA graph would replay the lengths
-    of its capture, so decode refuses to be captured."""
+    """Without max_seqlen, decode reads the lengths on the host at every call: a CUDA graph would
+    replay the lengths of its capture, so decode refuses to be captured, and says what to pass."""
     q, k, v, lens = gpu_case([64, 30], 64, torch.float16, heads=4, kv_heads=2)
     flashattn.decode(q, k, v, lens)
     for lengths in (lens, lens.cuda()):
-        with pytest.raises(ValueError, match="CUDA graph"):
+        with pytest.raises(ValueError, match="CUDA graph.*max_seqlen"):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 flashattn.decode(q, k, v, lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_a_generation_loop_captured_in_a_cuda_graph(dtype):
+    """With max_seqlen and the lengths on the GPU, decode is captured once and replayed: each
+    replay reads the lengths (and the query) of its own step and matches an uncaptured call."""
+    q, k, v, _ = gpu_case([4096] * 4, 4096, dtype, heads=8, kv_heads=2)
+    lens = torch.tensor([4096, 100, 0, 3000], dtype=torch.int32, device="cuda")
+    static_q = q.clone()
+    flashattn.decode(static_q, k, v, lens, max_seqlen=4096)  # compile and plan outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flashattn.decode(static_q, k, v, lens, max_seqlen=4096)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for lengths in ([1, 4096, 2000, 7], [4096] * 4, [64, 3, 0, 1]):
+        lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        static_q.copy_(torch.randn(q.shape, device="cuda", generator=g).to(dtype))
+        graph.replay()
+        want = flashattn.decode(static_q, k, v, lens.cpu())
+        torch.testing.assert_close(static_out, want)  # the split count may differ: rounding only

@@ -46,12 +46,12 @@ MAX_SPLITS = 64
 INTERPRETER_SMS = 8
 
 
-@triton.jit(do_not_specialize=["n_q", "group", "num_splits"])  # one binary for every length
+@triton.jit(do_not_specialize=["n_q", "group", "num_splits", "n_max"])  # one binary for every length
 def decode_split(Q, K, V, LENS, O, LSE,
                   stride_qb, stride_qh, stride_qn, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
-                  n_q, group, num_splits, qk_scale,
+                  n_q, group, num_splits, qk_scale, n_max,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_KV: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Grid: axis 0 = (row block, split), axis 1 = KV heads, axis 2 = batch.
@@ -59,7 +59,9 @@ def decode_split(Q, K, V, LENS, O, LSE,
     row_block = tl.program_id(0) // num_splits
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
-    n_kv = tl.load(LENS + batch).to(tl.int32)  # this sequence's cache length L
+    # This sequence's cache length L, kept within the cache: lengths that were not checked on the
+    # host (decode's max_seqlen mode) must not make the program read outside it.
+    n_kv = tl.minimum(tl.maximum(tl.load(LENS + batch).to(tl.int32), 0), n_max)
 
     # Row r of the tile is new token t = r % n_q of query head kv_head * group + r // n_q.
     n_rows = group * n_q
@@ -303,7 +305,7 @@ class Plan:
         direct.launch(self.kernels, ("split",) + key, decode_split,
                       (self.row_blocks * num_splits, self.kv_heads, self.batch),
                       (q, k_cache, v_cache, lengths, o_part, lse_part, *strides,
-                       self.n_q, self.group, num_splits, qk_scale(scale)),
+                       self.n_q, self.group, num_splits, qk_scale(scale), self.n_max),
                       lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_R=self.block_r,
                                    FINAL=final, DOT_PRECISION=self.precision, **self.config),
                       HOST["launch"])

@@ -25,7 +25,7 @@ _PLANS = {}
 MAX_PLANS = 64  # a loop that changes shapes every step starts afresh now and then
 
 
-def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
+def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, max_seqlen=None):
     """Attention of the newest ``N_q`` tokens of each sequence against its KV cache.
 
     Args:
@@ -39,6 +39,12 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
             read: they may hold anything, NaN included.
         scale: the factor applied to ``q @ k^T``; defaults to ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp of each row of scaled scores.
+        max_seqlen: an int at least every length, for a generation loop captured in a CUDA graph:
+            ``cache_seqlens`` then stays on q's device and is never read on the host (the split of
+            the cache is chosen for ``max_seqlen``), so a replay reads the lengths of its own step.
+            The lengths are not checked then: each is kept within ``[0, N_max]`` by the kernel, so
+            nothing outside the cache is read, but a length from 1 to ``N_q - 1`` gives rows that
+            mean nothing.
 
     The new tokens are the last ``N_q`` entries of each valid cache, so token ``t`` sees keys
     ``0 .. L - N_q + t`` (aligned bottom-right, as in decoding and speculative decoding).
@@ -50,7 +56,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
     Checking the lengths reads them on the host. Pass ``cache_seqlens`` on the CPU (generation
     loops usually know the lengths there): it is checked there and copied to the GPU without
     waiting. On the GPU, checking costs one synchronisation per call. Either way the lengths are
-    read anew at every call, so decode cannot be captured in a CUDA graph (it says so).
+    read anew at every call, so that call cannot be captured in a CUDA graph (it says so); with
+    ``max_seqlen`` nothing is read on the host, and it can.
 
     A decoding step is short (tens of microseconds on a GPU), so decode keeps its host work
     small: what depends only on the arguments' shapes, dtypes, strides and devices (their checks,
@@ -63,11 +70,15 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False):
     """
     plan = plan_for(q, k_cache, v_cache, cache_seqlens)
     _check_call(q, k_cache, v_cache, scale, return_lse)
-    if not INTERPRET and torch.cuda.is_current_stream_capturing():
+    if max_seqlen is not None:
+        lengths, max_len = cache_seqlens.contiguous(), _check_max_seqlen(max_seqlen, cache_seqlens, plan)
+    elif not INTERPRET and torch.cuda.is_current_stream_capturing():
         raise ValueError("flashattn.decode reads cache_seqlens on the host at every call, so it "
                          "cannot be captured in a CUDA graph (the graph would replay the lengths "
-                         "of the capture)")
-    lengths, max_len = _lengths(cache_seqlens, plan.n_max, plan.n_q, plan.device)
+                         "of the capture): pass max_seqlen=<a bound on the lengths>, with "
+                         "cache_seqlens on the GPU, to capture it")
+    else:
+        lengths, max_len = _lengths(cache_seqlens, plan.n_max, plan.n_q, plan.device)
     out, lse = plan.run(q, k_cache, v_cache, lengths, max_len,
                         plan.scale if scale is None else float(scale), keep_lse=return_lse)
     return (out, lse.view(plan.rows)) if return_lse else out
@@ -131,6 +142,19 @@ def _lengths(cache_seqlens, n_max, n_q, device):
             host = host.pin_memory()
         return host.to(device, non_blocking=True), high
     return cache_seqlens.contiguous(), high
+
+
+def _check_max_seqlen(max_seqlen, cache_seqlens, plan):
+    """``max_seqlen`` as an int, or a TypeError/ValueError naming it: an int from 0 to N_max, with
+    ``cache_seqlens`` on the inputs' device (it is not copied, so that a CUDA graph can hold it)."""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
+        raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
+    if not 0 <= max_seqlen <= plan.n_max:
+        raise ValueError(f"max_seqlen is {max_seqlen}; expected 0 to N_max = {plan.n_max} (the caches' dim 2)")
+    if cache_seqlens.device != plan.device:
+        raise ValueError(f"with max_seqlen, cache_seqlens must be on {plan.device} like q (it is read there "
+                         f"only, never copied); it is on {cache_seqlens.device}")
+    return int(max_seqlen)
 
 
 def _check_tensors(q, k_cache, v_cache, cache_seqlens):

@@ -61,20 +61,28 @@ def _prepare_triton():
     process of its own) and, for torch's sake, ``torch.fx.experimental.symbolic_shapes`` (sympy),
     which torch's autograd imports the first time a gradient tensor is passed to ``backward`` or
     ``torch.autograd.grad``. None of them imports a module the others import, and they are done
-    before the compile threads start: four threads each hashing the same files at once took 2.6 s,
-    against 0.5 s for one, and two threads importing the same package can stop on Python's import
-    deadlock error (both measured on an H200 machine)."""
+    before the compile threads start, as is the import of Triton's Gluon package: four threads each
+    hashing the same files at once took 2.6 s, against 0.5 s for one, and two threads importing the
+    same package can stop on Python's import deadlock error (both measured on an H200 machine)."""
     helpers = [threading.Thread(target=_quietly, args=(job,), name=f"flashattn-prepare-{i}")
                for i, job in enumerate((triton.runtime.cache.triton_key, _import_symbolic_shapes))]
     for helper in helpers:
         helper.start()
     _quietly(_load_driver)
+    _quietly(_import_gluon)
     for helper in helpers:
         helper.join()
 
 
 def _load_driver():
     triton.runtime.driver.active.utils  # noqa: B018 (builds and loads the module)
+
+
+def _import_gluon():
+    # Triton's code generator imports its Gluon package during a compile, and the Gluon forward
+    # imports it too: done here, in the main thread, before any compile thread starts, so that no
+    # two threads import it at once (that met Python's import deadlock error on an H200 machine).
+    importlib.import_module("triton.experimental.gluon")
 
 
 def _import_symbolic_shapes():

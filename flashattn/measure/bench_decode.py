@@ -75,12 +75,26 @@ def decode_providers(q, k, v, lengths):
     group = q.shape[1] // k.shape[1]
     k_rep, v_rep = (t.repeat_interleave(group, dim=1) for t in (k, v))  # plain attention's shapes
     on_gpu = lengths.to(q.device)
+    longest = int(lengths.max())
     return {
         "decode": lambda: flashattn.decode(q, k, v, lengths),         # lengths on the CPU
         "decode-gpu-lengths": lambda: flashattn.decode(q, k, v, on_gpu),  # checked with a sync
         "sdpa-gqa": lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "attention-repeated": lambda: flashattn.attention(q, k_rep, v_rep),
+        # a generation loop captured in a CUDA graph: each step a replay, no host work but the launch
+        "decode-graph": graphed(lambda: flashattn.decode(q, k, v, on_gpu, max_seqlen=longest)),
+        "sdpa-gqa-graph": graphed(lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True)),
     }
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after a warm-up call outside it): returns the replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def decode_sweep(q, k, v, lengths, log=print):
@@ -294,6 +308,8 @@ def main(argv=None):
     * ``decode-gpu-lengths``: the same with the lengths on the GPU (checking them synchronises);
     * ``sdpa-gqa``: scaled_dot_product_attention(q, k, v, enable_gqa=True), its default backend;
     * ``attention-repeated``: flashattn.attention with K and V repeated to H_q heads;
+    * ``decode-graph``, ``sdpa-gqa-graph``: ``decode`` (lengths on the GPU, ``max_seqlen``) and
+      ``sdpa-gqa`` captured in a CUDA graph, timed by replaying it, as a captured generation loop runs;
     * ``decode (BLOCK_KV, warps, stages) xP/SM``: every candidate configuration, the split
       heuristic aiming at P programs per SM (the three fastest are printed, all go to the CSV),
       launched by ``decode.decode_forward`` on lengths already on the GPU: the kernels alone.

@@ -150,3 +150,27 @@ def test_gqa_backward_deterministic_on_gpu():
                                  (q, k, v)) for _ in range(3)]
     for other in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads_q,heads_kv,n_q,n_kv,is_causal", [
+    (8, 2, 300, 300, True),      # groups of 4, ragged
+    (8, 1, 257, 1000, False),    # multi-query, more keys than queries
+    (6, 3, 1024, 1024, True),
+])
+def test_gpu_grouped_heads_take_the_gluon_forward(monkeypatch, heads_q, heads_kv, n_q, n_kv, is_causal,
+                                                   head_dim, dtype):
+    """On an H100/H200 the Gluon forward reads grouped K/V heads in place: it is the kernel that
+    runs, and its output, LSE and gradients (dK/dV from the Triton kernel) are within the rule."""
+    from flashattn import hopper
+
+    gluon = hopper.load("forward")
+    if gluon is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on compute capability 9 only")
+    calls = []
+    real = gluon.attention_forward
+    monkeypatch.setattr(gluon, "attention_forward", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    check_gqa(*make_qkv(heads_q, heads_kv, n_q, n_kv, head_dim, dtype, batch=2), is_causal=is_causal)
+    assert calls, "the Gluon forward did not run"

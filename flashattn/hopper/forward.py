@@ -105,20 +105,21 @@ def _load_tile(desc, smem, ready, empty, batch, head, j, BLOCK_N: gl.constexpr, 
 
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-              v_empty, batch, head, q_start, n_tiles,
+              v_empty, batch, head, kv_head, q_start, n_tiles,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CONSUMERS: gl.constexpr):
     """One warp: the queries of every consumer once, then K and V tile by tile into the ring, in
-    the order the consumers use them (K_j together with V_{j-1})."""
+    the order the consumers use them (K_j together with V_{j-1}). The keys and values are those of
+    ``kv_head``, the query head's group under grouped-query attention (else the head itself)."""
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
         tma_load(desc_q, [batch, head, q_start + c * BLOCK_M, 0],
                                         q_ready.index(c), q_smem.index(c))
-    _load_tile(desc_k, k_smem, k_ready, k_empty, batch, head, 0, BLOCK_N, STAGES)
+    _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, 0, BLOCK_N, STAGES)
     for j in range(1, n_tiles):
-        _load_tile(desc_k, k_smem, k_ready, k_empty, batch, head, j, BLOCK_N, STAGES)
-        _load_tile(desc_v, v_smem, v_ready, v_empty, batch, head, j - 1, BLOCK_N, STAGES)
-    _load_tile(desc_v, v_smem, v_ready, v_empty, batch, head, n_tiles - 1, BLOCK_N, STAGES)
+        _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, j, BLOCK_N, STAGES)
+        _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, j - 1, BLOCK_N, STAGES)
+    _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, n_tiles - 1, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -261,7 +262,7 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
 
 
 @gluon.jit(do_not_specialize=["n_q", "n_kv"])
-def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_scale,
+def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_scale, n_group,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                    CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
@@ -272,6 +273,7 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
         q_block = gl.num_programs(0) - 1 - q_block
     head = gl.program_id(1)
     batch = gl.program_id(2)
+    kv_head = head // n_group  # grouped-query attention: n_group query heads share a K/V head
     q_start = q_block * BLOCK_Q
     LSE += (batch.to(gl.int64) * n_heads + head) * n_q
     # The same two key stages as flashattn.tiles.kv_stage_bounds, for the program's BLOCK_Q rows.
@@ -320,8 +322,8 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
                          EXP2_FMA)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                         k_empty, v_empty, batch, head, q_start, n_tiles, BLOCK_M, BLOCK_N, STAGES,
-                         CONSUMERS)),
+                         k_empty, v_empty, batch, head, kv_head, q_start, n_tiles, BLOCK_M, BLOCK_N,
+                         STAGES, CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -338,8 +340,8 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
                          C2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
                          EXP2_FMA)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                         k_empty, v_empty, batch, head, q_start, n_tiles, BLOCK_M, BLOCK_N, STAGES,
-                         CONSUMERS)),
+                         k_empty, v_empty, batch, head, kv_head, q_start, n_tiles, BLOCK_M, BLOCK_N,
+                         STAGES, CONSUMERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -372,8 +374,11 @@ def tma_ok(t):
 
 def supports(q, k, v, is_causal=False, scale=None):
     """Whether this kernel computes attention of these (B, H, N, D) tensors: on a CUDA GPU of
-    compute capability 9.x, in fp16 or bf16, at head dim 64 or 128, with strides TMA accepts."""
+    compute capability 9.x, in fp16 or bf16, at head dim 64 or 128, with strides TMA accepts; k and
+    v may have fewer heads than q (grouped-query attention: a divisor of q's)."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dim() != 4:
+        return False
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] or v.shape[:2] != k.shape[:2]:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
@@ -398,7 +403,8 @@ def launch_options(cfg):
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None):
-    """``(o, lse2)`` like ``flashattn.forward.attention_forward``, for inputs ``supports`` accepts.
+    """``(o, lse2)`` like ``flashattn.kernels.forward.attention_forward``, for inputs ``supports``
+    accepts (grouped heads too: query head ``h`` reads K/V head ``h // (H_q / H_kv)`` in place).
     ``config`` overrides entries of the configuration of (head dim, causal): see :func:`tile_config`."""
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
@@ -409,7 +415,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(n_q, cfg["CONSUMERS"] * bm), heads, batch)
     attn_fwd_sm90[grid](descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(o, bm),
-                         lse2, heads, n_q, n_kv, qk_scale(scale),
+                         lse2, heads, n_q, n_kv, qk_scale(scale), heads // k.shape[1],
                          HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
                          IS_CAUSAL=bool(is_causal), PINGPONG=bool(cfg["PINGPONG"]),
                          CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], **regs, **options)

@@ -223,7 +223,7 @@ def compile_hopper_forward(head_dim, dtype, causal, config=None):
     regs, options = hopper.launch_options(cfg)
     q, kv = (_descriptor_type(hopper, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
     signature = dict(desc_q=q, desc_k=kv, desc_v=kv, desc_o=q, LSE="*fp32", n_heads="i32",
-                     n_q="i32", n_kv="i32", qk_scale="fp32")
+                     n_q="i32", n_kv="i32", qk_scale="fp32", n_group="i32")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), PINGPONG=bool(cfg["PINGPONG"]),
                       CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], **regs)

@@ -2,11 +2,11 @@
 measured faster, the Triton kernels everywhere else.
 
 Both compute the same output and the same base-2 LSE in the same layout, so they mix within one
-call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``,
-and the backward takes its dK/dV from ``flashattn.hopper.backward`` at the head dims of
-:data:`GLUON_DKDV_HEAD_DIMS`, its Delta and dQ from the Triton kernels. Grouped heads, windows,
-packed sequences and a fixed configuration take the Triton kernels; so does every call with
-``FLASHATTN_GLUON=0``.
+call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``
+(grouped heads too), and the backward takes its dK/dV from ``flashattn.hopper.backward`` at the
+head dims of :data:`GLUON_DKDV_HEAD_DIMS` without grouped heads, its Delta and dQ from the Triton
+kernels. Windows, packed sequences and a fixed configuration take the Triton kernels; so does every
+call with ``FLASHATTN_GLUON=0``.
 """
 import torch
 
@@ -23,18 +23,18 @@ GLUON_DKDV_HEAD_DIMS = (128,)
 
 
 def _plain(q, k, is_causal, window_size, sequences):
-    """Whether a call is one the Gluon kernels compute: no grouped heads, no window (a window
-    that is just the causal mask counts as causal), no packed sequences. Returns
-    ``(plain, causal)``."""
+    """Whether a call is one the Gluon kernels compute: no window (a window that is just the
+    causal mask counts as causal), no packed sequences; and whether its heads are grouped.
+    Returns ``(plain, grouped, causal)``."""
     causal, window, _, _ = window_masking(is_causal, window_size, q.shape[2] + k.shape[2])
-    return k.shape[1] == q.shape[1] and not window and sequences is None, causal
+    return not window and sequences is None, k.shape[1] != q.shape[1], causal
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
                       lse_dtype=torch.float32):
     """``(o, lse2)`` as :func:`flashattn.kernels.forward.attention_forward` computes them, from
-    the Gluon forward where it applies (see the module's docstring)."""
-    plain, causal = _plain(q, k, is_causal, window_size, sequences)
+    the Gluon forward where it applies (see the module's docstring), grouped heads included."""
+    plain, _, causal = _plain(q, k, is_causal, window_size, sequences)
     gluon = hopper.load("forward") if plain and config is None else None
     if gluon is not None and gluon.supports(q, k, v):
         return gluon.attention_forward(q, k, v, causal, scale)
@@ -45,9 +45,9 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
                        window_size=(-1, -1), sequences=None):
     """``(dq, dk, dv)`` as :func:`flashattn.kernels.backward.attention_backward` computes them,
     dK/dV from the Gluon kernel where it applies (see the module's docstring)."""
-    plain, _ = _plain(q, k, is_causal, window_size, sequences)
+    plain, grouped, _ = _plain(q, k, is_causal, window_size, sequences)
     gluon = None
-    if plain and (configs or {}).get("bwd_dkdv") is None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS:
+    if plain and not grouped and (configs or {}).get("bwd_dkdv") is None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS:
         gluon = hopper.load("backward")
     dkdv = gluon.attention_backward_dkdv if gluon is not None and gluon.supports(q, k, v) else None
     return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,

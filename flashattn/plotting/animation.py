@@ -10,6 +10,7 @@ Jupyter and in a static HTML page (``IPython.display.display(plotting.as_html(an
 Keep the inputs tiny (tens of rows, a handful of tiles): every frame is a picture in the page.
 """
 import math
+import re
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -24,14 +25,24 @@ from .common import to_numpy
 FRAME_MS = 900  # how long each frame stays, in milliseconds
 
 
+#: The player's buttons as plain characters: matplotlib draws them with an icon font fetched from
+#: a CDN, which leaves them blank offline (a laptop on a train, the HTML edition).
+_BUTTONS = {"fa-minus": "\u2212", "fa-fast-backward": "\u23ee", "fa-step-backward": "\u23f4\u2759",
+            "fa-play fa-flip-horizontal": "\u25c0", "fa-pause": "\u23f8", "fa-play": "\u25b6",
+            "fa-step-forward": "\u2759\u23f5", "fa-fast-forward": "\u23ed", "fa-plus": "+"}
+
+
 def as_html(animation):
     """The animation as an HTML snippet with its frames and player (``FuncAnimation.to_jshtml``),
     ready for ``IPython.display.display``; closes its figure, so that Jupyter does not also show the
-    last frame as a still picture."""
+    last frame as a still picture. It needs no network: the buttons are characters, not icons."""
     from IPython.display import HTML
 
     html = animation.to_jshtml(default_mode="once")
     plt.close(animation._fig)
+    html = re.sub(r'<link[^>]*font-awesome[^>]*>', "", html)
+    for icon, text in _BUTTONS.items():
+        html = html.replace(f'<i class="fa {icon}"></i>', text)
     return HTML(html)
 
 

@@ -138,6 +138,21 @@ def test_what_no_tile_fits_is_refused_by_name():
         (75, ("bwd_dkdv", "fp16"), 256), (75, ("bwd_dkdv", "fp32"), 256), (75, ("bwd_dq", "fp16"), 256)]
 
 
+def test_spills_fail_only_under_the_releases_the_defaults_were_chosen_with(monkeypatch):
+    """Another Triton release allocates registers its own way: a spill there is shown, not failed;
+    too much shared memory fails under every release."""
+    monkeypatch.setattr(compiled, "compile_kernel", lambda *args, **kwargs: None)
+    item = ("fwd", "fp16", 64, "ieee", (("BLOCK_KV", 64), ("BLOCK_Q", 64)), 4, 2)
+    for release, spilling_is_a_problem in [(compiled.DEFAULTS_CHOSEN_WITH[0], True), ((99, 0), False)]:
+        monkeypatch.setattr(compiled, "triton_release", lambda: release)
+        monkeypatch.setattr(compiled, "resources", lambda kernel: (255, 8, 1024))
+        assert (compiled.check(archs.ARCHS[90], item)[3] is not None) == spilling_is_a_problem
+        monkeypatch.setattr(compiled, "resources", lambda kernel: (128, 0, archs.ARCHS[90].smem_per_block + 1))
+        assert "shared memory" in compiled.check(archs.ARCHS[90], item)[3]
+    monkeypatch.undo()
+    assert compiled.triton_release() == tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
 def _on_sm90(monkeypatch):
     monkeypatch.setattr(configs, "_tensor_cores", lambda: True)
     monkeypatch.setattr(archs, "_assumed", archs.ARCHS[90])

@@ -147,7 +147,7 @@ STREAM_L = "l_i = l_i * alpha + tl.sum(p, axis=1)"
     ("V without a mask", [("v = tl.load(V + keys[:, None] * D + cols[None, :], mask=keys[:, None] < n_kv, other=0.0)\n        s = tl.dot",
                            "v = tl.load(V + keys[:, None] * D + cols[None, :])\n        s = tl.dot")], "V's rows past N_kv"),
     ("max not subtracted", [("p = tl.exp2(s - m_new[:, None])\n        alpha = tl.exp2(m_i - m_new)\n        " + STREAM_L,
-                             "p = tl.exp2(s)\n        alpha = 1.0\n        " + STREAM_L)], "inf or NaN"),
+                             "p = tl.exp2(s)\n        alpha = tl.exp2(m_i - m_i)\n        " + STREAM_L)], "inf or NaN"),
 )
 def test_stream_kv_kernel_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):

@@ -512,9 +512,21 @@ def choosable(arch, block_ds=BLOCK_DS):
     return items
 
 
+#: The Triton releases ``flashattn.gpu.defaults`` was chosen with (``--write-defaults``). Register
+#: allocation changes between releases: a few bytes of spill under another release is reported, not
+#: a failure (the kernel runs, somewhat slower); a compile error or too much shared memory always fails.
+DEFAULTS_CHOSEN_WITH = ((3, 6), (3, 7))
+
+
+def triton_release():
+    """Triton's (major, minor) release, from ``triton.__version__``."""
+    return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+
+
 def check(arch, item):
     """Compile one :func:`choosable` item for ``arch``; returns ``(registers, spilled bytes, shared
-    memory bytes, problem or None)``."""
+    memory bytes, problem or None)``. Spills are a problem under the releases of
+    :data:`DEFAULTS_CHOSEN_WITH` only (see there)."""
     name, dtype, block_d, precision, tiles, num_warps, num_stages = item
     constexprs = dict(tiles, HEAD_DIM=block_d, BLOCK_D=block_d)
     if name != "bwd_preprocess":
@@ -523,7 +535,7 @@ def check(arch, item):
                             target=target(arch.capability))
     regs, spill, smem = resources(kernel)
     problem = None
-    if spill:
+    if spill and triton_release() in DEFAULTS_CHOSEN_WITH:
         problem = f"spills {spill} bytes per thread"
     elif smem > arch.smem_per_block:
         problem = f"needs {smem} bytes of shared memory, more than the {arch.smem_per_block} a block may use"

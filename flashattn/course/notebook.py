@@ -4,6 +4,7 @@ import inspect
 import os
 
 from ..gpu.runtime import INTERPRET
+from . import teaching_view
 
 
 #: How show_source draws code: Pygments' "default" style, whose colours all reach WCAG's 4.5:1
@@ -17,39 +18,55 @@ SOURCE_MUTED = "#57606a"   # the file name and line above the code
 SOURCE_BORDER = "#d0d7de"
 
 
-def source_html(obj) -> str:
+def source_html(obj, only=None, note=None) -> str:
     """The source of a function (or a @triton.jit kernel) as a highlighted HTML box that reads the
-    same in JupyterLab's light and dark themes."""
+    same in JupyterLab's light and dark themes; ``only`` and ``note`` as for :func:`show_source`."""
     from pygments import highlight
     from pygments.formatters import HtmlFormatter
     from pygments.lexers import PythonLexer
     from pygments.styles import get_style_by_name
 
     fn = getattr(obj, "fn", obj)  # a @triton.jit function keeps the Python function in .fn
-    lines, first = inspect.getsourcelines(fn)
+    text, first, caption = source_text(obj, only, note)
     path = os.path.abspath(inspect.getsourcefile(fn))
     package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     inside = path.startswith(package_parent + os.sep)
     where = os.path.relpath(path, package_parent) if inside else os.path.basename(path)
     background = get_style_by_name(SOURCE_STYLE).background_color
-    code = highlight("".join(lines), PythonLexer(), HtmlFormatter(style=SOURCE_STYLE, noclasses=True, nowrap=True))
+    code = highlight(text, PythonLexer(), HtmlFormatter(style=SOURCE_STYLE, noclasses=True, nowrap=True))
     box = (f"border: 1px solid {SOURCE_BORDER}; border-radius: 4px; background: {background}; "
            f"color: {SOURCE_TEXT}; margin: 0.4em 0")
     head = (f"background: {background}; color: {SOURCE_MUTED}; border-bottom: 1px solid {SOURCE_BORDER}; "
             "padding: 2px 8px; font-family: monospace; font-size: 85%")
     pre = (f"background: {background}; color: {SOURCE_TEXT}; margin: 0; padding: 6px 8px; border: 0; "
            "line-height: 125%; overflow-x: auto")
-    return (f'<div style="{box}"><div style="{head}">{html.escape(where.replace(os.sep, "/"))}, line {first}</div>'
+    title = f"{where.replace(os.sep, '/')}, line {first}" + (f" ({caption})" if caption else "")
+    return (f'<div style="{box}"><div style="{head}">{html.escape(title)}</div>'
             f'<pre style="{pre}">{code}</pre></div>')
 
 
-def show_source(obj):
+def source_text(obj, only=None, note=None):
+    """``(source, first line, caption)`` of ``obj``, pruned by ``only`` (see :func:`show_source`)."""
+    if not only:
+        lines, first = inspect.getsourcelines(getattr(obj, "fn", obj))
+        return "".join(lines), first, note
+    text, first, hidden = teaching_view.pruned_source(obj, only)
+    flags = ", ".join(f"{name}={value}" for name, value in only.items())
+    caption = f"teaching view: {hidden} lines of the branches for {flags} hidden" + (f"; {note}" if note else "")
+    return text, first, caption
+
+
+def show_source(obj, only=None, note=None):
     """Display the source of a function (a kernel included) from the package itself, highlighted.
 
     Notebooks never paste kernel code: they show it from here, so what a learner reads is what
     runs. Falls back to plain text outside Jupyter (or without Pygments).
+
+    ``only``, a dict of constexpr flags and values (``{"WINDOW": False, "VARLEN": False}``), shows
+    the teaching view: the branches those values switch off are removed, as the compiler removes
+    them (``flashattn.course.teaching_view``), and the title says how many lines were hidden;
+    ``note`` adds where they are taught ("windows and packed sequences: chapter 09").
     """
-    fn = getattr(obj, "fn", obj)
     try:
         from IPython import get_ipython
         from IPython.display import HTML, display
@@ -57,9 +74,10 @@ def show_source(obj):
     except ImportError:
         get_ipython = None
     if get_ipython is None or get_ipython() is None:
-        print(inspect.getsource(fn))
+        text, first, caption = source_text(obj, only, note)
+        print((f"# {caption}\n" if caption else "") + text)
         return
-    display(HTML(source_html(fn)))
+    display(HTML(source_html(obj, only, note)))
 
 
 def pick(cpu, gpu):

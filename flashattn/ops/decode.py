@@ -12,6 +12,7 @@ import torch
 
 from ..gpu.runtime import DEVICE, INTERPRET, RUNTIME
 from ..kernels.decode import HOST, Plan
+from . import kv_cache
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LENGTH_DTYPES = (torch.int32, torch.int64)
@@ -25,7 +26,8 @@ _PLANS = {}
 MAX_PLANS = 64  # a loop that changes shapes every step starts afresh now and then
 
 
-def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, max_seqlen=None):
+def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, max_seqlen=None,
+           k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False):
     """Attention of the newest ``N_q`` tokens of each sequence against its KV cache.
 
     Args:
@@ -45,6 +47,17 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
             The lengths are not checked then: each is kept within ``[0, N_max]`` by the kernel, so
             nothing outside the cache is read, but a length from 1 to ``N_q - 1`` gives rows that
             mean nothing.
+
+        k_new, v_new: the new tokens' keys and values, ``(B, H_kv, N_q, D)``, to write into the
+            caches first, in place, as ``flash_attn_with_kvcache`` does: then ``cache_seqlens``
+            counts the tokens cached *before* this step (FlashAttention's convention), the new
+            ones go to positions ``cache_seqlens .. cache_seqlens + N_q - 1``, and attention
+            runs over ``cache_seqlens + N_q`` entries (which ``max_seqlen`` then bounds).
+        rotary_cos, rotary_sin: ``(max_positions, rotary_dim / 2)`` tables of a rotary embedding
+            (RoPE): q, and k_new before it is cached, are rotated at their positions in the
+            sequence (the first ``rotary_dim`` features of each head; the rest pass unchanged).
+        rotary_interleaved: the features turned together: ``(i, i + rotary_dim / 2)`` when False
+            (GPT-NeoX's and Llama's layout), ``(2i, 2i + 1)`` when True (GPT-J's).
 
     The new tokens are the last ``N_q`` entries of each valid cache, so token ``t`` sees keys
     ``0 .. L - N_q + t`` (aligned bottom-right, as in decoding and speculative decoding).
@@ -70,6 +83,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
     """
     plan = plan_for(q, k_cache, v_cache, cache_seqlens)
     _check_call(q, k_cache, v_cache, scale, return_lse)
+    if k_new is not None or v_new is not None or rotary_cos is not None or rotary_sin is not None:
+        return _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqlen,
+                     k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved)
     if max_seqlen is not None:
         lengths, max_len = cache_seqlens.contiguous(), _check_max_seqlen(max_seqlen, cache_seqlens, plan)
     elif not INTERPRET and torch.cuda.is_current_stream_capturing():
@@ -81,6 +97,48 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
         lengths, max_len = _lengths(cache_seqlens, plan.n_max, plan.n_q, plan.device)
     out, lse = plan.run(q, k_cache, v_cache, lengths, max_len,
                         plan.scale if scale is None else float(scale), keep_lse=return_lse)
+    return (out, lse.view(plan.rows)) if return_lse else out
+
+
+def _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqlen,
+          k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved):
+    """decode with the KV-cache step of ``flashattn.ops.kv_cache``: rotate, append, attend."""
+    appending = kv_cache.check_new(q, k_cache, k_new, v_new)
+    rotary = kv_cache.check_rotary(q, rotary_cos, rotary_sin, rotary_interleaved)
+    if appending and torch.is_grad_enabled() and (k_new.requires_grad or v_new.requires_grad):
+        raise ValueError("k_new or v_new requires grad, but decode is forward only: call it under "
+                         "torch.no_grad() or torch.inference_mode()")
+    n_q = plan.n_q
+    if max_seqlen is not None:
+        lengths = cache_seqlens + n_q if appending else cache_seqlens
+        max_len = _check_max_seqlen(max_seqlen, lengths, plan)
+    else:
+        if not INTERPRET and torch.cuda.is_current_stream_capturing():
+            raise ValueError("flashattn.decode reads cache_seqlens on the host at every call, so it "
+                             "cannot be captured in a CUDA graph: pass max_seqlen=<a bound on the "
+                             "lengths>, with cache_seqlens on the GPU, to capture it")
+        if appending:
+            host = cache_seqlens if cache_seqlens.is_cpu else cache_seqlens.cpu()
+            bad = ((host < 0) | (host + n_q > plan.n_max)).nonzero()
+            if bad.numel():
+                b = bad[0, 0].item()
+                raise ValueError(f"cache_seqlens[{b}] is {host[b].item()}; with k_new each length counts "
+                                 f"the tokens cached before this step, from 0 to N_max - N_q = "
+                                 f"{plan.n_max - n_q}, so that the {n_q} new tokens fit in the cache")
+            lengths, max_len = _lengths(host + n_q, plan.n_max, n_q, plan.device)
+        else:
+            lengths, max_len = _lengths(cache_seqlens, plan.n_max, n_q, plan.device)
+    # the new tokens' positions: after the tokens cached before them
+    pos = kv_cache.positions(lengths - n_q, n_q, plan.device)
+    if rotary:
+        q = kv_cache.rotate(q, pos, rotary_cos, rotary_sin, rotary_interleaved)
+        if appending:
+            k_new = kv_cache.rotate(k_new, pos, rotary_cos, rotary_sin, rotary_interleaved)
+        plan = plan_for(q, k_cache, v_cache, cache_seqlens)  # the rotated q has its own strides
+    if appending:
+        kv_cache.append(k_cache, v_cache, k_new, v_new, pos)
+    out, lse = plan.run(q, k_cache, v_cache, lengths, max_len, plan.scale if scale is None else float(scale),
+                        keep_lse=return_lse)
     return (out, lse.view(plan.rows)) if return_lse else out
 
 

@@ -161,3 +161,36 @@ def test_bad_cache_steps_are_named(change, error, words):
     args.update(change)
     with pytest.raises(error, match=words), torch.no_grad():
         flashattn.decode(q, k_cache, v_cache, lengths, **args)
+
+
+@pytest.mark.gpu
+def test_gpu_a_step_that_appends_and_rotates_replays_in_a_cuda_graph():
+    """A serving step captured once: each replay rotates its own q and new keys, writes them at its
+    own lengths, and matches an uncaptured step on a copy of the cache."""
+    dtype, n_max = torch.bfloat16, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_cache, v_cache = (torch.randn(4, 2, n_max, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
+    static = {name: torch.randn(shape, device="cuda", generator=g).to(dtype)
+              for name, shape in (("q", (4, 8, 1, 64)), ("k", (4, 2, 1, 64)), ("v", (4, 2, 1, 64)))}
+    cos, sin = (t.cuda() for t in rope_tables(n_max, 64))
+    lens = torch.tensor([0, 100, 2000, 7], dtype=torch.int32, device="cuda")
+
+    def step(k_c, v_c, lengths, **bound):
+        return flashattn.decode(static["q"], k_c, v_c, lengths, k_new=static["k"], v_new=static["v"],
+                                rotary_cos=cos, rotary_sin=sin, **bound)
+
+    with torch.inference_mode():
+        step(k_cache.clone(), v_cache.clone(), lens, max_seqlen=n_max)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step(k_cache, v_cache, lens, max_seqlen=n_max)
+        for lengths in ([5, 2047, 0, 1000], [1, 2, 3, 4]):
+            for t in static.values():
+                t.copy_(torch.randn(t.shape, device="cuda", generator=g).to(dtype))
+            lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+            k_copy, v_copy = k_cache.clone(), v_cache.clone()
+            graph.replay()
+            want = step(k_copy, v_copy, lens.cpu())
+            torch.testing.assert_close(static_out, want)
+            torch.testing.assert_close(k_cache, k_copy, rtol=0, atol=0)

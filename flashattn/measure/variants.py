@@ -94,7 +94,7 @@ def causal_flops(n, heads, head_dim, window=None):
     return 4.0 * heads * visible_pairs(n, window) * head_dim
 
 
-def _leaves(*tensors):
+def leaves(*tensors):
     return [t.detach().requires_grad_() for t in tensors]
 
 
@@ -114,8 +114,8 @@ def bench_varlen(s, device, dtype, quick, rows, meta):
     for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         for dst, src in zip(padded, (q, k, v)):
             dst[b, :, : e - a] = src[a:e].transpose(0, 1)
-    qv, kv_, vv = _leaves(q, k, v)
-    qp, kp, vp = _leaves(*padded)
+    qv, kv_, vv = leaves(q, k, v)
+    qp, kp, vp = leaves(*padded)
     providers = {
         "flashattn-varlen": (lambda: flashattn.varlen_attention(qv, kv_, vv, cu, cu, longest, longest,
                                                                 is_causal=True), (qv, kv_, vv)),
@@ -147,8 +147,8 @@ def bench_gqa(s, device, dtype, quick, rows, meta):
     q = torch.randn(1, heads_q, n, head_dim, generator=g).to(device, dtype)
     k, v = (torch.randn(1, heads_kv, n, head_dim, generator=g).to(device, dtype) for _ in range(2))
     k_rep, v_rep = (t.repeat_interleave(group, dim=1) for t in (k, v))
-    a = _leaves(q, k, v)
-    b = _leaves(q, k_rep, v_rep)
+    a = leaves(q, k, v)
+    b = leaves(q, k_rep, v_rep)
     providers = {
         f"flashattn-gqa{heads_kv}": (lambda: flashattn.attention(*a, is_causal=True, enable_gqa=True), a),
         f"flashattn-mha{heads_q}": (lambda: flashattn.attention(*b, is_causal=True), b),
@@ -176,7 +176,7 @@ def bench_window(s, device, dtype, quick, rows, meta):
         setting = f"batch 1, heads {heads}, D {head_dim}, {str(dtype)[6:]}, window ({window}, 0), N {n}"
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, heads, n, head_dim, generator=g).to(device, dtype) for _ in range(3))
-        a = _leaves(q, k, v)
+        a = leaves(q, k, v)
         providers = {
             "flashattn-window": (lambda: flashattn.attention(*a, window_size=(window, 0)), a),
             "flashattn-causal": (lambda: flashattn.attention(*a, is_causal=True), a),

@@ -41,7 +41,7 @@ def _load(text, name, namespace):
 @pytest.mark.parametrize("a", [False, True])
 @pytest.mark.parametrize("b", [False, True])
 def test_pruned_python_computes_what_the_original_does(a, b):
-    text, first, hidden = teaching_view.pruned_source(sample, {"A": a, "B": b})
+    text, first, hidden, _ = teaching_view.pruned_source(sample, {"A": a, "B": b})
     pruned = _load(text, "sample", globals())
     for x in range(-2, 6):
         assert pruned(x, a, b) == sample(x, a, b)
@@ -51,16 +51,18 @@ def test_pruned_python_computes_what_the_original_does(a, b):
 
 
 def test_a_flag_left_open_keeps_its_branch_and_loses_the_decided_part():
-    text, _, _ = teaching_view.pruned_source(sample, {"A": False})
+    text, _, _, _ = teaching_view.pruned_source(sample, {"A": False})
     assert "elif" not in text and "    if B:\n" in text  # `elif B:` took the place of `if A and not B:`
     assert "if B or x > 3:" in text and "A and" not in text
     pruned = _load(text, "sample", globals())
     assert all(pruned(x, False, b) == sample(x, False, b) for x in range(-2, 6) for b in (False, True))
 
 
-def test_unknown_flags_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"\['WINDOWS'\].*attn_fwd"):
+def test_unknown_flags_are_refused_by_name_unless_another_is_used():
+    with pytest.raises(ValueError, match=r"\['WINDOWS'\], none of which attn_fwd uses"):
         teaching_view.pruned_source(forward.attn_fwd, {"WINDOWS": False})
+    *_, used = teaching_view.pruned_source(forward.fwd_inner, {"VARLEN": False, "WINDOW": False})
+    assert used == {"WINDOW": False}  # fwd_inner has no VARLEN: a preset may name it
 
 
 @pytest.mark.parametrize("kernel, flags", [
@@ -70,7 +72,7 @@ def test_unknown_flags_are_refused_by_name():
     (backward.attn_bwd_dkdv, {"WINDOW": False, "VARLEN": False}),
 ])
 def test_the_package_kernels_pruned_are_python_without_those_flags(kernel, flags):
-    text, _, hidden = teaching_view.pruned_source(kernel, flags)
+    text, _, hidden, _ = teaching_view.pruned_source(kernel, flags)
     tests = [node.test for node in ast.walk(ast.parse(text)) if isinstance(node, ast.If)]
     decided = {name.id for test in tests for name in ast.walk(test) if isinstance(name, ast.Name)} & set(flags)
     assert hidden > 0 and decided == set()
@@ -79,11 +81,10 @@ def test_the_package_kernels_pruned_are_python_without_those_flags(kernel, flags
 def test_the_pruned_forward_kernel_runs_to_the_same_output(tmp_path, monkeypatch):
     """The teaching view of the forward kernel and its inner loop, written to a module and run by
     the launcher in place of the real ones, gives the real kernel's output bit for bit."""
-    flags = {"WINDOW": False, "VARLEN": False}
     source = ["from flashattn.kernels.forward import *\n",
               "from flashattn.kernels.forward import triton, tl\n\n\n",
-              teaching_view.pruned_source(forward.fwd_inner, {"WINDOW": False})[0], "\n\n",
-              teaching_view.pruned_source(forward.attn_fwd, flags)[0]]
+              teaching_view.pruned_source(forward.fwd_inner, notebook.LATER)[0], "\n\n",
+              teaching_view.pruned_source(forward.attn_fwd, notebook.LATER)[0]]
     path = tmp_path / "pruned_forward.py"
     path.write_text("".join(source))
     spec = importlib.util.spec_from_file_location("pruned_forward", path)

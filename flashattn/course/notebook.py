@@ -45,13 +45,18 @@ def source_html(obj, only=None, note=None) -> str:
             f'<pre style="{pre}">{code}</pre></div>')
 
 
+#: The constexpr flags of the variants chapter 09 teaches (windows, packed sequences), switched off:
+#: ``show_source(kernel, only=LATER)`` shows a kernel as the chapters before it teach it.
+LATER = {"WINDOW": False, "VARLEN": False}
+
+
 def source_text(obj, only=None, note=None):
     """``(source, first line, caption)`` of ``obj``, pruned by ``only`` (see :func:`show_source`)."""
     if not only:
         lines, first = inspect.getsourcelines(getattr(obj, "fn", obj))
         return "".join(lines), first, note
-    text, first, hidden = teaching_view.pruned_source(obj, only)
-    flags = ", ".join(f"{name}={value}" for name, value in only.items())
+    text, first, hidden, used = teaching_view.pruned_source(obj, only)
+    flags = ", ".join(f"{name}={value}" for name, value in used.items())
     caption = f"teaching view: {hidden} lines of the branches for {flags} hidden" + (f"; {note}" if note else "")
     return text, first, caption
 

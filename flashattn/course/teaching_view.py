@@ -50,16 +50,19 @@ def pruned_source(obj, only):
     """The source of ``obj`` (a function or a ``@triton.jit`` kernel) with every ``if`` that the
     values of ``only`` (flag name -> value) decide replaced by the branch it takes.
 
-    Returns ``(text, first_line, hidden)``: the pruned source, the line the function starts at in
-    its file, and how many lines were removed.
+    Returns ``(text, first_line, hidden, flags)``: the pruned source, the line the function starts
+    at in its file, how many lines were removed, and the flags of ``only`` the function uses (a
+    preset such as ``flashattn.course.notebook.LATER`` may name flags a kernel lacks; a typo that
+    leaves none is refused).
     """
     fn = getattr(obj, "fn", obj)
     lines, first = inspect.getsourcelines(fn)
     lines = textwrap.dedent("".join(lines)).splitlines(keepends=True)
     tree = ast.parse("".join(lines))
-    missing = set(only) - {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    if missing:
-        raise ValueError(f"only= names flags {sorted(missing)} that {fn.__name__} does not use")
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    if not set(only) & used:  # a preset may name flags a kernel lacks, but not only such flags
+        raise ValueError(f"only= names flags {sorted(only)}, none of which {fn.__name__} uses")
+    only = {name: value for name, value in only.items() if name in used}
     deleted, dedent, header = set(), [0] * (len(lines) + 2), {}
 
     def drop(start, end):  # 1-based, inclusive
@@ -104,4 +107,4 @@ def pruned_source(obj, only):
         line = header.get(number, line)
         cut = min(dedent[number], len(line) - len(line.lstrip(" ")))
         out.append(line[cut:])
-    return "".join(out), first, len(deleted)
+    return "".join(out), first, len(deleted), only

@@ -17,17 +17,21 @@ from flashattn.measure import compiled
 SMEM_LIMIT = 227 * 1024
 
 
-def _report(kernel):
+def _report(kernel, **kwargs):
     try:
-        return compiled.in_child("flashattn.measure.compiled:gluon_report", kernel=kernel)
+        return compiled.in_child("flashattn.measure.compiled:gluon_report", kernel=kernel, **kwargs)
     except compiled.CannotCompile as reason:
         pytest.skip(str(reason))
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd-window"])
 def test_gluon_kernels_compile_for_sm90(kernel):
-    rows = _report(kernel)
-    assert len(rows) == 8  # head dims 64 and 128, fp16 and bf16, causal or not
+    if kernel == "fwd-window":  # the forward's sliding window
+        rows = _report("fwd", causal=("window",))
+        assert len(rows) == 4 and {r["causal"] for r in rows} == {"window"}
+    else:
+        rows = _report(kernel)
+        assert len(rows) == 8  # head dims 64 and 128, fp16 and bf16, causal or not
     problems = []
     for r in rows:
         label = f"{kernel} D={r['head_dim']} {r['dtype']} causal={r['causal']}"

@@ -222,3 +222,26 @@ def test_window_backward_deterministic_on_gpu():
         flashattn.attention(q, k, v, is_causal=True, window_size=(1024, 0), enable_gqa=True).sum(), (q, k, v))
     first = run()
     assert all(torch.equal(a, b) for a, b in zip(first, run()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("n, window_size, is_causal", [
+    (1, (0, 0), False), (17, (3, 5), False), (1000, (0, 0), False), (1000, (129, -1), True),
+    (2100, (700, 0), False), (4103, (256, 300), False), (4103, (5000, 0), False), (3000, (-1, 200), False),
+])
+def test_gpu_windows_take_the_gluon_forward(monkeypatch, n, window_size, is_causal, head_dim, dtype):
+    """On an H100/H200 a sliding window with as many queries as keys takes the Gluon forward (its
+    tiles from the window's first to its last, masked at both edges): it is the kernel that runs,
+    and output, LSE and gradients are within the rule; a window wider than the sequence too."""
+    from flashattn import hopper
+
+    gluon = hopper.load("forward")
+    if gluon is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on compute capability 9 only")
+    calls = []
+    real = gluon.attention_forward
+    monkeypatch.setattr(gluon, "attention_forward", lambda *a, **kw: calls.append(kw.get("window")) or real(*a, **kw))
+    check_window(*make_qkv(n, n, head_dim, dtype, heads_q=4, heads_kv=2), window_size, is_causal)
+    assert calls and calls[0] is not None, "the Gluon forward did not run with the window"

@@ -92,20 +92,21 @@ def mma_layout(n):
 
 
 @gluon.jit
-def _load_tile(desc, smem, ready, empty, batch, head, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Copy tile j of K or V into its slot of the ring, once the consumers have released it."""
+def _load_tile(desc, smem, ready, empty, batch, head, kv_lo, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Copy tile j of K or V (the keys from ``kv_lo + j * BLOCK_N``) into its slot of the ring,
+    once the consumers have released it."""
     stage = j % STAGES
     # An mbarrier starts as if its phase of parity 1 had just completed, so the first round
     # through the ring does not wait; later rounds wait for both consumers' release.
     mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
-    tma_load(desc, [batch, head, j * BLOCK_N, 0], ready.index(stage),
+    tma_load(desc, [batch, head, kv_lo + j * BLOCK_N, 0], ready.index(stage),
                                     smem.index(stage))
 
 
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-              v_empty, batch, head, kv_head, q_start, n_tiles,
+              v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CONSUMERS: gl.constexpr):
     """One warp: the queries of every consumer once, then K and V tile by tile into the ring, in
@@ -115,11 +116,11 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, 
         mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
         tma_load(desc_q, [batch, head, q_start + c * BLOCK_M, 0],
                                         q_ready.index(c), q_smem.index(c))
-    _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, 0, BLOCK_N, STAGES)
+    _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, kv_lo, 0, BLOCK_N, STAGES)
     for j in range(1, n_tiles):
-        _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, j, BLOCK_N, STAGES)
-        _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, j - 1, BLOCK_N, STAGES)
-    _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, n_tiles - 1, BLOCK_N, STAGES)
+        _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, kv_lo, j, BLOCK_N, STAGES)
+        _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, kv_lo, j - 1, BLOCK_N, STAGES)
+    _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, kv_lo, n_tiles - 1, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -144,19 +145,32 @@ def _exp2_fma(x):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_end, n_kv, qk_scale, on_fma,
-                  BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_FMA: gl.constexpr):
+def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, qk_scale, on_fma,
+                  win_left, win_right, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  EXP2_FMA: gl.constexpr, WINDOW: gl.constexpr):
     """Fold the scores ``s`` of one tile into the running max and sum: ``(p, m_new, l_new,
     alpha)``, exactly as ``flashattn.forward.fwd_inner`` does (base 2, scale folded into exp2).
-    With EXP2_FMA, ``on_fma`` says whether this tile's exponentials go to the FMA units."""
-    if kv_start >= kv_full_end:  # the causal diagonal or the ragged end: hide what does not exist
+    With EXP2_FMA, ``on_fma`` says whether this tile's exponentials go to the FMA units. Tiles
+    outside ``[kv_full_lo, kv_full_hi)`` are masked: the causal diagonal, the ragged end and, with
+    WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``)."""
+    masked = kv_start >= kv_full_hi
+    if WINDOW:
+        masked = masked | (kv_start < kv_full_lo)
+    if masked:
         offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         visible = gl.expand_dims(offs_kv, 0) < n_kv
         if IS_CAUSAL:
             visible = visible & (gl.expand_dims(offs_q, 1) >= gl.expand_dims(offs_kv, 0))
+        if WINDOW:
+            visible = visible & (gl.expand_dims(offs_kv, 0) >= gl.expand_dims(offs_q, 1) - win_left) \
+                & (gl.expand_dims(offs_kv, 0) <= gl.expand_dims(offs_q, 1) + win_right)
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    x = s * qk_scale - gl.expand_dims(m_new, 1)
+    if WINDOW:  # a row may meet only hidden keys before its first visible one (fwd_inner's m_ref)
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    x = s * qk_scale - gl.expand_dims(m_ref, 1)
     if EXP2_FMA > 0:
         if on_fma:
             p = _exp2_fma(x)
@@ -164,7 +178,7 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_end, n_kv, qk_scale, on
             p = gl.exp2(x)
     else:
         p = gl.exp2(x)
-    alpha = gl.exp2(m_i - m_new)
+    alpha = gl.exp2(m_i - m_ref)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
 
@@ -172,10 +186,12 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_end, n_kv, qk_scale, on
 @gluon.jit
 def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
               LSE,
-              batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+              batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi, qk_scale,
+              win_left, win_right,
               C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr):
+              PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
+              WINDOW: gl.constexpr):
     """One warpgroup: rows ``q_start + C * BLOCK_M`` to ``+ BLOCK_M`` of the output.
 
     The loop is software-pipelined by one tile: in step j it issues ``S_j = Q K_j^T`` and
@@ -210,8 +226,9 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     mbarrier.arrive(k_empty.index(0))
     # With EXP2_FMA = E, consumer C takes the FMA path on tiles j with j % E == C % E, so that
     # the consumers do not all load the same unit at once.
-    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_q, 0, kv_full_end, n_kv, qk_scale,
-                                       C % gl.maximum(EXP2_FMA, 1) == 0, BLOCK_N, IS_CAUSAL, EXP2_FMA)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_q, kv_lo, kv_full_lo, kv_full_hi, n_kv, qk_scale,
+                                       C % gl.maximum(EXP2_FMA, 1) == 0, win_left, win_right,
+                                       BLOCK_N, IS_CAUSAL, EXP2_FMA, WINDOW)
     p = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_tiles):
@@ -229,10 +246,10 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
             mbarrier.arrive(turn.index(NEXT))
         s = warpgroup_mma_wait(1, deps=[s])  # S_j is ready; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage))
-        p_next, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_q, j * BLOCK_N, kv_full_end,
-                                                n_kv, qk_scale,
+        p_next, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_q, kv_lo + j * BLOCK_N, kv_full_lo,
+                                                kv_full_hi, n_kv, qk_scale,
                                                 j % gl.maximum(EXP2_FMA, 1) == C % gl.maximum(EXP2_FMA, 1),
-                                                BLOCK_N, IS_CAUSAL, EXP2_FMA)
+                                                win_left, win_right, BLOCK_N, IS_CAUSAL, EXP2_FMA, WINDOW)
         acc, p = warpgroup_mma_wait(0, deps=[acc, p])  # p's registers stay live until here
         mbarrier.arrive(v_empty.index(prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -250,6 +267,8 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     mbarrier.arrive(v_empty.index(last))
 
     # Normalise once, keep LSE = M + log2(L), and write O through the Q buffer (no longer read).
+    if WINDOW:  # a row that saw no key (a padding row past n_q): output 0, LSE -inf, not NaN
+        l_i = gl.where(l_i == 0.0, 1.0, l_i)
     lse = m_i + gl.log2(l_i)
     gl.store(LSE + offs_q, lse, mask=offs_q < n_q)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -261,12 +280,13 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["n_q", "n_kv"])
+@gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right"])
 def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_scale, n_group,
+                   win_left, win_right,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                    CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False):
     BLOCK_Q: gl.constexpr = CONSUMERS * BLOCK_M  # query rows per program
     q_block = gl.program_id(0)
     if IS_CAUSAL:  # the last query blocks visit the most keys: start them first
@@ -276,14 +296,28 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
     kv_head = head // n_group  # grouped-query attention: n_group query heads share a K/V head
     q_start = q_block * BLOCK_Q
     LSE += (batch.to(gl.int64) * n_heads + head) * n_q
-    # The same two key stages as flashattn.tiles.kv_stage_bounds, for the program's BLOCK_Q rows.
-    if IS_CAUSAL:
-        kv_end = gl.minimum(q_start + BLOCK_Q, n_kv)
-        kv_full_end = gl.minimum(q_start, n_kv) // BLOCK_N * BLOCK_N
+    # The key tiles [kv_lo, kv_hi), whole ones (no mask) in [kv_full_lo, kv_full_hi): the stages of
+    # flashattn.tiles.kv_stage_bounds, or under a sliding window those of tiles.kv_window_bounds,
+    # for the program's BLOCK_Q rows. The window's launcher asks N_q = N_kv, so every program has a
+    # tile (the diagonal's).
+    if WINDOW:
+        kv_lo = gl.maximum(q_start - win_left, 0) // BLOCK_N * BLOCK_N
+        kv_hi = gl.minimum(q_start + BLOCK_Q + win_right, n_kv)
+        kv_full_lo = gl.maximum(q_start + BLOCK_Q - 1 - win_left + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
+        kv_full_hi = gl.minimum(q_start + win_right + 1, n_kv) // BLOCK_N * BLOCK_N
+        kv_full_lo = gl.minimum(gl.maximum(kv_full_lo, kv_lo), kv_hi)
+        kv_full_hi = gl.maximum(kv_full_hi, kv_full_lo)
+    elif IS_CAUSAL:
+        kv_lo = 0
+        kv_full_lo = 0
+        kv_hi = gl.minimum(q_start + BLOCK_Q, n_kv)
+        kv_full_hi = gl.minimum(q_start, n_kv) // BLOCK_N * BLOCK_N
     else:
-        kv_end = n_kv
-        kv_full_end = n_kv // BLOCK_N * BLOCK_N
-    n_tiles = gl.cdiv(kv_end, BLOCK_N)
+        kv_lo = 0
+        kv_full_lo = 0
+        kv_hi = n_kv
+        kv_full_hi = n_kv // BLOCK_N * BLOCK_N
+    n_tiles = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
 
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
@@ -314,33 +348,38 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
+                         qk_scale, win_left, win_right,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA)),
+                         EXP2_FMA, WINDOW)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
+                         qk_scale, win_left, win_right,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA)),
+                         EXP2_FMA, WINDOW)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                         k_empty, v_empty, batch, head, kv_head, q_start, n_tiles, BLOCK_M, BLOCK_N,
+                         k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES, CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
+                         qk_scale, win_left, win_right,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA)),
+                         EXP2_FMA, WINDOW)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
+                         qk_scale, win_left, win_right,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA)),
+                         EXP2_FMA, WINDOW)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_full_end, qk_scale,
+                         turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
+                         qk_scale, win_left, win_right,
                          C2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA)),
+                         EXP2_FMA, WINDOW)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                         k_empty, v_empty, batch, head, kv_head, q_start, n_tiles, BLOCK_M, BLOCK_N,
+                         k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES, CONSUMERS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -372,10 +411,13 @@ def tma_ok(t):
             and all(s > 0 and s * t.element_size() % 16 == 0 for s in strides[:-1]))
 
 
-def supports(q, k, v, is_causal=False, scale=None):
+def supports(q, k, v, is_causal=False, scale=None, window=None):
     """Whether this kernel computes attention of these (B, H, N, D) tensors: on a CUDA GPU of
     compute capability 9.x, in fp16 or bf16, at head dim 64 or 128, with strides TMA accepts; k and
-    v may have fewer heads than q (grouped-query attention: a divisor of q's)."""
+    v may have fewer heads than q (grouped-query attention: a divisor of q's). A sliding
+    ``window`` needs as many queries as keys (then every query block has a key tile)."""
+    if window is not None and q.shape[2] != k.shape[2]:
+        return False
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dim() != 4:
         return False
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] or v.shape[:2] != k.shape[:2]:
@@ -402,21 +444,24 @@ def launch_options(cfg):
             dict(num_warps=4, maxnreg=regs["launch"]))
 
 
-def attention_forward(q, k, v, is_causal, scale, config=None):
+def attention_forward(q, k, v, is_causal, scale, config=None, window=None):
     """``(o, lse2)`` like ``flashattn.kernels.forward.attention_forward``, for inputs ``supports``
     accepts (grouped heads too: query head ``h`` reads K/V head ``h // (H_q / H_kv)`` in place).
-    ``config`` overrides entries of the configuration of (head dim, causal): see :func:`tile_config`."""
+    ``config`` overrides entries of the configuration of (head dim, causal): see :func:`tile_config`.
+    ``window = (left, right)``, both >= 0 (``traversal.window_masking``'s bounds, causal folded
+    into ``right = 0``): a sliding window, with the masked configuration's tiles."""
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
     o = torch.empty_like(q)  # q's layout where q is dense, else contiguous: either suits TMA
     lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
-    cfg = tile_config(head_dim, is_causal, config)
+    cfg = tile_config(head_dim, is_causal or window is not None, config)
     regs, options = launch_options(cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(n_q, cfg["CONSUMERS"] * bm), heads, batch)
     attn_fwd_sm90[grid](descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(o, bm),
                          lse2, heads, n_q, n_kv, qk_scale(scale), heads // k.shape[1],
-                         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+                         *(window or (0, 0)), HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
                          IS_CAUSAL=bool(is_causal), PINGPONG=bool(cfg["PINGPONG"]),
-                         CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], **regs, **options)
+                         CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], WINDOW=window is not None,
+                         **regs, **options)
     return o, lse2

@@ -215,18 +215,20 @@ def _descriptor_type(module, dtype, rows, head_dim):
     return f"tensordesc<{dtype}{block},{layout!r}>"
 
 
-def compile_hopper_forward(head_dim, dtype, causal, config=None):
+def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False):
     """The Gluon forward (``flashattn.hopper.forward``) compiled for ``dtype`` ("fp16", "bf16"), head dim,
-    masking and ``config`` (overrides of ``hopper.tile_config``) as a launch compiles it."""
+    masking (``window``: a sliding window, which takes the masked configuration) and ``config``
+    (overrides of ``hopper.tile_config``) as a launch compiles it."""
     hopper = _gluon("forward")
-    cfg = hopper.tile_config(head_dim, causal, config)
+    cfg = hopper.tile_config(head_dim, causal or window, config)
     regs, options = hopper.launch_options(cfg)
     q, kv = (_descriptor_type(hopper, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
     signature = dict(desc_q=q, desc_k=kv, desc_v=kv, desc_o=q, LSE="*fp32", n_heads="i32",
-                     n_q="i32", n_kv="i32", qk_scale="fp32", n_group="i32")
+                     n_q="i32", n_kv="i32", qk_scale="fp32", n_group="i32", win_left="i32", win_right="i32")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), PINGPONG=bool(cfg["PINGPONG"]),
-                      CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], **regs)
+                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and not window,
+                      PINGPONG=bool(cfg["PINGPONG"]), CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"],
+                      WINDOW=bool(window), **regs)
     return compile_gluon(hopper.attn_fwd_sm90, signature, constexprs, aligned=["LSE"], **options)
 
 
@@ -248,7 +250,8 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None):
 def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), causal=(False, True),
                  configs=(None,)):
     """Compile a Gluon kernel ("fwd" or "bwd") for every combination and return one dict per
-    compilation: its settings and :func:`facts`, or ``error``. CannotCompile when the first one
+    compilation: its settings and :func:`facts`, or ``error``. ``causal`` may hold "window" for
+    the forward: its sliding-window variant. CannotCompile when the first one
     fails in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
     compile_one = {"fwd": compile_hopper_forward, "bwd": compile_hopper_backward}[kernel]
     rows = []
@@ -259,7 +262,11 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
                     row = dict(kernel=kernel, head_dim=head_dim, dtype=dtype, causal=bool(is_causal),
                                config=config or {})
                     try:
-                        row.update(facts(compile_one(head_dim, dtype, is_causal, config)))
+                        if is_causal == "window":  # the forward's sliding window (masked tiles)
+                            row["causal"] = "window"
+                            row.update(facts(compile_hopper_forward(head_dim, dtype, True, config, window=True)))
+                        else:
+                            row.update(facts(compile_one(head_dim, dtype, is_causal, config)))
                     except CannotCompile:
                         raise
                     except Exception as error:  # report and go on: one configuration cannot hide others

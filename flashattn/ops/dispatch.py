@@ -3,10 +3,10 @@ measured faster, the Triton kernels everywhere else.
 
 Both compute the same output and the same base-2 LSE in the same layout, so they mix within one
 call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``
-(grouped heads too), and the backward takes its dK/dV from ``flashattn.hopper.backward`` at the
-head dims of :data:`GLUON_DKDV_HEAD_DIMS` without grouped heads, its Delta and dQ from the Triton
-kernels. Windows, packed sequences and a fixed configuration take the Triton kernels; so does every
-call with ``FLASHATTN_GLUON=0``.
+(grouped heads too, and sliding windows with as many queries as keys), and the backward takes its
+dK/dV from ``flashattn.hopper.backward`` at the head dims of :data:`GLUON_DKDV_HEAD_DIMS` without
+grouped heads or windows, its Delta and dQ from the Triton kernels. Packed sequences and a fixed
+configuration take the Triton kernels; so does every call with ``FLASHATTN_GLUON=0``.
 """
 import torch
 
@@ -33,11 +33,13 @@ def _plain(q, k, is_causal, window_size, sequences):
 def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
                       lse_dtype=torch.float32):
     """``(o, lse2)`` as :func:`flashattn.kernels.forward.attention_forward` computes them, from
-    the Gluon forward where it applies (see the module's docstring), grouped heads included."""
-    plain, _, causal = _plain(q, k, is_causal, window_size, sequences)
-    gluon = hopper.load("forward") if plain and config is None else None
-    if gluon is not None and gluon.supports(q, k, v):
-        return gluon.attention_forward(q, k, v, causal, scale)
+    the Gluon forward where it applies (see the module's docstring), grouped heads and sliding
+    windows of as many queries as keys included."""
+    causal, window, left, right = window_masking(is_causal, window_size, q.shape[2] + k.shape[2])
+    bounds = (left, right) if window else None
+    gluon = hopper.load("forward") if sequences is None and config is None else None
+    if gluon is not None and gluon.supports(q, k, v, window=bounds):
+        return gluon.attention_forward(q, k, v, causal, scale, window=bounds)
     return forward.attention_forward(q, k, v, is_causal, scale, config, window_size, sequences, lse_dtype)
 
 

@@ -172,17 +172,19 @@ def pipeline_timeline(schedule, ax=None, title=None):
     for lane, start, end, what in schedule["stalls"]:
         y = lanes.index(lane)
         color = "#bbbbbb" if what == "turn" else "#e34a33"
-        ax.barh(y, end - start, left=start, height=0.3, color="none", edgecolor=color, hatch="////", lw=0.8)
+        ax.barh(y + 0.3, end - start, left=start, height=0.18, color="none", edgecolor=color, hatch="////", lw=0.8)
     ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("clock cycles of one SM (model)")
     ax.set_xlim(0, schedule["end"] * 1.01)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=palette[k]) for k in palette if k.startswith("slot")]
-    names = [k for k in palette if k.startswith("slot")]
+    names = [k for k in palette if k.startswith(("slot", "consumer")) or k == "softmax"]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=palette[k]) for k in names]
+    names = [f"copy into {k}" if k.startswith("slot") else f"matmul of {k}" if k.startswith("consumer") else k
+             for k in names]
     handles += [plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="#e34a33", hatch="////"),
                 plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="#bbbbbb", hatch="////")]
     names += ["wait: tile not landed / slot not free", "wait: ping-pong turn"]
-    ax.legend(handles, names, fontsize=7, ncol=len(names), loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.legend(handles, names, fontsize=7, ncol=min(len(names), 5), loc="upper center", bbox_to_anchor=(0.5, -0.3))
     if title:
         ax.set_title(title, fontsize=10)
     return ax

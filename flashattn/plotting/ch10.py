@@ -106,7 +106,7 @@ def decode_bandwidth(rows, ax=None, title=None, providers=("decode", "sdpa-gqa",
         ax.text(-0.45, copy * 0.98, f"copy bandwidth {copy:.2f} TB/s", va="top", ha="left", fontsize=8)
     ax.set_ylim(0, top * 1.3)
     ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
-    ax.set_xlabel("cache length L (tokens)")
+    ax.set_xlabel("cache length N_kv (tokens)")
     ax.set_ylabel("K/V cache read per second (TB/s)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)

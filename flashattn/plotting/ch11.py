@@ -27,3 +27,164 @@ def provider_bars(tflops, providers, ax=None, title=None, ylabel="TFLOPS"):
         ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", alpha=0.25)
     return ax
+
+
+# ---------------------------------------------------------------------------- the forward's pipeline
+
+
+def pipeline_schedule(n_tiles, stages, consumers=2, pingpong=True, mm_clocks=512.0, softmax_clocks=512.0,
+                      load_clocks=512.0):
+    """When each partition of the Gluon forward (``flashattn.hopper.forward``) does what, for one
+    program streaming ``n_tiles`` K/V tiles through a ring of ``stages`` buffers: a small event
+    simulation that follows the kernel's own order of operations and its mbarrier waits.
+
+    The producer copies Q (one tile per consumer), then K_0, then K_j with V_{j-1}, then V_{n-1},
+    each into slot ``j % stages`` once every consumer has released the tile that held it; the copy
+    engine does one copy at a time (``load_clocks`` each, Q tiles ``load_clocks / 2``). Consumer c,
+    in step j, waits for K_j and V_{j-1} (and, with ``pingpong``, for its turn), issues S_j = Q K_j^T
+    and P_{j-1} V_{j-1} to the tensor cores (shared by the consumers, one matmul at a time,
+    ``mm_clocks`` each), waits for S_j, releases K_j, computes the softmax of tile j
+    (``softmax_clocks``, on its own warps), waits for P V and releases V_{j-1}.
+
+    Returns a dict: ``boxes``, a list of (lane, start, end, label, kind) with lanes "copy engine",
+    "tensor cores", "consumer c"; ``stalls``, a list of (lane, start, end, what) for every wait on
+    an mbarrier that was not yet complete ("ready" for a tile not landed, "empty" for a slot not
+    released, "turn" for ping-pong); and ``end``, the clock at which the last consumer is done."""
+    half = load_clocks / 2
+    # the producer's copies, in its order: (kind, tile, consumer for Q)
+    copies = [("Q", c, c) for c in range(consumers)] + [("K", 0, None)]
+    for j in range(1, n_tiles):
+        copies += [("K", j, None), ("V", j - 1, None)]
+    copies.append(("V", n_tiles - 1, None))
+    landed, released = {}, {}           # (kind, tile) -> clock; (kind, tile, consumer) -> clock
+    boxes, stalls = [], []
+    state = dict(copy=0, producer=0.0, engine=0.0, tc=0.0)
+    step = [0] * consumers              # the next step of each consumer (0 .. n_tiles)
+    free = [0.0] * consumers            # when each consumer is ready for its next step
+    issued = {}                         # (consumer, step) -> clock it issued its matmuls
+
+    def producer_next():
+        if state["copy"] == len(copies):
+            return None
+        kind, j, _ = copies[state["copy"]]
+        if kind != "Q" and j >= stages:
+            keys = [(kind, j - stages, c) for c in range(consumers)]
+            if not all(k in released for k in keys):
+                return None
+            return max(state["producer"], max(released[k] for k in keys))
+        return state["producer"]
+
+    def producer_run(t):
+        kind, j, c = copies[state["copy"]]
+        if t > state["producer"]:
+            stalls.append(("copy engine", state["producer"], t, "empty"))
+        start = max(t, state["engine"])
+        end = start + (half if kind == "Q" else load_clocks)
+        label = f"Q{c}" if kind == "Q" else f"{kind}{j}"
+        boxes.append(("copy engine", start, end, label, kind if kind == "Q" else f"slot {j % stages}"))
+        landed[("Q", c) if kind == "Q" else (kind, j)] = end
+        state.update(producer=t, engine=end, copy=state["copy"] + 1)
+
+    def needs(c, s):
+        need = [("Q", c)] if s == 0 else []
+        if s < n_tiles:
+            need.append(("K", s))
+        if s >= 1:
+            need.append(("V", s - 1))
+        return need
+
+    def turn_after(c, s):
+        return (c - 1, s) if c > 0 else ((consumers - 1, s - 1) if s > 0 else None)
+
+    def consumer_next(c):
+        s = step[c]
+        if s > n_tiles or not all(k in landed for k in needs(c, s)):
+            return None
+        t = max([free[c]] + [landed[k] for k in needs(c, s)])
+        before = turn_after(c, s) if pingpong else None
+        if before is not None:
+            if before not in issued:
+                return None
+            t = max(t, issued[before])
+        return t
+
+    def consumer_run(c, t):
+        s = step[c]
+        lane = f"consumer {c}"
+        data = max([free[c]] + [landed[k] for k in needs(c, s)])
+        if data > free[c]:
+            stalls.append((lane, free[c], data, "ready"))
+        if t > data:
+            stalls.append((lane, data, t, "turn"))
+        issued[(c, s)] = t
+        done = t
+        if s < n_tiles:                                   # S_s = Q K_s^T
+            start = max(t, state["tc"])
+            s_end = start + mm_clocks
+            state["tc"] = s_end
+            boxes.append(("tensor cores", start, s_end, f"S{s}", f"consumer {c}"))
+            released[("K", s, c)] = s_end
+            boxes.append((lane, s_end, s_end + softmax_clocks, f"softmax {s}", "softmax"))
+            done = s_end + softmax_clocks
+        if s >= 1:                                        # O += P_{s-1} V_{s-1}
+            start = max(t, state["tc"])
+            pv_end = start + mm_clocks
+            state["tc"] = pv_end
+            boxes.append(("tensor cores", start, pv_end, f"PV{s - 1}", f"consumer {c}"))
+            done = max(done, pv_end)
+            released[("V", s - 1, c)] = done
+        free[c], step[c] = done, s + 1
+
+    while state["copy"] < len(copies) or any(s <= n_tiles for s in step):
+        options = []
+        t = producer_next()
+        if t is not None:
+            options.append((t, 0, -1))
+        for c in range(consumers):
+            t = consumer_next(c)
+            if t is not None:
+                options.append((t, 1, c))
+        if not options:
+            raise RuntimeError("the pipeline deadlocked")  # cannot happen with the kernel's order
+        t, _, who = min(options)
+        producer_run(t) if who < 0 else consumer_run(who, t)
+    return dict(boxes=boxes, stalls=stalls, end=max(free))
+
+
+def pipeline_timeline(schedule, ax=None, title=None):
+    """Draw a :func:`pipeline_schedule`: one lane per partition (the copy engine the producer
+    drives, the tensor cores, each consumer's own warps), a box per copy, matmul and softmax, the
+    copies coloured by the ring's slot, the matmuls by consumer; hatched spans are waits on an
+    mbarrier not yet complete (red: a tile not landed, or a slot not released; grey: ping-pong's
+    turn)."""
+    import matplotlib.pyplot as plt
+
+    lanes = ["copy engine", "tensor cores"] + sorted({b[0] for b in schedule["boxes"] if b[0].startswith("consumer")})
+    ax = axes_for(ax, (12, 0.8 + 0.7 * len(lanes)))
+    kinds = sorted({b[4] for b in schedule["boxes"]})
+    palette = dict(zip([k for k in kinds if k.startswith("slot")], plt.get_cmap("Pastel1").colors))
+    palette.update(zip([k for k in kinds if k.startswith("consumer")], ["#9ecae1", "#fdae6b", "#a1d99b"]))
+    palette.update(Q="#dddddd", softmax="#c7b9e0")
+    for lane, start, end, label, kind in schedule["boxes"]:
+        y = lanes.index(lane)
+        ax.barh(y, end - start, left=start, height=0.6, color=palette.get(kind, "#cccccc"), edgecolor="black", lw=0.5)
+        ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=6.5)
+    for lane, start, end, what in schedule["stalls"]:
+        y = lanes.index(lane)
+        color = "#bbbbbb" if what == "turn" else "#e34a33"
+        ax.barh(y + 0.3, end - start, left=start, height=0.18, color="none", edgecolor=color, hatch="////", lw=0.8)
+    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("clock cycles of one SM (model)")
+    ax.set_xlim(0, schedule["end"] * 1.01)
+    names = [k for k in palette if k.startswith(("slot", "consumer")) or k == "softmax"]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=palette[k]) for k in names]
+    names = [f"copy into {k}" if k.startswith("slot") else f"matmul of {k}" if k.startswith("consumer") else k
+             for k in names]
+    handles += [plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="#e34a33", hatch="////"),
+                plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="#bbbbbb", hatch="////")]
+    names += ["wait: tile not landed / slot not free", "wait: ping-pong turn"]
+    ax.legend(handles, names, fontsize=7, ncol=min(len(names), 5), loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax

@@ -21,7 +21,7 @@ from .ch06 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, dkdv_ex
 from .ch08 import check_attention_cost, check_choose_config, check_estimate_resources
 from .ch09 import check_kv_head_map, check_varlen_programs, check_window_kv_range
 from .ch10 import check_merge_split_partials
-from .ch11 import check_ring_slot
+from .ch11 import check_ring_slot, check_smem_bytes
 from .ch12 import check_zigzag_blocks, check_zigzag_positions
 from .common import ExerciseError, attempt, expect_close
 
@@ -48,7 +48,7 @@ __all__ = [
     # chapter 10
     "check_merge_split_partials",
     # chapter 11
-    "check_ring_slot",
+    "check_ring_slot", "check_smem_bytes",
     # chapter 12
     "check_zigzag_positions", "check_zigzag_blocks",
 ]

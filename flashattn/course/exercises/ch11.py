@@ -86,3 +86,65 @@ def check_ring_slot(ring_slot):
                                     "an mbarrier starts as if its phase of parity 1 had just completed.")
     passed(f"{name}: a producer and a consumer went through rings of 1 to 4 buffers without deadlock, "
            "without overwriting a tile in use and without reading one before it landed")
+
+
+# ---------------------------------------------------------------------------- shared memory
+
+#: Shared memory the compiler gave the Gluon forward, for sm_90 (``compiled.gluon_report``), per
+#: (head dim, BLOCK_M, BLOCK_KV, STAGES, CONSUMERS, bytes per element): the tiles the program keeps
+#: there, plus under 1 KB of mbarriers and the compiler's own scratch. tests/test_exercises_ch11.py
+#: compiles one of them again and checks its row.
+COMPILED_SMEM = {
+    (128, 64, 128, 3, 2, 2): 229800,   # the default at head dim 128, causal
+    (128, 64, 128, 2, 2, 2): 164200,   # the default at head dim 128 without the mask
+    (128, 64, 128, 2, 3, 2): 180620,   # three consumers
+    (64, 64, 128, 4, 2, 2): 147848,    # the default at head dim 64
+}
+def _tile_bytes(head_dim, block_m, block_kv, stages, consumers, elem_bytes):
+    return (consumers * block_m + 2 * stages * block_kv) * head_dim * elem_bytes
+
+
+def check_smem_bytes(smem_bytes):
+    """Chapter 11: ``smem_bytes(head_dim, block_m, block_kv, stages, consumers, elem_bytes)`` must
+    return the bytes of the tiles the Gluon forward keeps in shared memory: one Q tile of
+    ``block_m`` rows per consumer (O is written back through it) and a ring of ``stages`` tiles of
+    ``block_kv`` rows for K and another for V, ``head_dim`` columns each. Checked against the
+    formula on many configurations and against what the compiler reported for real ones."""
+    name = getattr(smem_bytes, "__name__", "smem_bytes")
+    configs = [(d, m, n, s, c, e) for d in (64, 128) for m in (64,) for n in (64, 128) for s in (1, 2, 3, 4)
+               for c in (2, 3) for e in (2, 4)]
+    first_wrong = None
+    for config in configs:
+        got = attempt(smem_bytes, *config, name=name)
+        want = _tile_bytes(*config)
+        if got == want:
+            continue
+        d, m, n, s, c, e = config
+        call = f"{name}(head_dim={d}, block_m={m}, block_kv={n}, stages={s}, consumers={c}, elem_bytes={e})"
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            raise ExerciseError(f"{call} should return a number of bytes, got {got!r}")
+        diagnoses = [
+            (want // e, "counted elements, not bytes: multiply by elem_bytes"),
+            ((c * m + s * n) * d * e, "K and V share one ring of `stages` buffers: they have one ring each"),
+            ((m + 2 * s * n) * d * e, "counted one Q tile for the program: each consumer has its own"),
+            (2 * s * n * d * e, "left out the Q tiles: they stay in shared memory for the whole loop"),
+            (want + c * m * d * e, "added a buffer for O: the output is written back through the Q tile, "
+                                   "which is no longer read by then"),
+            ((c * m + 2 * (s + 1) * n) * d * e, "counted stages + 1 tiles per ring: a ring of `stages` buffers "
+                                                "holds `stages` tiles"),
+        ]
+        named = {why for value, why in diagnoses if got == value}
+        if len(named) == 1:
+            raise ExerciseError(f"{call} returned {got}, expected {want}: {named.pop()}")
+        first_wrong = first_wrong or f"{call} returned {got}, expected {want} bytes"
+        if not named:  # no mistake this course knows of; two that give the same number: look further
+            raise ExerciseError(first_wrong)
+    if first_wrong:
+        raise ExerciseError(first_wrong)
+    for (d, m, n, s, c, e), smem in COMPILED_SMEM.items():
+        got = attempt(smem_bytes, d, m, n, s, c, e, name=name)
+        if not got <= smem < got + 1024:
+            raise ExerciseError(f"for head dim {d}, BLOCK_M {m}, BLOCK_KV {n}, {s} stages, {c} consumers the compiler "
+                                f"reserved {smem} bytes, and {name} says {got}")
+    passed(f"{name}: the tiles' bytes of {len(configs)} configurations; on the {len(COMPILED_SMEM)} compiled for sm_90, "
+           "within 1 KB below the compiler's figure (the rest: mbarriers and the compiler's scratch)")

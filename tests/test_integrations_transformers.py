@@ -1,0 +1,271 @@
+"""Hugging Face transformers models on flashattn (flashattn.integrations.transformers).
+
+Tiny random-weight models built from their configs (nothing downloaded), each run with flashattn
+and with transformers' SDPA attention (eager where SDPA lacks the feature) on the same weights, in
+float32. The tolerance is the course's rule: the error against the same model in float64 within
+2x SDPA's own float32 error (3x for gradients), plus the rule's floor of a few float32 roundings at
+the size of the values. Generation must give the very same greedy tokens.
+"""
+import copy
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashattn
+from flashattn.testing.rule import floor, max_error
+
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install "flashattn[transformers]")')
+fa_transformers = pytest.importorskip("flashattn.integrations.transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = fa_transformers.register()
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+HAS_SOFTCAP = "softcap" in inspect.signature(flashattn.varlen_attention).parameters
+
+
+def tiny(family, **extra):
+    """A tiny random model of ``family`` ("llama": grouped heads; "mistral": a sliding window of
+    5, shorter than the sequences; "gemma2": logit softcapping and a sliding window), in eval mode."""
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(**TINY, **extra)
+        model = transformers.LlamaForCausalLM(config)
+    elif family == "mistral":
+        config = transformers.MistralConfig(**TINY, sliding_window=5, **extra)
+        model = transformers.MistralForCausalLM(config)
+    else:
+        config = transformers.Gemma2Config(**TINY, head_dim=16, sliding_window=5,
+                                           attn_logit_softcapping=20.0, final_logit_softcapping=None, **extra)
+        model = transformers.Gemma2ForCausalLM(config)
+    return model.eval()
+
+
+def baseline_of(family):
+    return "eager" if family == "gemma2" else "sdpa"
+
+
+def logits(model, implementation, **inputs):
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def padded_batch(side, batch=3, length=12):
+    """Random tokens and a mask with 0, 3 and 7 padding tokens on the left or right."""
+    torch.manual_seed(1)
+    ids = torch.randint(1, TINY["vocab_size"], (batch, length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row, pad in enumerate((0, 3, 7)[:batch]):
+        if pad and side == "left":
+            mask[row, :pad] = 0
+        elif pad:
+            mask[row, length - pad:] = 0
+    return ids, mask
+
+
+def check_rule(ours, baseline, ref64, factor=2.0, what="logits"):
+    """The rule: ours against float64 within ``factor`` x the baseline's error plus the floor."""
+    error, base = max_error(ours, ref64), max_error(baseline, ref64)
+    bound = factor * base + floor(ref64, torch.float32)
+    assert error <= bound, f"{what}: error {error:.2e} > {factor:.0f} x baseline's {base:.2e} + floor = {bound:.2e}"
+    return error, base
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_logits(family, side):
+    if family == "gemma2" and not HAS_SOFTCAP:
+        pytest.skip("flashattn.varlen_attention has no softcap yet (Gemma 2 needs it)")
+    model = tiny(family)
+    ids, mask = padded_batch(side)
+    ours, theirs = logits(model, NAME, input_ids=ids, attention_mask=mask), \
+        logits(model, baseline_of(family), input_ids=ids, attention_mask=mask)
+    ref64 = logits(copy.deepcopy(model).double(), baseline_of(family), input_ids=ids, attention_mask=mask)
+    tokens = mask.bool()   # padding rows mean nothing (and differ between implementations)
+    check_rule(ours[tokens], theirs[tokens], ref64[tokens].float())
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_packed_sequences_logits(family):
+    """Three sequences packed in one row, position_ids restarting at 0 and no mask, as
+    padding-free training feeds them: each sequence sees only itself."""
+    model = tiny(family)
+    lengths = (6, 9, 4)
+    torch.manual_seed(2)
+    ids = torch.randint(1, TINY["vocab_size"], (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    # Without a cache: transformers' masks find packed sequences only then.
+    inputs = dict(input_ids=ids, position_ids=positions, use_cache=False)
+    ours, theirs = logits(model, NAME, **inputs), logits(model, "sdpa", **inputs)
+    ref64 = logits(copy.deepcopy(model).double(), "sdpa", **inputs)
+    check_rule(ours, theirs, ref64.float())
+    # and as separate sequences: the packing changed nothing
+    start = 0
+    for n in lengths:
+        alone = logits(model, NAME, input_ids=ids[:, start:start + n])
+        torch.testing.assert_close(ours[:, start:start + n], alone, rtol=0, atol=1e-5)
+        start += n
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_gradients_of_a_padded_batch(family):
+    """The loss's gradients with respect to every parameter, through a left-padded batch."""
+    model = tiny(family).train()   # attention_dropout is 0: training changes nothing else
+    ids, mask = padded_batch("left")
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def grads(m, implementation):
+        m.set_attn_implementation(implementation)
+        m.zero_grad()
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    ours, theirs = grads(model, NAME), grads(model, "sdpa")
+    ref64 = grads(copy.deepcopy(model).double(), "sdpa")
+    check_rule(ours, theirs, ref64.float(), factor=3.0, what="gradients")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("side", ["none", "left"])
+def test_greedy_generation_with_the_cache(family, side):
+    """model.generate with the KV cache: the queries are shorter than the keys, masked
+    bottom-right (Mistral's window of 5 slides over the 12 + 5 tokens)."""
+    model = tiny(family)
+    ids, mask = padded_batch("left", batch=2)
+    if side == "none":
+        mask = torch.ones_like(mask)
+    tokens = {}
+    for implementation in (NAME, "sdpa"):
+        model.set_attn_implementation(implementation)
+        tokens[implementation] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                                do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens[NAME], tokens["sdpa"]), (tokens[NAME][:, -5:], tokens["sdpa"][:, -5:])
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_prompt_in_two_chunks_with_gradients(family):
+    """A left-padded prompt fed in two chunks through the cache, with gradients on: the second
+    chunk's 4 queries see 12 keys, bottom-right, and each row's padding gives it its own offset
+    (varlen_attention, one call per offset; decode has no backward)."""
+    model = tiny(family)
+    ids, mask = padded_batch("left")
+    first, second = 8, 4
+
+    def second_chunk(m, implementation):
+        m.set_attn_implementation(implementation)
+        with torch.no_grad():
+            cache = m(input_ids=ids[:, :first], attention_mask=mask[:, :first], use_cache=True).past_key_values
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, first:]
+        out = m(input_ids=ids[:, first:], attention_mask=mask, cache=cache,
+                position_ids=positions, use_cache=True).logits
+        out.sum().backward()
+        return out.detach()
+
+    model.zero_grad()
+    ours = second_chunk(model, NAME)
+    ours_grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad()
+    theirs = second_chunk(model, "sdpa")
+    theirs_grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model64 = copy.deepcopy(model).double()
+    model64.zero_grad()
+    ref64 = second_chunk(model64, "sdpa")
+    ref_grad = torch.cat([p.grad.flatten() for p in model64.parameters() if p.grad is not None])
+    check_rule(ours, theirs, ref64.float())
+    check_rule(ours_grad, theirs_grad, ref_grad.float(), factor=3.0, what="gradients")
+
+
+def test_register_refuses_names_transformers_takes():
+    assert NAME == fa_transformers.DEFAULT_NAME and "flash" not in NAME
+    assert fa_transformers.register("course_attention") == "course_attention"
+    for name in ("flashattn", "kernels-community/flash-attn2", "sdpa"):
+        with pytest.raises(ValueError, match="taken by transformers"):
+            fa_transformers.register(name)
+    model = tiny("llama")
+    model.set_attn_implementation("course_attention")
+    assert model.config._attn_implementation == "course_attention"
+
+
+def test_sliding_window_is_counted_as_transformers_counts_it():
+    """transformers' sliding_window=w lets a query see itself and the w - 1 keys before it."""
+    assert fa_transformers.window_of(5, causal=True) == (4, 0)
+    assert fa_transformers.window_of(None, causal=True) == (-1, -1)
+    assert fa_transformers.window_of(3, causal=False) == (3, 3)
+    with pytest.raises(ValueError, match="sliding_window"):
+        fa_transformers.window_of(0, causal=True)
+
+
+def reference_bottom_right(q, k, v, lengths_q, lengths_k, left):
+    """Plain PyTorch, sequence by sequence: causal aligned bottom-right, a window of ``left``."""
+    out, sq, sk = [], 0, 0
+    for nq, nk in zip(lengths_q, lengths_k):
+        i = torch.arange(nq)[:, None] + (nk - nq)
+        j = torch.arange(nk)[None]
+        allowed = (j <= i) & ((j >= i - left) if left >= 0 else True)
+        qs, ks, vs = (t.transpose(0, 1) for t in (q[sq:sq + nq], k[sk:sk + nk], v[sk:sk + nk]))
+        ks, vs = (t.repeat_interleave(qs.shape[0] // t.shape[0], 0) for t in (ks, vs))
+        o = torch.nn.functional.scaled_dot_product_attention(qs.double(), ks.double(), vs.double(),
+                                                             attn_mask=allowed)
+        out.append(torch.where(allowed.any(-1)[:, None, None], o.transpose(0, 1), 0.0))
+        sq, sk = sq + nq, sk + nk
+    return torch.cat(out).float()
+
+
+@pytest.mark.parametrize("left", [-1, 2])
+@pytest.mark.parametrize("grad", [False, True])
+def test_bottom_right_masking_of_packed_sequences(left, grad):
+    """Sequences whose keys outnumber their queries by different offsets (0, 3, 9, one without
+    queries): the windows that write bottom-right masking top-left, grouped by offset, or decode."""
+    lengths_q, lengths_k = [5, 1, 3, 0], [5, 4, 12, 6]
+    torch.manual_seed(3)
+    q = torch.randn(sum(lengths_q), 4, 16)
+    k, v = (torch.randn(sum(lengths_k), 2, 16) for _ in range(2))
+    call = fa_transformers.Call(scale=None, causal=True, window=(left, 0), dropout=0.0, softcap=None, gqa=True)
+    inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    out = call.packed(*inputs, lengths_q, lengths_k)
+    torch.testing.assert_close(out, reference_bottom_right(q, k, v, lengths_q, lengths_k, left),
+                               rtol=0, atol=1e-5)
+    # decode's path: every sequence with the same number of queries
+    call.packed(q[:3], k, v, [1, 1, 1, 0], lengths_k)
+
+
+def test_missing_features_are_named():
+    """Softcapping and attention dropout raise a NotImplementedError naming the feature when the
+    installed flashattn lacks the keyword."""
+    def lacking(q, k, v, is_causal=False):
+        pass
+    with pytest.raises(NotImplementedError, match="softcap"):
+        fa_transformers.options_for(lacking, 0.0, 30.0)
+    with pytest.raises(NotImplementedError, match="attention dropout"):
+        fa_transformers.options_for(lacking, 0.1, None)
+    assert fa_transformers.options_for(lacking, 0.0, None) == {}
+    if not HAS_SOFTCAP:
+        model = tiny("gemma2")
+        ids, mask = padded_batch("left")
+        with pytest.raises(NotImplementedError, match="softcap"):
+            logits(model, NAME, input_ids=ids, attention_mask=mask)
+    if "dropout_p" not in inspect.signature(flashattn.attention).parameters:
+        model = tiny("llama", attention_dropout=0.1).train()
+        with pytest.raises(NotImplementedError, match="attention dropout"):
+            model.set_attn_implementation(NAME)
+            model(input_ids=torch.randint(0, 128, (1, 6)))
+
+
+def test_importing_flashattn_does_not_import_transformers():
+    code = ("import sys, flashattn, flashattn.integrations\n"
+            "assert 'transformers' not in sys.modules, 'flashattn imported transformers'\n"
+            "sys.modules['transformers'] = None  # as if it were not installed\n"
+            "try:\n"
+            "    import flashattn.integrations.transformers\n"
+            "except ImportError as error:\n"
+            "    assert 'pip install \"flashattn[transformers]\"' in str(error), error\n"
+            "else:\n"
+            "    raise AssertionError('no ImportError')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]

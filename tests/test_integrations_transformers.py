@@ -136,19 +136,22 @@ def test_gradients_of_a_padded_batch(family):
 @pytest.mark.parametrize("family, side", [("llama", "none"), ("mistral", "left"),
                                           pytest.param("llama", "left", marks=pytest.mark.slow),
                                           pytest.param("mistral", "none", marks=pytest.mark.slow)])
-def test_greedy_generation_with_the_cache(family, side):
+def test_greedy_generation_with_the_cache(family, side, monkeypatch):
     """model.generate with the KV cache: the queries are shorter than the keys, masked
     bottom-right (Mistral's window of 5 slides over the 12 + 5 tokens)."""
     model = tiny(family)
     ids, mask = padded_batch("left", batch=2)
     if side == "none":
         mask = torch.ones_like(mask)
-    tokens = {}
+    tokens, decoded = {}, []
+    decode = flashattn.decode
+    monkeypatch.setattr(flashattn, "decode", lambda *a, **kw: decoded.append(1) or decode(*a, **kw))
     for implementation in (NAME, "sdpa"):
         model.set_attn_implementation(implementation)
         tokens[implementation] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
                                                 do_sample=False, pad_token_id=0)
     assert torch.equal(tokens[NAME], tokens["sdpa"]), (tokens[NAME][:, -5:], tokens["sdpa"][:, -5:])
+    assert len(decoded) == 4 * TINY["num_hidden_layers"], "each new token after the first is a decoding step"
 
 
 @pytest.mark.parametrize("family", ["llama", MISTRAL_SLOW])
@@ -237,6 +240,49 @@ def test_bottom_right_masking_of_packed_sequences(left, grad):
     out = call.packed(inputs[0][:3], *inputs[1:], [1, 1, 1, 0], lengths_k)
     torch.testing.assert_close(out, reference_bottom_right(q[:3], k, v, [1, 1, 1, 0], lengths_k, left),
                                rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("left", [-1, 2])
+def test_bottom_right_masking_of_a_whole_batch(left):
+    """No padding, 3 queries against 10 keys, with gradients (flashattn.attention and a window
+    written for the offset) and without (flashattn.decode)."""
+    torch.manual_seed(4)
+    q = torch.randn(2, 4, 3, 16)
+    k, v = (torch.randn(2, 2, 10, 16) for _ in range(2))
+    call = fa_transformers.Call(scale=0.3, causal=True, window=(left, 0), dropout=0.0, softcap=None, gqa=True)
+    flat = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])  # noqa: E731
+    expected = reference_bottom_right(flat(q) / 0.25 * 0.3, flat(k), flat(v), [3, 3], [10, 10], left)
+    for grad in (True, False):
+        inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        out = call.dense(*inputs)
+        assert out.requires_grad == grad
+        torch.testing.assert_close(flat(out.detach()), expected, rtol=0, atol=1e-5)
+
+
+def test_options_reach_the_kernels(monkeypatch):
+    """A flashattn whose ops take dropout_p and softcap gets them from the model's call, with the
+    model's scaling and window (checked with stand-ins that record their keywords)."""
+    seen = []
+
+    def recording(op):
+        def stand_in(*args, dropout_p=0.0, softcap=0.0, **kwargs):
+            seen.append((op.__name__, dropout_p, softcap, kwargs))
+            return op(*args, **kwargs)
+        stand_in.__name__ = op.__name__
+        return stand_in
+
+    monkeypatch.setattr(flashattn, "attention", recording(flashattn.attention))
+    monkeypatch.setattr(flashattn, "varlen_attention", recording(flashattn.varlen_attention))
+    query = torch.randn(2, 4, 6, 16)
+    key = value = torch.randn(2, 2, 6, 16)
+    module = torch.nn.Module()
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, :2] = False
+    for attention_mask in (None, mask):
+        fa_transformers.attention_forward(module, query, key, value, attention_mask, dropout=0.1,
+                                          scaling=0.2, sliding_window=3, softcap=30.0)
+    assert [(name, p, cap, kw["scale"], kw["window_size"], kw["enable_gqa"]) for name, p, cap, kw in seen] == [
+        ("attention", 0.1, 30.0, 0.2, (2, 0), True), ("varlen_attention", 0.1, 30.0, 0.2, (2, 0), True)]
 
 
 def test_missing_features_are_named():

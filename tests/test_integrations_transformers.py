@@ -75,7 +75,8 @@ def check_rule(ours, baseline, ref64, factor=2.0, what="logits"):
     """The rule: ours against float64 within ``factor`` x the baseline's error plus the floor."""
     error, base = max_error(ours, ref64), max_error(baseline, ref64)
     bound = factor * base + floor(ref64, torch.float32)
-    assert error <= bound, f"{what}: error {error:.2e} > {factor:.0f} x baseline's {base:.2e} + floor = {bound:.2e}"
+    assert error <= bound, \
+        f"{what}: error {error:.2e} > {factor:.0f} x baseline's {base:.2e} + floor = {bound:.2e}"
     return error, base
 
 
@@ -166,7 +167,8 @@ def test_a_prompt_in_two_chunks_with_gradients(family):
     def second_chunk(m, implementation):
         m.set_attn_implementation(implementation)
         with torch.no_grad():
-            cache = m(input_ids=ids[:, :first], attention_mask=mask[:, :first], use_cache=True).past_key_values
+            cache = m(input_ids=ids[:, :first], attention_mask=mask[:, :first],
+                      use_cache=True).past_key_values
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, first:]
         out = m(input_ids=ids[:, first:], attention_mask=mask, cache=cache,
                 position_ids=positions, use_cache=True).logits
@@ -231,7 +233,8 @@ def test_bottom_right_masking_of_packed_sequences(left, grad):
     torch.manual_seed(3)
     q = torch.randn(sum(lengths_q), 4, 16)
     k, v = (torch.randn(sum(lengths_k), 2, 16) for _ in range(2))
-    call = fa_transformers.Call(scale=None, causal=True, window=(left, 0), dropout=0.0, softcap=None, gqa=True)
+    call = fa_transformers.Call(scale=None, causal=True, window=(left, 0), dropout=0.0, softcap=None,
+                                gqa=True)
     inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
     out = call.packed(*inputs, lengths_q, lengths_k)
     torch.testing.assert_close(out, reference_bottom_right(q, k, v, lengths_q, lengths_k, left),
@@ -281,7 +284,8 @@ def test_options_reach_the_kernels(monkeypatch):
     for attention_mask in (None, mask):
         fa_transformers.attention_forward(module, query, key, value, attention_mask, dropout=0.1,
                                           scaling=0.2, sliding_window=3, softcap=30.0)
-    assert [(name, p, cap, kw["scale"], kw["window_size"], kw["enable_gqa"]) for name, p, cap, kw in seen] == [
+    assert [(name, p, cap, kw["scale"], kw["window_size"], kw["enable_gqa"])
+            for name, p, cap, kw in seen] == [
         ("attention", 0.1, 30.0, 0.2, (2, 0), True), ("varlen_attention", 0.1, 30.0, 0.2, (2, 0), True)]
 
 
@@ -317,5 +321,6 @@ def test_importing_flashattn_does_not_import_transformers():
             "    assert 'pip install \"flashattn[transformers]\"' in str(error), error\n"
             "else:\n"
             "    raise AssertionError('no ImportError')\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -48,7 +48,8 @@ def test_triton_imported_first_without_kernels_is_quiet(first):
     """Libraries that import triton and define no kernel (torch._dynamo imports it, and
     transformers imports torch._dynamo) lose nothing when flashattn re-imports triton: no warning."""
     if first.startswith("from transformers"):
-        pytest.importorskip("transformers", reason="transformers is not installed (pip install \"flashattn[transformers]\")")
+        pytest.importorskip("transformers",
+                            reason='transformers is not installed (pip install "flashattn[transformers]")')
     result = run_python(f"import warnings, sys, torch\n{first}\n"
                         "assert 'triton' in sys.modules\n"
                         "with warnings.catch_warnings(record=True) as w:\n"

@@ -113,7 +113,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         lengths = packed_lengths(kwargs, batch, n_q, n_k)
         if lengths is not None:
             out = call.packed(*(t.reshape(-1, t.shape[2], head_dim) for t in (q, k, v)), *lengths)
-            out = out.view(batch, n_q, heads_q, head_dim)
+            out = out.view(batch, n_q, heads_q, value.shape[-1])
         else:
             out = call.dense(query, key, value).transpose(1, 2)
     return out.contiguous(), None
@@ -123,7 +123,8 @@ def window_of(sliding_window, causal):
     """FlashAttention's ``window_size`` for transformers' ``sliding_window`` (None: no window)."""
     if sliding_window is None:
         return -1, -1
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) or sliding_window < 1:
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) \
+            or sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     # Causal: key j is seen from query i when i - sliding_window < j <= i (the query counts). Not
     # causal: masking_utils' bidirectional window keeps |i - j| <= sliding_window.
@@ -216,8 +217,9 @@ class Call:
             return self.varlen(q, k, v, lengths_q, lengths_k, groups[0])
         # One call per offset: each sequence's masking is a window, and a window is per call.
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-        seq_q = torch.repeat_interleave(torch.tensor(offsets, device=q.device), torch.tensor(lengths_q, device=q.device))
-        seq_k = torch.repeat_interleave(torch.tensor(offsets, device=q.device), torch.tensor(lengths_k, device=q.device))
+        per_token = lambda lengths: torch.repeat_interleave(  # noqa: E731  (each token's offset)
+            torch.tensor(offsets, device=q.device), torch.tensor(lengths, device=q.device))
+        seq_q, seq_k = per_token(lengths_q), per_token(lengths_k)
         for offset in groups:
             rows = (seq_q == offset).nonzero().flatten()
             cols = (seq_k == offset).nonzero().flatten()
@@ -254,8 +256,9 @@ def padded(call, q, k, v, attention_mask):
     """A padded batch, ``(B, N, H, D)``: its tokens packed, attended, and scattered back (padding
     rows get 0)."""
     if attention_mask.dim() != 2:
-        raise ValueError(f"flashattn's attention takes the 2-D padding mask its mask function makes; got a "
-                         f"mask of shape {tuple(attention_mask.shape)} (a custom 4-D mask: use 'sdpa' or 'eager')")
+        raise ValueError("flashattn's attention takes the 2-D padding mask its mask function makes; got "
+                         f"a mask of shape {tuple(attention_mask.shape)} (a custom 4-D mask: use 'sdpa' "
+                         "or 'eager')")
     batch, n_q, heads_q, head_dim = q.shape
     n_k = k.shape[1]
     mask = attention_mask.to(device=q.device, dtype=torch.bool)
@@ -268,7 +271,7 @@ def padded(call, q, k, v, attention_mask):
         end = n_k
     # Causal self-attention: the queries are the newest tokens, the mask's last columns. Without
     # causality every query row is computed (as SDPA does for padding rows).
-    rows = mask[:, end - n_q:end] if call.causal else torch.ones(batch, n_q, dtype=torch.bool, device=q.device)
+    rows = mask[:, end - n_q:end] if call.causal else mask.new_ones(batch, n_q)
     q_index, k_index = rows.reshape(-1).nonzero().flatten(), mask.reshape(-1).nonzero().flatten()
     flat = [t.reshape(-1, t.shape[2], head_dim) for t in (q, k, v)]
     out = call.packed(flat[0][q_index], flat[1][k_index], flat[2][k_index],
@@ -312,5 +315,6 @@ def cumulative(lengths, device):
 def key_ranks(lengths, device):
     """Each packed token's position within its sequence."""
     total = sum(lengths)
-    first = torch.repeat_interleave(cumulative(lengths, device)[:-1].long(), torch.tensor(lengths, device=device))
+    first = torch.repeat_interleave(cumulative(lengths, device)[:-1].long(),
+                                    torch.tensor(lengths, device=device))
     return torch.arange(total, device=device) - first

@@ -270,6 +270,38 @@ def test_bottom_right_masking_of_a_whole_batch(left):
         torch.testing.assert_close(flat(out.detach()), expected, rtol=0, atol=1e-5)
 
 
+def test_packed_rows_from_position_ids_or_cu_seq_lens():
+    """The attention function finds the same sequences from position_ids restarting at 0 as from
+    FlashAttention's cu_seq_lens keywords (int64 here, as torch.cumsum makes them), and attends
+    each alone."""
+    lengths = [6, 9, 4]
+    torch.manual_seed(5)
+    query = torch.randn(1, 4, sum(lengths), 16)
+    key, value = (torch.randn(1, 2, sum(lengths), 16) for _ in range(2))
+    module = torch.nn.Module()
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    by_positions, _ = fa_transformers.attention_forward(module, query, key, value, None,
+                                                        position_ids=positions)
+    by_cu, _ = fa_transformers.attention_forward(module, query, key, value, None, cu_seq_lens_q=cu,
+                                                 cu_seq_lens_k=cu, position_ids=positions)
+    assert torch.equal(by_positions, by_cu)
+    flat = lambda t: t[0].transpose(0, 1)  # noqa: E731  (tokens, heads, D)
+    expected = reference_bottom_right(flat(query), flat(key), flat(value), lengths, lengths, -1)
+    torch.testing.assert_close(by_positions[0], expected, rtol=0, atol=1e-5)
+
+
+def test_padding_mask_is_none_without_padding():
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    assert fa_transformers.padding_mask(2, 7, 7, attention_mask=mask) is None
+    mask[0, 0] = False
+    assert fa_transformers.padding_mask(2, 7, 7, attention_mask=mask).shape == (2, 7)
+    # a sliding layer's cache holds the last 4 keys, past the padding
+    assert fa_transformers.padding_mask(2, 1, 4, attention_mask=mask) is None
+    # a static cache of 10 entries, 7 written
+    assert fa_transformers.padding_mask(2, 3, 10, attention_mask=mask).shape == (2, 7)
+
+
 def test_options_reach_the_kernels(monkeypatch):
     """A flashattn whose ops take dropout_p and softcap gets them from the model's call, with the
     model's scaling and window (checked with stand-ins that record their keywords)."""

@@ -19,7 +19,8 @@ from .ops.varlen import varlen_attention  # noqa: E402
 __all__ = ["attention", "varlen_attention", "decode", "DEVICE", "INTERPRET", "RUNTIME", "describe"]
 #: The layers, bottom up (CONTRIBUTING.md draws them; tests/test_layers.py checks that every import
 #: points down this list).
-LAYERS = ("gpu", "kernels", "hopper", "ops", "distributed", "testing", "plotting", "measure", "course")
+LAYERS = ("gpu", "kernels", "hopper", "ops", "distributed", "integrations", "testing", "plotting", "measure",
+          "course")
 
 
 def __getattr__(name):

@@ -116,14 +116,31 @@ def test_varlen_backward_is_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(run(), run()))
 
 
+def test_varlen_takes_int64_cu_seqlens():
+    """int64 cumulative lengths (what torch.cumsum of lengths gives) run as int32 ones do, forward
+    and backward; a total past int32's range is refused by name."""
+    lengths = [5, 0, 9]
+    q, k, v = (t.requires_grad_() for t in make_packed(lengths, lengths, 2, 1, 16, torch.float32))
+    cu = cu_seqlens(lengths)
+    results = []
+    for bounds in (cu, cu.long()):
+        out = flashattn.varlen_attention(q, k, v, bounds, bounds, 9, 9, is_causal=True, enable_gqa=True)
+        results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with pytest.raises(ValueError, match="cu_seqlens_k ends at 2147483648, past int32's range"):
+        from flashattn.ops.varlen import _check_cu_seqlens  # the total cannot be reached with real tensors
+        _check_cu_seqlens("cu_seqlens_k", torch.tensor([0, 2 ** 31], device=DEVICE), 2 ** 31, q.device)
+
+
 def test_varlen_errors():
     q, k, v = make_packed([5, 7], [5, 7], 2, 2, 16, torch.float32)
     cu = cu_seqlens([5, 7])
     call = lambda **kw: flashattn.varlen_attention(  # noqa: E731
         **{"q": q, "k": k, "v": v, "cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 7,
            "max_seqlen_k": 7, **kw})
-    with pytest.raises(TypeError, match="cu_seqlens_q has dtype torch.int64; expected torch.int32"):
-        call(cu_seqlens_q=cu.long())
+    with pytest.raises(TypeError,
+                       match=r"cu_seqlens_q has dtype torch.float32; expected torch.int32 \(or torch.int64\)"):
+        call(cu_seqlens_q=cu.float())
     with pytest.raises(ValueError, match="cu_seqlens_k is on meta"):
         call(cu_seqlens_k=torch.zeros(3, dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match="cu_seqlens_q must start at 0; got 1"):

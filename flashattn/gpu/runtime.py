@@ -16,6 +16,26 @@ import warnings
 
 import torch
 
+def _kernels_defined_outside_triton():
+    """The names of the ``@triton.jit`` functions that exist now and were defined outside Triton's
+    own modules. Libraries import triton without defining any kernel (torch._dynamo does, so
+    importing a transformers model does): re-importing triton then loses nothing. Triton's own
+    helpers (tl.standard's, tl.random's) are made again by the re-import."""
+    import gc
+
+    jit = sys.modules.get("triton.runtime.jit")
+    kind = getattr(jit, "JITFunction", None)
+    if kind is None:
+        return []
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, kind):
+            module = getattr(getattr(obj, "fn", None), "__module__", None) or ""
+            if module.split(".")[0] != "triton":
+                found.append(f"{module}.{getattr(obj, '__name__', '?')}")
+    return found
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     INTERPRET = True
     REASON = "TRITON_INTERPRET=1 was set"
@@ -29,13 +49,19 @@ else:
     if "triton" in sys.modules:
         # Triton was imported in compiling mode, and its own helpers (tl.max, tl.zeros, ...) were
         # built for the compiler. Forget its Python modules (not its C extension) so that the
-        # import below gets a copy in interpreter mode.
+        # import below gets a copy in interpreter mode. That is harmless unless kernels were
+        # already defined with the first copy: only then is there something to warn about.
+        kernels = _kernels_defined_outside_triton()
         for name in [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]:
             del sys.modules[name]
-        warnings.warn("triton was imported before flashattn on a machine without a CUDA GPU; "
-                      "flashattn re-imported it in interpreter mode. Kernels you define with the "
-                      "triton module imported earlier will not run on the CPU: import flashattn "
-                      "first (or set TRITON_INTERPRET=1 before starting Python).", stacklevel=2)
+        if kernels:
+            shown = ", ".join(kernels[:3]) + (", ..." if len(kernels) > 3 else "")
+            warnings.warn("triton was imported before flashattn on a machine without a CUDA GPU; "
+                          "flashattn re-imported it in interpreter mode. The kernels defined with "
+                          f"the triton imported earlier ({shown}) will not run on the CPU: import "
+                          "flashattn first (or set TRITON_INTERPRET=1 before starting Python).",
+                          stacklevel=2)
+
 
 def _exact_interpreter_dots():
     """Make the interpreter's ``tl.dot`` sum in float64 and round once to the accumulator's dtype.

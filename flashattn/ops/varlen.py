@@ -41,8 +41,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q: ``(total_q, H_q, D)``, the queries of all sequences one after another.
         k, v: ``(total_k, H_kv, D)``, the keys and values likewise (``H_kv = H_q`` unless
             ``enable_gqa``).
-        cu_seqlens_q, cu_seqlens_k: int32 tensors of ``batch + 1`` entries on the inputs' device,
-            the cumulative lengths: starting at 0, non-decreasing, ending at ``total_q`` (``total_k``).
+        cu_seqlens_q, cu_seqlens_k: int32 (or int64) tensors of ``batch + 1`` entries on the
+            inputs' device, the cumulative lengths: starting at 0, non-decreasing, ending at
+            ``total_q`` (``total_k``). int64 ones (what ``torch.cumsum`` gives) are converted to
+            the int32 the kernels read, after checking that the values fit.
             Sequence ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; a sequence may be empty.
         max_seqlen_q, max_seqlen_k: at least the longest query (key) sequence, as FlashAttention
             asks; checked here, not needed by the kernels.
@@ -63,8 +65,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     check_inputs(*(t.transpose(0, 1) if isinstance(t, torch.Tensor) else t for t in (q, k, v)),
            is_causal, scale, return_lse, enable_gqa)
     window_size = check_window_size(window_size)
-    lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    cu_seqlens_q, lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    cu_seqlens_k, lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
     if len(lengths_q) != len(lengths_k):
         raise ValueError(f"cu_seqlens_q has {len(lengths_q) + 1} entries but cu_seqlens_k has "
                          f"{len(lengths_k) + 1}; both must be batch + 1 long")
@@ -88,11 +90,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def _check_cu_seqlens(name, cu_seqlens, total, device):
-    """The lengths of the sequences (a list of ints), or a TypeError/ValueError naming ``name``."""
+    """``cu_seqlens`` as int32 and the lengths of the sequences (a list of ints), or a
+    TypeError/ValueError naming ``name``."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"{name} has dtype {cu_seqlens.dtype}; expected torch.int32")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} has dtype {cu_seqlens.dtype}; expected torch.int32 (or torch.int64)")
     if cu_seqlens.device != device:
         raise ValueError(f"{name} is on {cu_seqlens.device} but q is on {device}; they must be on "
                          "the same device")
@@ -109,5 +112,9 @@ def _check_cu_seqlens(name, cu_seqlens, total, device):
                          f"{bounds[at + 1]} at index {at + 1}")
     if bounds[-1] != total:
         raise ValueError(f"{name} must end at the number of tokens, {total}; got {bounds[-1]}")
-    return lengths
+    # The kernels read int32 offsets; from 0, non-decreasing, ending at the total, every value fits
+    # when the total does.
+    if bounds[-1] > torch.iinfo(torch.int32).max:
+        raise ValueError(f"{name} ends at {bounds[-1]}, past int32's range: the kernels read int32 offsets")
+    return cu_seqlens.to(torch.int32), lengths
 

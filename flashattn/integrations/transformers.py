@@ -1,0 +1,320 @@
+"""Hugging Face transformers models on flashattn's kernels.
+
+    import flashattn.integrations.transformers as fa_transformers
+    name = fa_transformers.register()                   # "fa_triton"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
+
+transformers looks up each layer's attention function by the name in ``attn_implementation``, in
+its ``AttentionInterface``, and calls it with the query, key and value states ``(B, H, N, D)``
+after the rotary embedding and the KV cache's update. The mask reaching that function is made by
+the mask function registered under the same name in ``AttentionMaskInterface``: here it is the 2-D
+padding mask (True for a token, False for padding) or None, never a 4-D mask of N_q x N_k, since
+the kernels mask causality and windows themselves. (A name missing from the mask interface gets
+no mask at all, and a padded batch would silently attend its padding.)
+
+What the attention function does with what it gets:
+
+- no mask, query as long as the keys: ``flashattn.attention``, causal, windowed, grouped heads as
+  they come;
+- ``position_ids`` that restart (several sequences packed in a row, as transformers' data collator
+  for padding-free training makes them), or FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
+  keywords: ``flashattn.varlen_attention`` over the sequences;
+- a padding mask: the tokens are gathered into a packed batch (no padding), attended with
+  ``varlen_attention`` and scattered back; padding rows of the output are 0;
+- a query shorter than its keys (a KV cache: generation, or a prompt fed in chunks): causal masking
+  must be aligned bottom-right, the last query seeing the last key, while flashattn's
+  ``attention`` and ``varlen_attention`` align it top-left. A sequence whose keys outnumber its
+  queries by ``off`` sees, with top-left positions, keys ``j <= i + off``: the window
+  ``(-1, off)`` without ``is_causal`` is exactly bottom-right causal masking (and a sliding window
+  of ``left`` keys becomes ``(left - off, off)`` once the keys no query sees are dropped). Sequences
+  with different offsets (a padded batch with a cache) are run in groups of equal offset. Without
+  gradients, dropout or softcapping, ``flashattn.decode``, made for this case, runs instead.
+
+transformers' sliding windows count the query itself: ``sliding_window=w`` lets query ``i`` see
+keys ``i - w < j <= i``, which is FlashAttention's ``window_size=(w - 1, 0)``.
+"""
+import inspect
+import numbers
+
+import torch
+
+import flashattn
+
+try:
+    from transformers import AttentionInterface, AttentionMaskInterface
+except ImportError as error:  # the integration is optional: say how to get what it needs
+    raise ImportError("flashattn.integrations.transformers needs Hugging Face transformers: "
+                      'pip install "flashattn[transformers]"') from error
+
+#: The name registered by default. transformers reads any name containing "flash" as one of its
+#: FlashAttention backends (and a name with a "/" as a kernel on the Hub), so it must avoid both.
+DEFAULT_NAME = "fa_triton"
+
+
+def register(name=None):
+    """Register flashattn's attention (and its padding-mask function) with transformers under
+    ``name`` (by default ``DEFAULT_NAME``) and return the name to pass as ``attn_implementation``."""
+    name = DEFAULT_NAME if name is None else name
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if "flash" in name.lower() or "/" in name or name in ("eager", "sdpa", "flex_attention"):
+        raise ValueError(f"name {name!r} is taken by transformers: a name containing 'flash' selects its "
+                         "FlashAttention backends, one with '/' a kernel from the Hub, and eager, sdpa, "
+                         "flex_attention are its own; choose another")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, padding_mask)
+    return name
+
+
+def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs):
+    """transformers' mask function for this attention: the 2-D padding mask of the keys the layer
+    holds (bool, ``(B, N_k)``), or None when nothing is padded.
+
+    The causal and window patterns (``mask_function``) are left to the kernels; the mask function's
+    other overlays (bidirectional image tokens, chunked attention) are not supported.
+    """
+    if attention_mask is None:
+        return None
+    # A sliding-window cache holds only the last keys: their columns are the mask's last ones.
+    mask = attention_mask[:, -kv_length:].bool()
+    if mask.shape[-1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention function: ``(B, H_q, N_q, D)`` queries against ``(B, H_kv, N_k, D)``
+    keys and values; returns ``(out, None)`` with ``out`` of shape ``(B, N_q, H_q, D)`` (no
+    attention weights: they are never formed)."""
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("flashattn's transformers integration does not support attention sinks "
+                                  "(s_aux); use attn_implementation='eager'")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("flashattn never forms the attention weights (output_attentions=True); "
+                                  "use attn_implementation='eager'")
+    batch, heads_q, n_q, head_dim = query.shape
+    heads_kv, n_k = key.shape[1], key.shape[2]
+    if heads_q % heads_kv:
+        raise ValueError(f"the query has {heads_q} heads and the keys {heads_kv}: the query heads must be "
+                         "a multiple of the key heads")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if causal and n_q > n_k:
+        raise ValueError(f"a causal layer got {n_q} queries but only {n_k} keys: a query's own key "
+                         "must be among the keys")
+    call = Call(scale=scaling, causal=causal, window=window_of(sliding_window, causal),
+                dropout=float(dropout or 0.0), softcap=softcap, gqa=heads_q != heads_kv)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # (B, N, H, D): the tokens' layout
+
+    if attention_mask is not None:
+        out = padded(call, q, k, v, attention_mask)
+    else:
+        lengths = packed_lengths(kwargs, batch, n_q, n_k)
+        if lengths is not None:
+            out = call.packed(*(t.reshape(-1, t.shape[2], head_dim) for t in (q, k, v)), *lengths)
+            out = out.view(batch, n_q, heads_q, value.shape[-1])
+        else:
+            out = call.dense(query, key, value).transpose(1, 2)
+    return out.contiguous(), None
+
+
+def window_of(sliding_window, causal):
+    """FlashAttention's ``window_size`` for transformers' ``sliding_window`` (None: no window)."""
+    if sliding_window is None:
+        return -1, -1
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) \
+            or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    # Causal: key j is seen from query i when i - sliding_window < j <= i (the query counts). Not
+    # causal: masking_utils' bidirectional window keeps |i - j| <= sliding_window.
+    return (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+
+
+def options_for(op, dropout, softcap):
+    """The keywords beyond the defaults that ``op`` gets, or a NotImplementedError naming the
+    feature the installed flashattn lacks."""
+    options, parameters = {}, inspect.signature(op).parameters
+    if dropout:
+        if "dropout_p" not in parameters:
+            raise NotImplementedError(
+                f"attention dropout: the model trains with attention_dropout={dropout}, but "
+                f"flashattn.{op.__name__} has no dropout_p here; set config.attention_dropout = 0.0")
+        options["dropout_p"] = dropout
+    if softcap is not None:
+        if "softcap" not in parameters:
+            raise NotImplementedError(
+                f"logit softcapping (softcap={softcap}, as Gemma 2's attn_logit_softcapping): "
+                f"flashattn.{op.__name__} has no softcap here; use attn_implementation='eager'")
+        options["softcap"] = float(softcap)
+    return options
+
+
+class Call:
+    """One layer's call: the options every sequence shares, and the three ways to run it."""
+
+    def __init__(self, scale, causal, window, dropout, softcap, gqa):
+        self.scale, self.causal, self.window = scale, causal, window
+        self.dropout, self.softcap, self.gqa = dropout, softcap, gqa
+
+    def masking(self, offset):
+        """``(is_causal, window_size)`` for a sequence whose keys outnumber its queries by
+        ``offset`` (after the keys before the window were dropped): bottom-right causal masking
+        written as a top-left window (see the module's docstring)."""
+        left, right = self.window
+        if not self.causal:
+            return False, (left, right)
+        if offset == 0:
+            return True, (left, 0) if left >= 0 else (-1, -1)
+        return False, (left - offset if left >= 0 else -1, offset)
+
+    def dropped(self, offset):
+        """How many of a causal sequence's first keys no query sees (before its window)."""
+        left = self.window[0]
+        return max(0, offset - left) if self.causal and left >= 0 else 0
+
+    def may_decode(self, query, key, value, n_q):
+        """Whether ``flashattn.decode`` can compute this call: forward only, no dropout, no
+        softcap, and a window only for one query (whose window is a cache's last keys)."""
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return (self.causal and not grad and not self.dropout and self.softcap is None
+                and (self.window[0] < 0 or n_q == 1) and self.window[1] <= 0)
+
+    def dense(self, query, key, value):
+        """Every sequence of the batch is whole: ``(B, H, N, D)`` in and out."""
+        n_q, n_k = query.shape[2], key.shape[2]
+        offset = n_k - n_q if self.causal else 0
+        start = self.dropped(offset)
+        key, value = key[:, :, start:], value[:, :, start:]
+        if offset > 0 and self.may_decode(query, key, value, n_q):
+            # The lengths on the host, where decode checks them without waiting for the GPU.
+            lengths = torch.full((query.shape[0],), n_k - start, dtype=torch.int32)
+            return flashattn.decode(query, key, value, lengths, scale=self.scale)
+        is_causal, window = self.masking(offset - start)
+        options = options_for(flashattn.attention, self.dropout, self.softcap)
+        return flashattn.attention(query, key, value, is_causal=is_causal, scale=self.scale,
+                                   enable_gqa=self.gqa, window_size=window, **options)
+
+    def packed(self, q, k, v, lengths_q, lengths_k):
+        """Packed sequences, ``(tokens, H, D)``, of the given lengths (lists of ints)."""
+        offsets = [nk - nq if self.causal else 0 for nq, nk in zip(lengths_q, lengths_k)]
+        if any(o < 0 for o, nq in zip(offsets, lengths_q) if nq):
+            raise ValueError("a causal sequence has more queries than keys: its own keys must be among them")
+        starts = [self.dropped(o) if nq else nk for o, nq, nk in zip(offsets, lengths_q, lengths_k)]
+        if any(starts):  # drop the keys before every window (and those of sequences without queries)
+            keep = key_ranks(lengths_k, k.device) >= torch.repeat_interleave(
+                torch.tensor(starts, device=k.device), torch.tensor(lengths_k, device=k.device))
+            k, v = k[keep], v[keep]
+            lengths_k = [nk - s for nk, s in zip(lengths_k, starts)]
+            offsets = [o - s if nq else 0 for o, s, nq in zip(offsets, starts, lengths_q)]
+        groups = sorted({o for o, nq in zip(offsets, lengths_q) if nq})
+        if not groups:
+            return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        if groups != [0] and all(nq == max(lengths_q) for nq in lengths_q) and \
+                self.may_decode(q, k, v, lengths_q[0]):
+            return self.decode_packed(q, k, v, lengths_q[0], lengths_k)
+        if len(groups) == 1:
+            return self.varlen(q, k, v, lengths_q, lengths_k, groups[0])
+        # One call per offset: each sequence's masking is a window, and a window is per call.
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        per_token = lambda lengths: torch.repeat_interleave(  # noqa: E731  (each token's offset)
+            torch.tensor(offsets, device=q.device), torch.tensor(lengths, device=q.device))
+        seq_q, seq_k = per_token(lengths_q), per_token(lengths_k)
+        for offset in groups:
+            rows = (seq_q == offset).nonzero().flatten()
+            cols = (seq_k == offset).nonzero().flatten()
+            members = [o == offset and nq > 0 for o, nq in zip(offsets, lengths_q)]
+            result = self.varlen(q[rows], k[cols], v[cols],
+                                 [n for n, m in zip(lengths_q, members) if m],
+                                 [n for n, m in zip(lengths_k, members) if m], offset)
+            out = out.index_copy(0, rows, result.to(out.dtype))
+        return out
+
+    def varlen(self, q, k, v, lengths_q, lengths_k, offset):
+        """One ``varlen_attention`` call over sequences that share ``offset``."""
+        is_causal, window = self.masking(offset)
+        options = options_for(flashattn.varlen_attention, self.dropout, self.softcap)
+        return flashattn.varlen_attention(
+            q, k, v, cumulative(lengths_q, q.device), cumulative(lengths_k, q.device),
+            max(lengths_q), max(lengths_k), is_causal=is_causal, scale=self.scale,
+            enable_gqa=self.gqa, window_size=window, **options)
+
+    def decode_packed(self, q, k, v, n_q, lengths_k):
+        """``flashattn.decode`` for packed sequences of ``n_q`` queries each: their keys are laid
+        out as a cache, each sequence's from its first entry, as decode reads them."""
+        batch, longest = len(lengths_k), max(lengths_k)
+        first = torch.tensor([0, *lengths_k[:-1]], device=k.device).cumsum(0)
+        index = (first[:, None] + torch.arange(longest, device=k.device)).clamp(max=k.shape[0] - 1)
+        k_cache, v_cache = (t[index].transpose(1, 2) for t in (k, v))   # (B, H_kv, longest, D)
+        query = q.view(batch, n_q, q.shape[1], q.shape[2]).transpose(1, 2)
+        out = flashattn.decode(query, k_cache, v_cache, torch.tensor(lengths_k, dtype=torch.int32),
+                               scale=self.scale)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])
+
+
+def padded(call, q, k, v, attention_mask):
+    """A padded batch, ``(B, N, H, D)``: its tokens packed, attended, and scattered back (padding
+    rows get 0)."""
+    if attention_mask.dim() != 2:
+        raise ValueError("flashattn's attention takes the 2-D padding mask its mask function makes; got "
+                         f"a mask of shape {tuple(attention_mask.shape)} (a custom 4-D mask: use 'sdpa' "
+                         "or 'eager')")
+    batch, n_q, heads_q, head_dim = q.shape
+    n_k = k.shape[1]
+    mask = attention_mask.to(device=q.device, dtype=torch.bool)
+    if mask.shape[1] > n_k:
+        raise ValueError(f"the padding mask has {mask.shape[1]} columns but the layer holds {n_k} keys")
+    if mask.shape[1] < n_k:  # a static cache: its entries past the mask are not written yet
+        mask = torch.cat([mask, mask.new_zeros(batch, n_k - mask.shape[1])], dim=1)
+        end = attention_mask.shape[1]
+    else:
+        end = n_k
+    # Causal self-attention: the queries are the newest tokens, the mask's last columns. Without
+    # causality every query row is computed (as SDPA does for padding rows).
+    rows = mask[:, end - n_q:end] if call.causal else mask.new_ones(batch, n_q)
+    q_index, k_index = rows.reshape(-1).nonzero().flatten(), mask.reshape(-1).nonzero().flatten()
+    flat = [t.reshape(-1, t.shape[2], head_dim) for t in (q, k, v)]
+    out = call.packed(flat[0][q_index], flat[1][k_index], flat[2][k_index],
+                      rows.sum(1).tolist(), mask.sum(1).tolist())
+    full = out.new_zeros(batch * n_q, heads_q, v.shape[3]).index_copy(0, q_index, out)
+    return full.view(batch, n_q, heads_q, v.shape[3])
+
+
+def packed_lengths(kwargs, batch, n_q, n_k):
+    """``(lengths_q, lengths_k)`` of the sequences packed in the batch's rows, from
+    FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` or from ``position_ids`` restarting; None
+    when each row is one sequence."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None:
+        cu_k = cu_q if cu_k is None else cu_k
+        bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+        return ([b - a for a, b in zip(bounds_q, bounds_q[1:])],
+                [b - a for a, b in zip(bounds_k, bounds_k[1:])])
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or n_q != n_k or n_q < 2:
+        return None
+    positions = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
+    if positions.shape[1] != n_q:
+        return None
+    # A sequence starts where the position does not follow the previous one (as transformers
+    # finds packed sequences), and at each row.
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    bounds = starts.reshape(-1).nonzero().flatten().tolist() + [batch * n_q]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    return lengths, lengths
+
+
+def cumulative(lengths, device):
+    """``cu_seqlens`` (int32) of sequences of the given lengths."""
+    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def key_ranks(lengths, device):
+    """Each packed token's position within its sequence."""
+    total = sum(lengths)
+    first = torch.repeat_interleave(cumulative(lengths, device)[:-1].long(),
+                                    torch.tensor(lengths, device=device))
+    return torch.arange(total, device=device) - first

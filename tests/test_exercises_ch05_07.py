@@ -91,3 +91,18 @@ def test_my_attention_catches(solutions, edits, message):
     module = solutions("07", edits)
     with pytest.raises(ex.ExerciseError, match=message):
         ex.check_my_attention(module.MyAttention, module.my_attention)
+
+
+# --- Chapter 05: predicting the base-2 slips ------------------------------------------------------
+
+@mistakes(
+    ("ln 2 for its inverse", [('"dk_without_ln2": 1 / LN2,', '"dk_without_ln2": LN2,')], "goes missing"),
+    ("no change without ln 2", [('"dk_without_ln2": 1 / LN2,', '"dk_without_ln2": 1.0,')], "does not cancel by itself"),
+    ("dV changed too", [('"dv_without_ln2": 1.0,', '"dv_without_ln2": 1 / LN2,')], "takes no derivative"),
+    ("scale for qk_scale", [('"dq_with_qk_scale_in_loop": scale * LOG2E,', '"dq_with_qk_scale_in_loop": scale,')],
+     re.escape("qk_scale is scale * log2(e)")),
+    ("a key missing", [('        "dv_without_ln2": 1.0,', '')], "should return a dict with the keys"),
+)
+def test_slip_factors_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_slip_factors(solutions("05", edits).slip_factors)

@@ -380,3 +380,45 @@ def _finite_differences(my_attention, name, n_q=11, n_kv=13, d=16, h=1e-2):
             raise ExerciseError(f"{name}: the gradient for {label} along a random direction is {analytic:.5g}, but "
                                 f"a finite difference of your forward gives {numeric:.5g}: backward is not the "
                                 "derivative of forward")
+
+
+# --- Chapter 05: predicting the base-2 slips ------------------------------------------------------
+
+SLIP_KEYS = ("dk_without_ln2", "dv_without_ln2", "dq_with_qk_scale_in_loop")
+
+
+def check_slip_factors(slip_factors):
+    """``slip_factors(scale) -> {"dk_without_ln2": ..., "dv_without_ln2": ..., "dq_with_qk_scale_in_loop": ...}``:
+    the factor by which each gradient comes out too large (1: unchanged) when a base-2 backward
+    differentiates 2**x as 2**x (no ln 2), or multiplies dS by qk_scale inside the loop as well as
+    dQ by scale at the end. Checked for several scales; names the likely confusions."""
+    from ...kernels.tiles import LN2, LOG2E
+
+    name = "slip_factors"
+    for scale in (0.125, 0.3, 1 / 24 ** 0.5, 2.0):
+        got = attempt(slip_factors, scale, name=name)
+        if not isinstance(got, dict) or set(got) != set(SLIP_KEYS):
+            raise ExerciseError(f"{name} should return a dict with the keys {', '.join(SLIP_KEYS)}")
+        want = {"dk_without_ln2": LOG2E, "dv_without_ln2": 1.0, "dq_with_qk_scale_in_loop": scale * LOG2E}
+        for key in SLIP_KEYS:
+            try:
+                value = float(got[key])
+            except (TypeError, ValueError):
+                raise ExerciseError(f"{name}(scale={scale})[{key!r}] should be a number") from None
+            if abs(value - want[key]) <= 1e-9 * abs(want[key]):
+                continue
+            hints = {("dk_without_ln2", LN2): "ln 2 is the factor that goes missing, so the gradient is "
+                                               "multiplied by its inverse",
+                     ("dk_without_ln2", scale * LOG2E): "scale is still applied once at the end; only the ln 2 of "
+                                                        "d(2**x)/dx is missing",
+                     ("dk_without_ln2", 1.0): "the ln 2 of d(2**x)/dx does not cancel by itself: it cancels the "
+                                              "log2(e) inside qk_scale",
+                     ("dq_with_qk_scale_in_loop", scale): "qk_scale is scale * log2(e), not scale",
+                     ("dq_with_qk_scale_in_loop", LOG2E): "the extra factor inside the loop is all of qk_scale, "
+                                                          "scale included"}
+            hint = next((h for (k, v), h in hints.items() if k == key and abs(value - v) <= 1e-9 * abs(v)), None)
+            if key == "dv_without_ln2":
+                hint = "dV = P^T dO takes no derivative of 2**x: P is rebuilt the same way either way"
+            raise ExerciseError(f"{name}(scale={scale})[{key!r}] = {value:.6g} is not the factor"
+                                + (f": {hint}." if hint else "."))
+    passed("slip_factors predicts what a missing ln 2 and a qk_scale inside the loop do to dK, dV and dQ")

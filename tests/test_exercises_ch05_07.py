@@ -63,3 +63,46 @@ def test_row_lse_kernel_catches_the_bug(solutions):
     buggy = solutions("07", [('        x = tl.where(cols[None, :] < n_cols, x, float("-inf"))\n', "")])
     with pytest.raises(ex.ExerciseError, match="not a multiple of BLOCK_COLS"):
         ex.check_row_lse_kernel(buggy.row_lse_kernel)
+
+
+# --- Chapter 07: the autograd Function ------------------------------------------------------------
+
+SAVE = "ctx.save_for_backward(q, k, v, o, lse2)"
+RETURN = "return dq, dk, dv, None, None"
+DEFAULT = "scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale"
+CALL = "my_attention_backward(q, k, v, o, lse2, do, ctx.is_causal, ctx.scale)"
+
+
+@mistakes(
+    ("natural-log LSE saved", [(SAVE, "ctx.save_for_backward(q, k, v, o, lse2 * 0.6931471805599453)")],
+     "saved the natural-log LSE"),
+    ("the input saved for the output", [(SAVE, "ctx.save_for_backward(q, k, v, q, lse2)")],
+     "did not save o"),
+    ("three gradients", [(RETURN, "return dq, dk, dv")], "expected 5, got 3.*one gradient per argument"),
+    ("gradients out of order", [(RETURN, "return dk, dq, dv, None, None")], "in the order of forward's arguments"),
+    ("scale's default forgotten", [(DEFAULT, "pass")], "scale's default is 1/sqrt"),
+    ("is_causal lost", [(CALL, CALL.replace("ctx.is_causal", "False"))], "the backward used is_causal=False"),
+    ("scale lost", [(CALL, CALL.replace("ctx.scale", "1.0"))], "the backward used scale=1"),
+    ("forward called directly", [("return MyAttention.apply(q, k, v, is_causal, scale)",
+                                  "return MyAttention.forward(None, q, k, v, is_causal, scale)")],
+     "call MyAttention.apply|raised"),
+)
+def test_my_attention_catches(solutions, edits, message):
+    module = solutions("07", edits)
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_my_attention(module.MyAttention, module.my_attention)
+
+
+# --- Chapter 05: predicting the base-2 slips ------------------------------------------------------
+
+@mistakes(
+    ("ln 2 for its inverse", [('"dk_without_ln2": 1 / LN2,', '"dk_without_ln2": LN2,')], "goes missing"),
+    ("no change without ln 2", [('"dk_without_ln2": 1 / LN2,', '"dk_without_ln2": 1.0,')], "does not cancel by itself"),
+    ("dV changed too", [('"dv_without_ln2": 1.0,', '"dv_without_ln2": 1 / LN2,')], "takes no derivative"),
+    ("scale for qk_scale", [('"dq_with_qk_scale_in_loop": scale * LOG2E,', '"dq_with_qk_scale_in_loop": scale,')],
+     re.escape("qk_scale is scale * log2(e)")),
+    ("a key missing", [('        "dv_without_ln2": 1.0,', '')], "should return a dict with the keys"),
+)
+def test_slip_factors_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_slip_factors(solutions("05", edits).slip_factors)

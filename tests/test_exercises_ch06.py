@@ -103,3 +103,34 @@ Q_LOAD = "q = tl.load(Q + queries[:, None] * stride_qn + offs_d[None, :], mask=i
 def test_dkdv_inner_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
         ex.check_dkdv_inner(solutions("06", edits).dkdv_inner)
+
+
+# --- Exercise 4: the launcher -------------------------------------------------------------------------
+
+PRE = "backward.attn_bwd_preprocess[(triton.cdiv(n_q, BLOCK_ROWS), heads, batch)]("
+DKDV_ARGS = "*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *rest"
+
+
+@mistakes(
+    ("Delta missing", [("delta = torch.empty(", "delta = torch.zeros("), (PRE, "(lambda *args, **kwargs: None)(")],
+     "Delta is missing"),
+    ("Delta from O twice", [("o, do, delta, *o.stride(), *do.stride()", "o, o, delta, *o.stride(), *o.stride()")],
+     re.escape("Delta is rowsum(O * O)")),
+    ("dK/dV grid over query blocks", [("attn_bwd_dkdv[(triton.cdiv(n_kv, BLOCK_KV)", "attn_bwd_dkdv[(triton.cdiv(n_q, BLOCK_KV)")],
+     "dK and dV are right for positions 0..31 and wrong from 32 on .*one program per key block"),
+    ("dQ grid over key blocks", [("attn_bwd_dq[(triton.cdiv(n_q, BLOCK_Q)", "attn_bwd_dq[(triton.cdiv(n_kv, BLOCK_Q)")],
+     "dQ is right for positions 0..31 and wrong from 32 on .*one program per query block"),
+    ("scale twice", [("return dq, dk, dv", "return dq * scale, dk * scale, dv")], "the scale is applied twice"),
+    ("qk_scale without log2 e", [("scale * LOG2E, 1, 0, 0", "scale, 1, 0, 0")], "the exponent factor is `scale`"),
+    ("scale's default forgotten", [("scale = 1.0 / math.sqrt(head_dim) if scale is None else scale",
+                                    "scale = 1.0 if scale is None else scale")], "the default scale is 1/sqrt"),
+    ("V's strides taken from K", [(DKDV_ARGS, DKDV_ARGS.replace("*v.stride()", "*k.stride()"))],
+     "right on contiguous tensors, wrong on non-contiguous views"),
+    ("dQ in float32", [("dq, dk, dv = torch.empty_like(q),", "dq, dk, dv = torch.empty_like(q, dtype=torch.float32),")],
+     "dq is torch.float32 for torch.float16 inputs"),
+    ("the package's launcher", [("    return dq, dk, dv\n", "    return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale)\n")],
+     "uses flashattn.kernels.backward.attention_backward"),
+)
+def test_backward_launcher_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_my_attention_backward(solutions("06", edits).my_attention_backward)

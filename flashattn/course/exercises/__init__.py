@@ -15,9 +15,10 @@ from .ch03_04 import (FORWARD_MISTAKES, check_classify_tiles, check_fwd_inner, c
                       check_tiled_attention, fwd_exercise_kernel, run_fwd_inner, tiled_forward_with_mistake)
 from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_row_softmax_kernel,
                           check_stream_kv_kernel)
-from .ch05_07 import check_attention_backward, check_row_lse_kernel, check_rule_test, check_softmax_backward
-from .ch06 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, dkdv_exercise_kernel,
-                   dq_exercise_kernel, run_dkdv_inner, run_dq_inner)
+from .ch05_07 import (check_attention_backward, check_my_attention, check_row_lse_kernel, check_rule_test,
+                      check_slip_factors, check_softmax_backward)
+from .ch06 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, check_my_attention_backward,
+                   dkdv_exercise_kernel, dq_exercise_kernel, run_dkdv_inner, run_dq_inner)
 from .ch08 import check_attention_cost, check_choose_config, check_estimate_resources
 from .ch09 import check_kv_head_map, check_varlen_programs, check_window_kv_range
 from .ch10 import check_merge_split_partials
@@ -38,9 +39,10 @@ __all__ = [
     "check_block_shift_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",
     "check_stream_kv_kernel",
     # chapters 05-07
-    "check_softmax_backward", "check_attention_backward", "check_delta_kernel", "check_dkdv_inner",
+    "check_softmax_backward", "check_attention_backward", "check_slip_factors", "check_delta_kernel", "check_dkdv_inner",
     "dkdv_exercise_kernel", "run_dkdv_inner", "check_dq_inner", "dq_exercise_kernel", "run_dq_inner",
-    "check_rule_test", "check_row_lse_kernel",
+    "check_my_attention_backward",
+    "check_rule_test", "check_row_lse_kernel", "check_my_attention",
     # chapter 08
     "check_attention_cost", "check_estimate_resources", "check_choose_config",
     # chapter 09

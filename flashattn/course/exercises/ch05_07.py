@@ -209,3 +209,216 @@ def check_row_lse_kernel(row_lse_kernel):
                                 "-inf (probability 0), not 0.")
         expect_close(f"LSE ({what})", lse[:n_rows], want, atol=1e-5, rtol=1e-5)
     passed("row_lse_kernel is right on aligned and ragged column counts (1, 17, 69, 100)")
+
+
+# --- Chapter 07: the autograd Function ------------------------------------------------------------
+
+#: (batch, heads, N_q, N_kv, D, is_causal, dtype, scale, views): odd sizes, causal and not, the
+#: default scale and a given one, float32 and float16, an upstream gradient and inputs that are views.
+FUNCTION_CASES = [(1, 2, 19, 27, 24, False, torch.float32, None, False),
+                  (1, 2, 19, 27, 24, True, torch.float32, 0.3, False),
+                  (2, 1, 27, 19, 24, True, torch.float32, None, True),
+                  (1, 2, 19, 27, 24, True, torch.float16, None, False)]
+
+
+def _function_inputs(batch, heads, n_q, n_kv, d, dtype, views, gen):
+    if views:  # (B, N, H, D) memory seen as (B, H, N, D); dO a strided view as well
+        q, k, v = (_randn((batch, n, heads, d), gen, torch.float32).to(dtype).transpose(1, 2)
+                   for n in (n_q, n_kv, n_kv))
+        do = _randn((batch, heads, n_q, 2 * d), gen, torch.float32).to(dtype)[..., ::2]
+    else:
+        q, k, v, do = (_randn((batch, heads, n, d), gen, torch.float32).to(dtype) for n in (n_q, n_kv, n_kv, n_q))
+    return q, k, v, do
+
+
+def _backward_of(out, leaves, do, name):
+    """The gradients autograd gives through the learner's Function, with its typical errors named."""
+    try:
+        return torch.autograd.grad(out, leaves, do)
+    except NotImplementedError:
+        raise ExerciseError(f"{name}: MyAttention.backward is not implemented yet: replace "
+                            "`raise NotImplementedError()` with your code, then run this check again.") from None
+    except RuntimeError as error:
+        text = str(error)
+        if "incorrect number of gradients" in text:
+            raise ExerciseError(f"MyAttention.backward {text.split('returned ')[-1]}: return one gradient per "
+                                "argument of forward, in order: dq, dk, dv, then None for is_causal and None "
+                                "for scale.") from None
+        if "invalid gradient at index" in text:
+            raise ExerciseError(f"MyAttention.backward returned a gradient that does not fit its input "
+                                f"({text.splitlines()[0][:200]}): return dq, dk, dv in the order of forward's "
+                                "arguments q, k, v.") from None
+        from .common import crashed
+        raise crashed("MyAttention.backward", error) from None
+    except Exception as error:
+        from .common import crashed
+        raise crashed("MyAttention.backward", error) from None
+
+
+def _saved_tensors_said(node, q, k, v, o, lse2):
+    """What is wrong with what the Function saved (None if q, k, v, o and lse2 are all there)."""
+    try:
+        saved = list(node.saved_tensors)
+    except RuntimeError:
+        return None  # freed already: nothing to say
+    def holds(t, atol=0.0):
+        return any(s.shape == t.shape and close(s, t, atol=atol, rtol=atol) for s in saved)
+    if holds(lse2 * 0.6931471805599453, 1e-6) and not holds(lse2, 1e-6):
+        return ("it saved the natural-log LSE; the backward kernels rebuild P = 2**(s * scale * log2 e - lse2) "
+                "and need the base-2 lse2 the forward returned")
+    missing = [n for n, t in (("q", q), ("k", k), ("v", v), ("o", o)) if not holds(t)]
+    if not holds(lse2, 1e-6):
+        missing.append("lse2")
+    if missing:
+        return (f"ctx.save_for_backward did not save {', '.join(missing)}: save q, k, v, the output o and "
+                "lse2 (O for Delta = rowsum(dO * O), lse2 to rebuild P)")
+    return None
+
+
+def check_my_attention(MyAttention, my_attention):
+    """``MyAttention``, a torch.autograd.Function whose forward(ctx, q, k, v, is_causal, scale)
+    calls ``my_attention_forward``, saves q, k, v, o, lse2 and returns o, and whose backward calls
+    ``my_attention_backward``; and ``my_attention(q, k, v, is_causal=False, scale=None)``, which
+    applies it. Output and gradients are compared with float64 autograd under the rule on odd
+    sizes (causal and not, float32 and float16, views, the default scale and a given one); the
+    gradients also against finite differences of the learner's own forward, in float32 (the
+    kernels take no float64, so torch.autograd.gradcheck cannot run them). Names the wrong tensors
+    saved, the wrong number or order of gradients, scale's default forgotten, and is_causal or
+    scale lost between forward and backward."""
+    from ...kernels.forward import attention_forward
+    from ...testing.reference import default_scale
+    from ...testing.rule import judge
+    from .common import check_references
+
+    name = "my_attention"
+    if not (isinstance(MyAttention, type) and issubclass(MyAttention, torch.autograd.Function)):
+        raise ExerciseError("MyAttention should be a class deriving from torch.autograd.Function")
+    allow = ("flashattn.kernels.forward.attention_forward", "flashattn.kernels.backward.attention_backward")
+    for method in ("forward", "backward"):
+        check_references(getattr(MyAttention, method), f"MyAttention.{method}", ("flashattn", "sdpa"), allow)
+    for n, (batch, heads, n_q, n_kv, d, causal, dtype, scale, views) in enumerate(FUNCTION_CASES):
+        gen = _generator(1200 + n)
+        q, k, v, do = _function_inputs(batch, heads, n_q, n_kv, d, dtype, views, gen)
+        s = default_scale(d, scale)
+        what = (f"B={batch}, H={heads}, N_q={n_q}, N_kv={n_kv}, D={d}, is_causal={causal}, {str(dtype)[6:]}, "
+                f"scale={scale}{', views' if views else ''}")
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        extra = {} if scale is None else {"scale": scale}
+        try:
+            out = attempt(my_attention, *leaves, name=name, forbid=("flashattn", "sdpa"), allow=allow,
+                          is_causal=causal, **extra)
+        except ExerciseError as error:
+            if scale is None and "NotImplementedError" not in str(error) and "not implemented" not in str(error):
+                raise ExerciseError(f"{error} (with scale=None, {what}): scale's default is 1/sqrt(D); set it "
+                                    "before the launchers see it") from None
+            raise
+        if isinstance(out, (tuple, list)):
+            raise ExerciseError(f"{name} returned a {type(out).__name__}; it should return the output o alone")
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape):
+            raise ExerciseError(f"{name} should return o, a tensor shaped like q {tuple(q.shape)}")
+        node = out.grad_fn
+        if node is None or type(node).__name__ != f"{MyAttention.__name__}Backward":
+            raise ExerciseError(f"{name}'s output does not come from MyAttention ({what}): call "
+                                "MyAttention.apply(q, k, v, is_causal, scale), never MyAttention.forward directly")
+        o_want, lse2 = attention_forward(q, k, v, causal, s)
+        said = _saved_tensors_said(node, *(t.detach() for t in leaves), out.detach(), lse2)
+        leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        out64 = naive_attention(*leaves64, is_causal=causal, scale=s)[0]
+        base = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out_pt = naive_attention(*base, is_causal=causal, scale=s)[0]
+        grads = _backward_of(out, leaves, do, name)
+        ref = torch.autograd.grad(out64, leaves64, do.double())
+        pytorch = torch.autograd.grad(out_pt, base, do)
+        names = ("out", "dq", "dk", "dv")
+        checks = judge(dict(zip(names, (out, *grads))), dict(zip(names, (out64, *ref))),
+                       dict(zip(names, (out_pt, *pytorch))), dtype, upstream=do.abs().max().item())
+        if all(c.ok for c in checks):
+            continue
+        if checks[0].ok and said:
+            raise ExerciseError(f"the gradients are wrong ({what}): {said}.")
+        if not checks[0].ok:
+            if scale is None and close(out, naive_attention(q.double(), k.double(), v.double(), is_causal=causal,
+                                                            scale=1.0)[0], atol=1e-2, rtol=1e-2):
+                raise ExerciseError(f"the output is that of scale 1 ({what}): scale's default is 1/sqrt(D)")
+            raise ExerciseError(f"the output is wrong ({what}): {checks[0]}")
+        from ...kernels.backward import attention_backward
+        for wrong, text in (((not causal, s), "the backward used is_causal={}: keep the forward's is_causal on ctx "
+                                              "and pass it to the backward launcher".format(not causal)),
+                            ((causal, 1.0), "the backward used scale=1: keep the forward's scale (its default "
+                                            "resolved) on ctx and pass it to the backward launcher"),
+                            ((causal, None), None)):
+            if wrong[1] is None:
+                continue
+            model = attention_backward(q, k, v, o_want, lse2, do, *wrong)
+            if all(close(g, m, atol=1e-3, rtol=1e-3) for g, m in zip(grads, model)):
+                raise ExerciseError(f"the gradients are wrong ({what}): {text}.")
+        worst = max((c for c in checks if not c.ok), key=lambda c: c.error / max(c.bound, 1e-30))
+        raise ExerciseError(f"{worst.name} is wrong ({what}): {worst}")
+    _finite_differences(my_attention, name)
+    passed("MyAttention and my_attention: output and gradients pass the rule against float64 (odd sizes, causal "
+           "and not, float32 and float16, views, default scale), and the gradients match finite differences")
+
+
+def _finite_differences(my_attention, name, n_q=11, n_kv=13, d=16, h=1e-2):
+    """The gradient along a random direction against a central difference of the learner's own
+    forward, f(x) = sum(o(x) * dO), in float32: a backward that is not the derivative of the
+    forward fails, whatever the reference says."""
+    gen = _generator(1300)
+    q, k, v, do = (_randn((1, 1, n, d), gen, torch.float32) for n in (n_q, n_kv, n_kv, n_q))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(my_attention(*leaves, is_causal=True), leaves, do)
+    for i, label in enumerate(("q", "k", "v")):
+        u = _randn(q.shape if i == 0 else k.shape, gen, torch.float32)
+        moved = [[t.clone() for t in (q, k, v)] for _ in range(2)]
+        moved[0][i] += h * u
+        moved[1][i] -= h * u
+        with torch.no_grad():
+            f = [(my_attention(*m, is_causal=True).double() * do.double()).sum().item() for m in moved]
+        numeric = (f[0] - f[1]) / (2 * h)
+        analytic = (grads[i].double() * u.double()).sum().item()
+        if not abs(numeric - analytic) <= 2e-2 * (1 + abs(numeric)):
+            raise ExerciseError(f"{name}: the gradient for {label} along a random direction is {analytic:.5g}, but "
+                                f"a finite difference of your forward gives {numeric:.5g}: backward is not the "
+                                "derivative of forward")
+
+
+# --- Chapter 05: predicting the base-2 slips ------------------------------------------------------
+
+SLIP_KEYS = ("dk_without_ln2", "dv_without_ln2", "dq_with_qk_scale_in_loop")
+
+
+def check_slip_factors(slip_factors):
+    """``slip_factors(scale) -> {"dk_without_ln2": ..., "dv_without_ln2": ..., "dq_with_qk_scale_in_loop": ...}``:
+    the factor by which each gradient comes out too large (1: unchanged) when a base-2 backward
+    differentiates 2**x as 2**x (no ln 2), or multiplies dS by qk_scale inside the loop as well as
+    dQ by scale at the end. Checked for several scales; names the likely confusions."""
+    from ...kernels.tiles import LN2, LOG2E
+
+    name = "slip_factors"
+    for scale in (0.125, 0.3, 1 / 24 ** 0.5, 2.0):
+        got = attempt(slip_factors, scale, name=name)
+        if not isinstance(got, dict) or set(got) != set(SLIP_KEYS):
+            raise ExerciseError(f"{name} should return a dict with the keys {', '.join(SLIP_KEYS)}")
+        want = {"dk_without_ln2": LOG2E, "dv_without_ln2": 1.0, "dq_with_qk_scale_in_loop": scale * LOG2E}
+        for key in SLIP_KEYS:
+            try:
+                value = float(got[key])
+            except (TypeError, ValueError):
+                raise ExerciseError(f"{name}(scale={scale})[{key!r}] should be a number") from None
+            if abs(value - want[key]) <= 1e-9 * abs(want[key]):
+                continue
+            hints = {("dk_without_ln2", LN2): "ln 2 is the factor that goes missing, so the gradient is "
+                                               "multiplied by its inverse",
+                     ("dk_without_ln2", scale * LOG2E): "scale is still applied once at the end; only the ln 2 of "
+                                                        "d(2**x)/dx is missing",
+                     ("dk_without_ln2", 1.0): "the ln 2 of d(2**x)/dx does not cancel by itself: it cancels the "
+                                              "log2(e) inside qk_scale",
+                     ("dq_with_qk_scale_in_loop", scale): "qk_scale is scale * log2(e), not scale",
+                     ("dq_with_qk_scale_in_loop", LOG2E): "the extra factor inside the loop is all of qk_scale, "
+                                                          "scale included"}
+            hint = next((h for (k, v), h in hints.items() if k == key and abs(value - v) <= 1e-9 * abs(v)), None)
+            if key == "dv_without_ln2":
+                hint = "dV = P^T dO takes no derivative of 2**x: P is rebuilt the same way either way"
+            raise ExerciseError(f"{name}(scale={scale})[{key!r}] = {value:.6g} is not the factor"
+                                + (f": {hint}." if hint else "."))
+    passed("slip_factors predicts what a missing ln 2 and a qk_scale inside the loop do to dK, dV and dQ")

@@ -19,7 +19,7 @@ from ..notebook import pick
 from ...testing.reference import naive_attention
 from ...gpu.runtime import DEVICE
 from ...kernels.tiles import LN2, LOG2E, kv_stage_bounds
-from .common import ExerciseError, close, expect_close, launch_learner_kernel, passed
+from .common import ExerciseError, attempt, close, expect_close, launch_learner_kernel, passed
 
 
 def _generator(seed):
@@ -411,3 +411,174 @@ def check_dq_inner(dq_inner):
 
     _check_loop("dq", run, cases, seed=400)
     passed("dq_inner gives the right dQ for ragged lengths, causal and not, N_q != N_kv and a padded head dim")
+
+
+# --- Exercise 4: the launcher -------------------------------------------------------------------------
+
+#: What the launcher may call of flashattn: the three kernels, and the two rules of the tile shapes.
+LAUNCHER_ALLOWS = ("flashattn.kernels.backward.attn_bwd_preprocess", "flashattn.kernels.backward.attn_bwd_dkdv",
+                   "flashattn.kernels.backward.attn_bwd_dq", "flashattn.gpu.configs.block_d",
+                   "flashattn.gpu.configs.dot_precision")
+
+#: (batch, heads, N_q, N_kv, D, is_causal, dtype, views, scale): odd sizes; non-contiguous views
+#: (Q transposed from (B, N, H, D), K a slice of wider rows, V with its head dim strided, dO and O
+#: views too); N_kv far above N_q and the reverse, where a grid over the wrong blocks misses some.
+LAUNCHER_CASES = [(1, 2, 19, 27, 24, False, torch.float32, False, None),
+                  (1, 2, 19, 27, 24, True, torch.float32, False, 0.3),
+                  (2, 3, 19, 27, 24, True, torch.float32, True, None),
+                  (1, 2, 27, 19, 24, False, torch.float32, True, 0.2),
+                  (1, 1, 5, 70, 16, False, torch.float32, False, None),
+                  (1, 1, 70, 5, 16, False, torch.float32, False, None),
+                  (1, 2, 19, 27, 24, True, torch.float16, True, None)]
+
+
+def _views(batch, heads, n_q, n_kv, d, dtype, g):
+    """q, k, v, do as non-contiguous views (each with strides of its own), values from ``g``."""
+    q = torch.randn(batch, n_q, heads, d, generator=g).to(DEVICE, dtype).transpose(1, 2)
+    k = torch.randn(batch, heads, n_kv, d + 8, generator=g).to(DEVICE, dtype)[..., :d]
+    v = torch.randn(batch, heads, d, n_kv, generator=g).to(DEVICE, dtype).transpose(-1, -2)
+    do = torch.randn(batch, heads, 2 * n_q, d, generator=g).to(DEVICE, dtype)[:, :, ::2]
+    return q, k, v, do
+
+
+def _strided_copy(t):
+    """``t`` copied into a view whose rows are not contiguous: (B, N, H, D) memory, seen as (B, H, N, D)."""
+    buf = torch.empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3], dtype=t.dtype, device=t.device)
+    view = buf.transpose(1, 2)
+    view.copy_(t)
+    return view
+
+
+def backward_model(q, k, v, do, is_causal, scale, c=None, grad_scale=None, delta="dO * O"):
+    """dQ, dK, dV in float64 as a launcher computes them when it passes the exponent factor ``c``
+    (right: scale * log2 e) and the final factor ``grad_scale`` (right: scale) to the kernels, and
+    Delta as ``delta``: "dO * O" (right), "none" (zeros), "O * O", "dO * dO"."""
+    q, k, v, do = (t.double().cpu() for t in (q, k, v, do))
+    o, lse = naive_attention(q, k, v, is_causal=is_causal, scale=scale)
+    c = scale * LOG2E if c is None else c
+    grad_scale = scale if grad_scale is None else grad_scale
+    s = q @ k.transpose(-2, -1)
+    p = torch.exp2(s * c - (lse * LOG2E)[..., None])
+    if is_causal:
+        p = p * naive_mask(q.shape[-2], k.shape[-2])
+    rows = {"dO * O": do * o, "none": 0 * o, "O * O": o * o, "dO * dO": do * do}[delta]
+    ds = p * (do @ v.transpose(-2, -1) - rows.sum(-1)[..., None])
+    return grad_scale * ds @ k, grad_scale * ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ do
+
+
+def naive_mask(n_q, n_kv):
+    return (torch.arange(n_kv)[None, :] <= torch.arange(n_q)[:, None]).double()
+
+
+#: The launcher's likely mistakes, as arguments of backward_model (a function of scale) and what
+#: the message says.
+LAUNCHER_MISTAKES = [
+    (lambda s: dict(delta="none"), "Delta is missing (dS = P * dP): launch attn_bwd_preprocess before the "
+     "two gradient kernels, and pass them its Delta"),
+    (lambda s: dict(delta="O * O"), "Delta is rowsum(O * O): the preprocess kernel takes O and dO, each "
+     "with its own strides"),
+    (lambda s: dict(delta="dO * dO"), "Delta is rowsum(dO * dO): the preprocess kernel takes O and dO, "
+     "each with its own strides"),
+    (lambda s: dict(grad_scale=s * s), "the scale is applied twice: the kernels multiply dQ and dK by "
+     "`scale` once, at the end; do not multiply again (nor pre-scale Q)"),
+    (lambda s: dict(grad_scale=1.0), "the scale is missing from dQ and dK: the kernels' `scale` argument "
+     "is the softmax scale, which they apply once at the end"),
+    (lambda s: dict(c=s), "the exponent factor is `scale`: the kernels rebuild P with exp2, so their "
+     "`qk_scale` argument is scale * log2(e)"),
+    (lambda s: dict(c=LOG2E, grad_scale=1.0), "with scale=None the gradients are those of scale 1: "
+     "the default scale is 1/sqrt(D), as in the forward"),
+]
+
+
+def check_my_attention_backward(my_attention_backward):
+    """The backward's launcher ``my_attention_backward(q, k, v, o, lse2, do, is_causal=False,
+    scale=None) -> (dq, dk, dv)``: the Delta preprocess, the dK/dV kernel over key blocks and the
+    dQ kernel over query blocks, on odd sizes (N_q = 19, N_kv = 27, D = 24, and lengths far apart),
+    causal and not, contiguous and not, float32 and float16, compared with float64 autograd under
+    the tolerance rule (flashattn.testing.rule). Names Delta missing or taken from the wrong tensors,
+    a grid over the wrong blocks, the scale applied twice or not at all (or its default forgotten),
+    qk_scale without log2 e, strides assumed contiguous, and gradients returned in the wrong dtype."""
+    from ...kernels.forward import attention_forward
+    from ...testing.rule import judge
+
+    name = "my_attention_backward"
+    for n, (batch, heads, n_q, n_kv, d, causal, dtype, views, scale) in enumerate(LAUNCHER_CASES):
+        g = _generator(900 + n)
+        if views:
+            q, k, v, do = _views(batch, heads, n_q, n_kv, d, dtype, g)
+        else:
+            q, k, v, do = (torch.randn(batch, heads, m, d, generator=g).to(DEVICE, dtype)
+                           for m in (n_q, n_kv, n_kv, n_q))
+        s = 1.0 / math.sqrt(d) if scale is None else scale
+        o, lse2 = attention_forward(q, k, v, causal, s)
+        if views:
+            o = _strided_copy(o)
+        what = (f"B={batch}, H={heads}, N_q={n_q}, N_kv={n_kv}, D={d}, is_causal={causal}, {str(dtype)[6:]}, "
+                f"{'non-contiguous views' if views else 'contiguous'}, scale={scale}")
+
+        def run(*tensors):
+            extra = {} if scale is None else {"scale": scale}
+            out = attempt(my_attention_backward, *tensors, name=name, forbid=("flashattn", "sdpa"),
+                          allow=LAUNCHER_ALLOWS, is_causal=causal, **extra)
+            if not isinstance(out, (tuple, list)) or len(out) != 3:
+                raise ExerciseError(f"{name} should return (dq, dk, dv), got {type(out).__name__}")
+            return out
+
+        got = run(q, k, v, o, lse2, do)
+        for grad, like, label in zip(got, (q, k, v), ("dq", "dk", "dv")):
+            if not isinstance(grad, torch.Tensor) or tuple(grad.shape) != tuple(like.shape):
+                shape = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
+                raise ExerciseError(f"{label} has shape {shape} ({what}); expected {tuple(like.shape)}, "
+                                    f"the shape of {label[1:]}")
+            if grad.dtype != like.dtype:
+                raise ExerciseError(f"{label} is {grad.dtype} for {like.dtype} inputs ({what}): return each "
+                                    f"gradient in its input's dtype. The kernels accumulate in float32 on chip and "
+                                    f"each tile is written once, so allocating {label} like {label[1:]} loses nothing.")
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = torch.autograd.grad(naive_attention(*leaves, is_causal=causal, scale=s)[0], leaves, do.double())
+        base = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        pytorch = torch.autograd.grad(naive_attention(*base, is_causal=causal, scale=s)[0], base, do)
+        names = ("dq", "dk", "dv")
+        checks = judge(dict(zip(names, got)), dict(zip(names, ref)), dict(zip(names, pytorch)), dtype,
+                       upstream=do.abs().max().item())
+        if all(c.ok for c in checks):
+            continue
+        _name_launcher_mistake(run, got, (q, k, v, o, lse2, do), ref, causal, s, scale, what, checks)
+    passed("my_attention_backward launches Delta, dK/dV over key blocks and dQ over query blocks, and its "
+           "gradients pass the rule for odd sizes, causal and not, views, float32 and float16")
+
+
+def _name_launcher_mistake(run, got, tensors, ref, causal, s, scale, what, checks):
+    """Raise the ExerciseError that names what the launcher got wrong on this case."""
+    q, k, v, o, lse2, do = tensors
+    if not all(t.is_contiguous() for t in (q, k, v, o, do)):
+        again = run(*(t.contiguous() for t in tensors))
+        if all(close(a, r, atol=3e-3 * (1 + r.abs().max().item()), rtol=1e-2) for a, r in zip(again, ref)):
+            raise ExerciseError(f"right on contiguous tensors, wrong on non-contiguous views ({what}): pass each "
+                                "tensor's own strides (*x.stride()) for every pointer a kernel gets, never "
+                                "another tensor's or strides computed from the shape.")
+    # rows right up to a block boundary, wrong from there on: a grid that stops early (the rows past
+    # it hold whatever the allocation held, which may be right by chance in places)
+    for label, grad, want, n, blocks in (("dK and dV", got[1], ref[1], k.shape[2], "key block (cdiv(N_kv, BLOCK_KV) programs)"),
+                                        ("dQ", got[0], ref[0], q.shape[2], "query block (cdiv(N_q, BLOCK_Q) programs)")):
+        bad = ~((grad.double().cpu() - want.cpu()).abs() <= 3e-3 * (1 + want.abs().max().item())).all(-1)
+        rows = bad.reshape(-1, n).any(0)
+        first = int(rows.nonzero()[0]) if rows.any() else 0
+        if first > 0 and first % 16 == 0:  # whole blocks right, then not one row right past them
+            raise ExerciseError(f"{label} {'is' if label == 'dQ' else 'are'} right for positions 0..{first - 1} and wrong from {first} on "
+                                f"({what}): the grid of its kernel stops early. It needs one program per "
+                                f"{blocks}, on axis 0 (then heads, then batch).")
+    for label, grad in zip(("dQ", "dK", "dV"), got):
+        if torch.isnan(grad.float()).any():
+            raise ExerciseError(f"{label} has NaN ({what}): check the tensors and strides each kernel gets.")
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v, do)]
+    for args, said in LAUNCHER_MISTAKES:
+        if scale is not None and "scale=None" in said:
+            continue
+        model = backward_model(*flat, causal, s, **args(s))
+        if all(close(a.reshape(m.shape), m, atol=3e-3 * (1 + m.abs().max().item()), rtol=1e-2)
+               for a, m in zip(got, model)):
+            raise ExerciseError(f"the gradients are wrong ({what}): {said}.")
+    worst = max((c for c in checks if not c.ok), key=lambda c: c.error / max(c.bound, 1e-30))
+    raise ExerciseError(f"{worst.name} is wrong ({what}): error {worst.error:.2e} against float64, above the "
+                        f"rule's bound {worst.bound:.2e} (3 x PyTorch's {worst.baseline:.2e} + floor).")

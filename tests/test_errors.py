@@ -64,3 +64,16 @@ def test_explicit_config_that_cannot_work():
     with pytest.raises(ValueError, match="BLOCK_Q must divide BLOCK_KV"):
         attention_backward(q, q, q, q, q[..., 0].float(), q, False, 0.25,
                            configs={"bwd_dkdv": dict(BLOCK_KV=32, BLOCK_Q=24)})
+
+
+def test_the_launchers_below_the_public_ops_refuse_float64():
+    """flashattn.attention refuses float64 by name; the launchers a chapter calls directly refuse it
+    too, instead of reading float64 through float32 pointers (gradients off by about 2)."""
+    from flashattn.kernels import backward, forward
+
+    q, k, v = (torch.randn(1, 1, 5, 16, dtype=torch.float64, device=flashattn.DEVICE) for _ in range(3))
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32 tensors, got torch.float64"):
+        forward.attention_forward(q, k, v, False, 0.25)
+    o, lse2 = forward.attention_forward(q.float(), k.float(), v.float(), False, 0.25)
+    with pytest.raises(TypeError, match="got torch.float64"):
+        backward.attention_backward(q, k, v, o.double(), lse2, o.double(), False, 0.25)

@@ -118,10 +118,19 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
+#: The dtypes the kernels read.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def kernel_dtype(*tensors):
     """The tensors as the kernels should read them here: unchanged, except bfloat16 upcast to
     float32 where :func:`bf16_in_float32` says so. Upcasting changes no value; the results are
-    rounded back to bfloat16 by the caller."""
+    rounded back to bfloat16 by the caller. Any other dtype is refused: the launchers below the
+    public ops would otherwise run float64 through float32 pointers and return garbage."""
+    for t in tensors:
+        if t is not None and t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"the kernels take float16, bfloat16 or float32 tensors, got {t.dtype} "
+                            f"(shape {tuple(t.shape)}): convert it first, e.g. .float()")
     first = next((t for t in tensors if t is not None), None)
     if first is not None and bf16_in_float32(INTERPRET, None if INTERPRET else _capability(first.device.index)):
         return [t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in tensors]

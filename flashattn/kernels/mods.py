@@ -20,13 +20,14 @@ from .tiles import MASK_BOOL, MASK_FLOAT, MASK_NONE, dropout_keep
 class ScoreMods:
     """The additions of one call: ``softcap`` (0: none), ``alibi_slopes`` (None, or a 2-D tensor
     ``(B or 1, H)``: one row per sequence for packed sequences), ``attn_mask`` (None, or a 4-D bool
-    or float tensor whose dims are 1 or the full size), ``dropout_p`` with its ``seed`` (an int),
+    or float tensor whose dims are 1 or the full size), ``dropout_p`` with its ``seed`` (an int or
+    a 0-dim integer tensor, read at the launch),
     and ``bottom_right`` (positions aligned bottom-right)."""
 
     def __init__(self, softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0, seed=0,
                  bottom_right=False):
         self.softcap, self.alibi_slopes, self.attn_mask = float(softcap), alibi_slopes, attn_mask
-        self.dropout_p, self.seed, self.bottom_right = float(dropout_p), int(seed), bool(bottom_right)
+        self.dropout_p, self.seed, self.bottom_right = float(dropout_p), seed, bool(bottom_right)
 
     @property
     def active(self):
@@ -58,7 +59,7 @@ class ScoreMods:
             args.update(Mask=mask, stride_mb=_stride(mask, 0), stride_mh=_stride(mask, 1),
                         stride_mq=_stride(mask, 2), stride_mk=_stride(mask, 3))
         if self.dropout_p > 0:
-            args.update(seed=self.seed, p_drop=self.dropout_p)
+            args.update(seed=int(self.seed), p_drop=self.dropout_p)
         return args
 
 

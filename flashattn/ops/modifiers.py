@@ -69,7 +69,7 @@ def check_dropout(dropout_p):
 def check_softcap(softcap):
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number >= 0 (0: no cap), got {type_name(softcap)}")
-    if not (math.isfinite(softcap) and softcap >= 0):
+    if not 0.0 <= softcap < math.inf:  # NaN fails too (and torch.compile traces this, not isfinite)
         raise ValueError(f"softcap must be a finite number >= 0 (0: no cap), got {softcap}")
     return float(softcap)
 

@@ -130,6 +130,13 @@ def check_mask(attn_mask, q, k):
     return mask.expand(*target[:-3], *rest).reshape(math.prod(target[:-3]), *rest)
 
 
+def draw_seed():
+    """A dropout seed from torch's default generator, as a 0-dim int64 tensor below 2**31 (so that
+    the kernels' seed argument keeps one type and compiles once): after ``torch.manual_seed(s)``
+    the first call draws the same seed every time."""
+    return torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64)
+
+
 def score_mods(q, k, attn_mask, dropout_p, is_causal, causal_alignment, softcap, alibi_slopes,
                batch, heads):
     """The kernels' :class:`ScoreMods` for one call (None when nothing is added), every argument
@@ -139,6 +146,6 @@ def score_mods(q, k, attn_mask, dropout_p, is_causal, causal_alignment, softcap,
     softcap = check_softcap(softcap)
     slopes = check_alibi(alibi_slopes, q, batch, heads)
     mask = None if attn_mask is None else check_mask(attn_mask, q, k)
-    seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64) if dropout_p > 0 else None
+    seed = draw_seed() if dropout_p > 0 else None
     mods = ScoreMods(softcap, slopes, mask, dropout_p, seed, causal_alignment == "bottom_right")
     return mods if mods.active else None

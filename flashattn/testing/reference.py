@@ -261,11 +261,15 @@ def masked_attention(q, k, v, is_causal=False, scale=None, enable_gqa=False, win
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale=None,
-                     enable_gqa=False, window_size=(-1, -1)):
+                     enable_gqa=False, window_size=(-1, -1), **mods):
     """Packed sequences (``flashattn.varlen_attention``) as the formula reads, one sequence at a
     time with :func:`masked_attention`: ``q`` is ``(total_q, H_q, D)``, ``k`` and ``v`` are
     ``(total_k, H_kv, D)``, sequence ``b`` holds rows ``cu_seqlens[b]:cu_seqlens[b + 1]``. Returns
-    ``(out, lse)`` with ``lse`` of shape ``(H_q, total_q)``."""
+    ``(out, lse)`` with ``lse`` of shape ``(H_q, total_q)``.
+
+    ``mods``: :func:`modified_attention`'s keyword arguments, per sequence: ``alibi_slopes`` of
+    shape ``(H_q,)`` or ``(batch, H_q)``; ``dropout_keep`` of shape ``(H_q, total_q, total_k)``,
+    of which sequence ``b`` takes its own block (``flashattn.kernels.mods.dropout_mask``'s layout)."""
     outs, lses = [], []
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(bounds_q) - 1):
@@ -277,7 +281,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale
             lses.append(torch.full(qs.shape[:2], float("-inf"), dtype=_accumulator_dtype(q.dtype),
                                    device=q.device))
             continue
-        o, lse = masked_attention(qs, ks, vs, is_causal, scale, enable_gqa, window_size)
+        if mods:
+            seq = dict(mods)
+            slopes = seq.get("alibi_slopes")
+            if slopes is not None and slopes.dim() == 2:
+                seq["alibi_slopes"] = slopes[b]
+            if seq.get("dropout_keep") is not None:
+                seq["dropout_keep"] = seq["dropout_keep"][:, bounds_q[b]:bounds_q[b + 1],
+                                                          bounds_k[b]:bounds_k[b + 1]]
+            o, lse = modified_attention(qs, ks, vs, None, seq.pop("dropout_p", 0.0), is_causal, scale,
+                                        enable_gqa, window_size=window_size, **seq)
+        else:
+            o, lse = masked_attention(qs, ks, vs, is_causal, scale, enable_gqa, window_size)
         outs.append(o.transpose(0, 1))
         lses.append(lse)
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)

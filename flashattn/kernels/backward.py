@@ -115,14 +115,13 @@ def dkdv_inner(dk, dv, k, v,
         else:
             pT = tl.exp2(sT * s_scale - lse[None, :])                # P^T, rebuilt from the LSE
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
+        pT_kept = pT
         if DROPOUT:  # O = (P * keep / (1 - p)) V: the same factor on dV's P and on dP
             keepT = dropout_keep(seed, p_drop, drop_row0 + offs_q[None, :], drop_col0 + offs_kv[:, None],
                                  n_cols_all)
-            dv = dot_acc((tl.where(keepT, pT, 0.0) * (1.0 / (1.0 - p_drop))).to(do.dtype), do, dv,
-                         DOT_PRECISION)
+            pT_kept = tl.where(keepT, pT * (1.0 / (1.0 - p_drop)), 0.0)
             dpT = tl.where(keepT, dpT * (1.0 / (1.0 - p_drop)), 0.0)
-        else:
-            dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                # dV += P^T dO
+        dv = dot_acc(pT_kept.to(do.dtype), do, dv, DOT_PRECISION)               # dV += P^T dO
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
         if SOFTCAP:  # d softcap(x) / dx = 1 - tanh**2
             dsT = dsT * dcapT

@@ -3,6 +3,7 @@ a GPT-like block with SDPA replaced, the errors for bad new arguments, torch.com
 argument, and varlen_attention's new arguments against the reference.
 """
 import inspect
+from functools import partial
 
 import flashattn  # first: it picks the interpreter before triton is imported
 import pytest
@@ -275,3 +276,27 @@ def test_varlen_bad_new_arguments(kwargs, error, match):
         flashattn.varlen_attention(q, k, v, cu_q, cu_k, 13, 12, **kwargs)
     with pytest.raises(TypeError, match="cu_seqlens_q has dtype torch.float32"):
         flashattn.varlen_attention(q, k, v, cu_q.float(), cu_k, 13, 12)
+
+
+# -- Broadcast leading dims ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("gqa", [False, True])
+def test_kv_broadcast_over_the_batch(dtype, gqa):
+    """k and v of batch 1 against q of batch 3, as SDPA broadcasts them: read in place (stride 0),
+    their gradients summed over the batch, under the rule."""
+    from flashattn.testing.rule import compare_with_reference
+
+    q = make_qkv(19, 27, 24, dtype, batch=3, heads_q=4)[0]
+    _, k, v = make_qkv(19, 27, 24, dtype, batch=1, heads_kv=2 if gqa else 4, seed=1)
+    impl = partial(flashattn.attention, enable_gqa=gqa)
+    ref = partial(reference.naive_attention, enable_gqa=gqa)
+    checks = compare_with_reference(q, k, v, is_causal=True, impl=impl, reference=ref)
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))
+
+
+def test_kv_broadcast_errors():
+    q = make_qkv(9, 9, 16, batch=1)[0]
+    _, k, v = make_qkv(9, 9, 16, batch=2)
+    with pytest.raises(ValueError, match="k has leading dims .* but q has"):  # q would have to broadcast
+        flashattn.attention(q, k, v)

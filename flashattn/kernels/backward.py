@@ -20,6 +20,9 @@ from run to run (no atomics). Under grouped-query attention the dK/dV program of
 over the query heads that read it and sums their shares itself; under a sliding window or with
 packed sequences the kernels take the forward's ranges and tables (see flashattn.kernels.forward). Every
 program stores its tile, zeros included, so keys that no query sees get dK = dV = 0.
+The score modifications and dropout of the forward (see flashattn.kernels.forward) are rebuilt
+the same way, dropout's mask from the seed and each pair's index, and a softcap multiplies dS by
+its derivative ``1 - tanh**2``.
 FlashAttention-2 instead lets the dK/dV program add its share of dQ into memory with atomic adds
 (5 tile matmuls per tile pair instead of 7); docs/performance.md compares the two.
 

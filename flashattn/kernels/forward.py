@@ -21,8 +21,14 @@ Three variants switch on with arguments, not copies of the kernel (``flashattn.a
 * packed sequences (``VARLEN``): each program reads its (sequence, query block) from a table and
   the sequence's offset and length from ``cu_seqlens``, then works as for one sequence.
 
-A row that sees no key under a window, or in a sequence without keys, gets the output 0 and
-the LSE -inf.
+More switch on the same way for what flashattn.attention adds to the scores
+(``flashattn.kernels.mods``): SOFTCAP, ALIBI and MASK_KIND change each tile of scores
+(``tiles.modified_scores``), DROPOUT drops probabilities with Philox (``tiles.dropout_keep``), and
+BOTTOM_RIGHT moves every query to key position ``i + N_kv - N_q`` (the window's bounds shifted, so
+the same tile ranges skip what the mask hides).
+
+A row that sees no key under a window or a mask, or in a sequence without keys, gets the output 0
+and the LSE -inf.
 """
 import torch
 import triton

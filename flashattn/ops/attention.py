@@ -29,8 +29,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 
     Args:
         q: queries, shape ``(..., N_q, D)``.
-        k, v: keys and values, shape ``(..., N_kv, D)``, with the same leading dims as ``q``.
-            Any strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
+        k, v: keys and values, shape ``(..., N_kv, D)``, with the same leading dims as ``q``, or 1
+            where q's are larger (broadcast as SDPA does, read in place with stride 0). Any strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
         attn_mask: None; a bool tensor (True: the pair takes part) or a float tensor (added to the
             scaled scores), broadcastable to ``(..., H, N_q, N_kv)``; or one of
             ``torch.nn.attention.bias.causal_upper_left/causal_lower_right(N_q, N_kv)``, which are
@@ -92,6 +92,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
+    if k.dim() > 3 and k.shape[:-3] != q.shape[:-3]:
+        # k and v broadcast over q's batch dims (checked above): a view with stride 0 there, so
+        # every batch element reads the same K and V in place; autograd sums their gradients.
+        k, v = (t.expand(*q.shape[:-3], *t.shape[-3:]) for t in (k, v))
     # The kernels index (batch, head, seq, head_dim) with a stride for each. A 3-D or 4-D input is
     # used as is (no copy); more leading dims are merged into the batch, which reshape does
     # without copying whenever their strides allow it.
@@ -171,10 +175,14 @@ def check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa=False):
 def _check_heads(name, t, q, enable_gqa):
     """``t`` (k or v) has other leading dims than ``q``: fine only for grouped-query attention,
     where they differ in the heads dim alone and H_kv divides H_q; else a ValueError."""
-    if t.dim() < 3 or q.dim() < 3 or t.shape[:-3] != q.shape[:-3] or t.dim() != q.dim():
+    broadcast = all(n in (1, m) for n, m in zip(t.shape[:-3], q.shape[:-3]))  # SDPA's broadcasting
+    if t.dim() < 3 or q.dim() < 3 or not broadcast or t.dim() != q.dim():
         raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has "
-                         f"{tuple(q.shape[:-2])}; they must be equal (no broadcasting)")
+                         f"{tuple(q.shape[:-2])}; they must be equal, or 1 where q's are not "
+                         "(broadcast), apart from the heads under enable_gqa")
     heads_q, heads_kv = q.shape[-3], t.shape[-3]
+    if heads_kv == heads_q:
+        return
     if not enable_gqa:
         raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has {tuple(q.shape[:-2])}: "
                          f"{name} has {heads_kv} heads but q has {heads_q}; they must be equal, or pass "

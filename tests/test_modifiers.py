@@ -10,9 +10,12 @@ from functools import partial
 import flashattn  # first: it picks the interpreter before triton is imported
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flashattn.kernels import traversal
 from flashattn.kernels.mods import dropout_mask
+from flashattn.kernels.tiles import kv_window_bounds, q_window_bounds
 from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
 from flashattn.ops.modifiers import check_mask, draw_seed
 from flashattn.testing.reference import naive_attention, window_mask
@@ -110,6 +113,35 @@ def test_bottom_right_tiles_against_brute_force(dkdv):
             if kinds[qb, kb] == traversal.FULL:
                 assert tile.all(), case
     assert skipped_some
+
+
+@triton.jit
+def _bounds_probe(Out, q_start, kv_start, n_q, n_kv, left, right,
+                  BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    a, b, c, d = kv_window_bounds(q_start, n_kv, left, right, BLOCK_Q, BLOCK_KV)
+    e, f, g, h = q_window_bounds(kv_start, n_q, left, right, BLOCK_Q, BLOCK_KV)
+    tl.store(Out + 0, a)  # one store each: compiled Triton has no loop over a tuple of values
+    tl.store(Out + 1, b)
+    tl.store(Out + 2, c)
+    tl.store(Out + 3, d)
+    tl.store(Out + 4, e)
+    tl.store(Out + 5, f)
+    tl.store(Out + 6, g)
+    tl.store(Out + 7, h)
+
+
+def test_kernel_bounds_match_the_twins_with_negative_bounds():
+    """Shifted bottom-right, a bound may be negative (a block that sees nothing): the kernels'
+    ranges are the twins', and empty."""
+    out = torch.empty(8, dtype=torch.int32, device=DEVICE)
+    rnd = random.Random(3)
+    for _ in range(12):
+        n_q, n_kv, block_q, block_kv = rnd.randint(20, 90), rnd.randint(1, 40), rnd.choice([16, 32]), 16
+        left, right = traversal.aligned_bounds(rnd.choice([0, 3, 200]), 0, n_q, n_kv)  # right < 0
+        start_q, start_kv = rnd.randrange(0, n_q, block_q), rnd.randrange(0, n_kv, block_kv)
+        _bounds_probe[(1,)](out, start_q, start_kv, n_q, n_kv, left, right, block_q, block_kv)
+        assert out.tolist() == [*traversal.kv_window_ranges(start_q, block_q, block_kv, n_kv, left, right),
+                                *traversal.q_window_ranges(start_kv, block_kv, block_q, n_q, left, right)]
 
 
 def test_bottom_right_skips_keys_no_query_reaches():

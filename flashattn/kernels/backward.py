@@ -179,7 +179,7 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
         LSE += q_offset
         Delta += q_offset
         drop_col0 = kv_offset
-    shift, win_left, win_right, _ = score_mod_setup(n_q, n_kv, win_left, win_right, batch, kv_head,
+    shift, win_left, win_right, no_slope = score_mod_setup(n_q, n_kv, win_left, win_right, batch, kv_head,
                                                     Programs, Slopes, stride_sb, stride_sh,
                                                     False, VARLEN, BOTTOM_RIGHT)
 
@@ -213,8 +213,9 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
         dO_h = dO + head.to(tl.int64) * stride_doh
         LSE_h = LSE + head.to(tl.int64) * n_rows
         Delta_h = Delta + head.to(tl.int64) * n_rows
-        _, _, _, slope = score_mod_setup(n_q, n_kv, 0, 0, batch, head, Programs, Slopes, stride_sb,
-                                         stride_sh, ALIBI, VARLEN, False)
+        # the slope is the query head's (the shift and bounds were set above, once for all heads)
+        head_shift, head_left, head_right, slope = score_mod_setup(n_q, n_kv, 0, 0, batch, head, Programs, Slopes,
+                                                                   stride_sb, stride_sh, ALIBI, VARLEN, False)
         Mask_h = Mask
         if MASK_KIND != 0:
             Mask_h = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
@@ -397,13 +398,15 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
         kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
+                       n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                        stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
                        drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
+                       n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                        stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
                        drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)

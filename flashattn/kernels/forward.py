@@ -199,14 +199,16 @@ def attn_fwd(Q, K, V, O, LSE,
         # Stage 1: whole tiles every query of the block sees.
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
+                                   n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                                    stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
                                    drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         # Stage 2: the diagonal and the ragged end, with the element-wise mask.
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
+                                   n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                                    stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
                                    drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)

@@ -109,6 +109,9 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False,
                 "VARLEN": False, "Slopes": None, "Mask": None}
     constexprs = {**{arg: value for arg, value in variants.items() if arg in fn.arg_names}, **constexprs}
+    # Every other switch at its default (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT off), as a
+    # launch that does not pass it: left out here, it would compile as a run-time int.
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     constexprs.update({arg: 1 for arg in fn.arg_names if arg.startswith("stride_") and arg.endswith("d")})
     pointers = {**{arg: dtype for arg in tensors}, **fixed}
     for arg in VARIANT_POINTERS:

@@ -30,7 +30,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     Args:
         q: queries, shape ``(..., N_q, D)``.
         k, v: keys and values, shape ``(..., N_kv, D)``, with the same leading dims as ``q``, or 1
-            where q's are larger (broadcast as SDPA does, read in place with stride 0). Any strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
+            where q's are larger (broadcast as SDPA does, read in place with stride 0). Any
+            strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
         attn_mask: None; a bool tensor (True: the pair takes part) or a float tensor (added to the
             scaled scores), broadcastable to ``(..., H, N_q, N_kv)``; or one of
             ``torch.nn.attention.bias.causal_upper_left/causal_lower_right(N_q, N_kv)``, which are

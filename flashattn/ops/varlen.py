@@ -10,8 +10,7 @@ another, with no padding at all, and describes the batch by the cumulative lengt
 Sequence ``b`` owns the rows ``cu_seqlens[b]:cu_seqlens[b + 1]``, and its queries see only its own
 keys, aligned top-left as in :func:`flashattn.attention` (query ``i`` of a sequence, with
 ``is_causal``, sees that sequence's keys ``0..i``) unless ``causal_alignment="bottom_right"``.
-Grouped-query attention and sliding windows
-work as there.
+Grouped-query attention and sliding windows work as there.
 
 How the kernels do it: the very same forward and backward kernels as ``flashattn.attention``, with
 ``VARLEN`` switched on. Their launch grid walks a table of programs built here from the lengths,

@@ -117,14 +117,15 @@ def dkdv_inner(dk, dv, k, v,
             pT = tl.exp2(sT * s_scale - lse_hi[None, :] - lse_lo[None, :])
         else:
             pT = tl.exp2(sT * s_scale - lse[None, :])                # P^T, rebuilt from the LSE
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
         pT_kept = pT
         if DROPOUT:  # O = (P * keep / (1 - p)) V: the same factor on dV's P and on dP
             keepT = dropout_keep(seed, p_drop, drop_row0 + offs_q[None, :], drop_col0 + offs_kv[:, None],
                                  n_cols_all)
             pT_kept = tl.where(keepT, pT * (1.0 / (1.0 - p_drop)), 0.0)
-            dpT = tl.where(keepT, dpT * (1.0 / (1.0 - p_drop)), 0.0)
         dv = dot_acc(pT_kept.to(do.dtype), do, dv, DOT_PRECISION)               # dV += P^T dO
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
+        if DROPOUT:
+            dpT = tl.where(keepT, dpT * (1.0 / (1.0 - p_drop)), 0.0)
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
         if SOFTCAP:  # d softcap(x) / dx = 1 - tanh**2
             dsT = dsT * dcapT

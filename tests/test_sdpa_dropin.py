@@ -300,3 +300,37 @@ def test_kv_broadcast_errors():
     _, k, v = make_qkv(9, 9, 16, batch=2)
     with pytest.raises(ValueError, match="k has leading dims .* but q has"):  # q would have to broadcast
         flashattn.attention(q, k, v)
+
+
+# -- Dispatch ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(attn_mask="padding"), dict(softcap=5.0), dict(alibi_slopes="slopes"),
+                                    dict(dropout_p=0.2), dict(is_causal=True, causal_alignment="bottom_right")],
+                         ids=["plain", "mask", "softcap", "alibi", "dropout", "bottom-right"])
+def test_gluon_kernels_never_get_modified_calls(monkeypatch, kwargs):
+    """A fake Gluon module stands in on the CPU: a plain call reaches it, a call with any new
+    argument takes the Triton kernels (the Gluon kernels implement none of them)."""
+    from flashattn import hopper
+
+    calls = []
+
+    class FakeGluon:
+        @staticmethod
+        def supports(q, k, v):
+            return True
+
+        @staticmethod
+        def attention_forward(q, k, v, causal, scale):
+            calls.append("forward")
+            return torch.zeros_like(q), torch.zeros(q.shape[:-1], device=q.device)
+
+    monkeypatch.setattr(hopper, "load", lambda name: FakeGluon if name == "forward" else None)
+    kwargs = dict(kwargs)
+    if kwargs.get("attn_mask") == "padding":
+        kwargs["attn_mask"] = torch.ones(1, 1, 1, 11, dtype=torch.bool, device=DEVICE)
+    if kwargs.get("alibi_slopes") == "slopes":
+        kwargs["alibi_slopes"] = torch.tensor([0.5, 0.25], device=DEVICE)
+    q, k, v = make_qkv(7, 11, 16, batch=1)
+    out = flashattn.attention(q, k, v, **kwargs)
+    assert calls == (["forward"] if not kwargs else [])
+    assert (out.abs().max().item() == 0.0) == (not kwargs)

@@ -334,3 +334,17 @@ def test_gluon_kernels_never_get_modified_calls(monkeypatch, kwargs):
     out = flashattn.attention(q, k, v, **kwargs)
     assert calls == (["forward"] if not kwargs else [])
     assert (out.abs().max().item() == 0.0) == (not kwargs)
+
+
+def test_vmap_with_a_mask_and_slopes_per_batch_element():
+    """vmap folds its dim into the kernels' batch: a mask and slopes with a batch dim follow it."""
+    q, k, v = make_qkv(7, 11, 16, batch=2)
+    qs = torch.stack([q, 2 * q])  # vmap over this leading dim
+    mask = torch.rand(2, 1, 7, 11, generator=torch.Generator().manual_seed(2)).to(DEVICE) > 0.4
+    mask[..., 0] = True
+    s = torch.rand(2, 2, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    fn = partial(flashattn.attention, attn_mask=mask, alibi_slopes=s)
+    out = torch.func.vmap(lambda a: fn(a, k, v))(qs)
+    for i in range(2):
+        want, _ = reference.naive_attention(qs[i].double(), k.double(), v.double(), attn_mask=mask, alibi_slopes=s)
+        torch.testing.assert_close(out[i].double(), want, atol=2e-6, rtol=2e-6)

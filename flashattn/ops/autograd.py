@@ -265,7 +265,7 @@ def _(info, in_dims, q, k, v, is_causal, scale, *variants):
     _refuse_batched_mods(in_dims[5:])
     n = info.batch_size
     folded = (_folded(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
-    o, lse2 = torch.ops.flashattn.forward(*folded, is_causal, scale, *variants)
+    o, lse2 = torch.ops.flashattn.forward(*folded, is_causal, scale, *_repeated_mods(variants, n))
     return (_unfolded(o, n), _unfolded(lse2, n)), (0, 0)
 
 
@@ -276,8 +276,20 @@ def _(info, in_dims, q, k, v, o, lse2, do, dlse, is_causal, scale, *variants):
     _refuse_batched_mods(in_dims[9:])
     n = info.batch_size
     tensors = (_folded(t, d, n) for t, d in zip((q, k, v, o, lse2, do, dlse), in_dims[:7]))
-    grads = torch.ops.flashattn.backward(*tensors, is_causal, scale, *variants)
+    grads = torch.ops.flashattn.backward(*tensors, is_causal, scale, *_repeated_mods(variants, n))
     return tuple(_unfolded(g, n) for g in grads), (0, 0, 0)
+
+
+def _repeated_mods(variants, n):
+    """The operators' variant arguments with the mask and the slopes following q's batch once vmap's
+    ``n`` copies are folded into it: a batch dim of 1 stays a stride-0 view, a full one is repeated
+    ``n`` times (the folded batch is vmap's index times the batch, plus the batch element)."""
+    variants = list(variants)
+    for i in (7, 8):  # alibi_slopes (B or 1, H), attn_mask (B or 1, ...)
+        t = variants[i]
+        if t is not None and t.shape[0] != 1:
+            variants[i] = t.unsqueeze(0).expand(n, *t.shape).reshape(n * t.shape[0], *t.shape[1:])
+    return variants
 
 
 def _refuse_batched_mods(variant_dims):

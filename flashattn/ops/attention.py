@@ -43,6 +43,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
             ``1 / (1 - dropout_p)``), applied whenever > 0, as SDPA does. The mask is drawn in the
             kernel (Philox) from a seed taken from torch's default generator, so
             ``torch.manual_seed`` reproduces it; the backward regenerates it (nothing N x N stored).
+            The returned lse is that of the scores before dropout.
         is_causal: mask so that query ``i`` sees keys ``0..pos(i)``, ``pos`` as ``causal_alignment``.
         scale: the factor applied to ``q @ k^T``; defaults to ``1 / sqrt(D)``.
         enable_gqa: grouped-query attention, as SDPA's flag: ``q`` is ``(..., H_q, N_q, D)`` and

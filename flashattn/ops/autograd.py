@@ -205,8 +205,16 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bo
         return attention_forward(q, k, v, is_causal, scale, None, (window_left, window_right),
                                  sequences, _lse_dtype(q), mods=mods)
     if mods is not None:  # the mask and the slopes index batch and heads: one launch, no slices
+        _check_grid(q)
         return run(q, k, v)
     return _sliced(run, (q, k, v))
+
+
+def _check_grid(q):
+    if q.shape[0] > MAX_GRID_DIM or q.shape[1] > MAX_GRID_DIM:
+        raise ValueError(f"an attn_mask, dropout, softcap, ALiBi or the bottom-right alignment with "
+                         f"{q.shape[0]} batch elements and {q.shape[1]} heads: at most {MAX_GRID_DIM} of "
+                         "each are supported with them (calls without them are launched in slices)")
 
 
 @torch.library.register_fake("flashattn::forward")

@@ -180,7 +180,7 @@ def test_the_rule_rejects_a_slightly_wrong_kernel(dtype):
     q, k, v = make_qkv(69, 69, 64, dtype)
 
     def off_by_one_percent(q, k, v, is_causal, scale, return_lse):
-        return flashattn.attention(q, k, v, is_causal, 1.01 / 8.0, return_lse)
+        return flashattn.attention(q, k, v, is_causal=is_causal, scale=1.01 / 8.0, return_lse=return_lse)
 
     checks = compare_with_reference(q, k, v, is_causal=True, impl=off_by_one_percent)
     assert not any(c.ok for c in checks), "\n".join(map(str, checks))
@@ -201,7 +201,7 @@ def test_the_tf32_rule_passes_tf32_and_rejects_a_slightly_wrong_kernel(precision
 
         def tf32_inputs(q, k, v, is_causal, scale, return_lse):  # the roundings of a TF32 kernel
             rounded = [t + (round_to_tf32(t.detach()) - t.detach()) for t in (q, k, v)]  # gradients pass
-            return flashattn.attention(*rounded, is_causal, scale, return_lse)
+            return flashattn.attention(*rounded, is_causal=is_causal, scale=scale, return_lse=return_lse)
 
         assert_rule(compare_with_reference(q, k, v, is_causal=True, impl=tf32_inputs))
 

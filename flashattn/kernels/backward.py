@@ -20,6 +20,9 @@ from run to run (no atomics). Under grouped-query attention the dK/dV program of
 over the query heads that read it and sums their shares itself; under a sliding window or with
 packed sequences the kernels take the forward's ranges and tables (see flashattn.kernels.forward). Every
 program stores its tile, zeros included, so keys that no query sees get dK = dV = 0.
+The score modifications and dropout of the forward (see flashattn.kernels.forward) are rebuilt
+the same way, dropout's mask from the seed and each pair's index, and a softcap multiplies dS by
+its derivative ``1 - tanh**2``.
 FlashAttention-2 instead lets the dK/dV program add its share of dQ into memory with atomic adds
 (5 tile matmuls per tile pair instead of 7); docs/performance.md compares the two.
 
@@ -36,8 +39,9 @@ import triton.language as tl
 from ..gpu import launcher
 from ..gpu.configs import block_d, dkdv_steps_fit, dot_precision
 from ..gpu.runtime import kernel_dtype
-from .tiles import (dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, q_window_bounds, qk_scale,
-                    sequence_of_program, store_tile)
+from .tiles import (dot_acc, dropout_keep, kv_stage_bounds, kv_window_bounds, load_tile, modified_scores,
+                    q_window_bounds, qk_scale, score_mod_setup, sequence_of_program, store_tile)
+from .mods import NO_MODS
 from .traversal import window_masking
 
 
@@ -66,11 +70,17 @@ def dkdv_inner(dk, dv, k, v,
                 offs_kv, offs_d, q_lo, q_hi, n_q, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                WINDOW: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False, win_left=0, win_right=0):
+                WINDOW: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False, win_left=0, win_right=0,
+                n_kv=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
+                seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, n_cols_all=0,
+                SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+                MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False):
     """Accumulate into dK and dV the query blocks ``[q_lo, q_hi)``.
 
     Everything here is transposed (keys along rows, queries along columns) because the key block
-    is the one that stays: ``sT = K Q^T`` is S^T, and so on."""
+    is the one that stays: ``sT = K Q^T`` is S^T, and so on. The score modifications and dropout
+    are the forward's (see forward.fwd_inner), rebuilt from the same ids: dV takes the dropped,
+    rescaled P, dP the same mask, and the softcap's ``1 - tanh**2`` multiplies dS."""
     for q_start in range(q_lo, q_hi, BLOCK_Q):
         q_start = tl.multiple_of(q_start, BLOCK_Q)
         offs_q = q_start + tl.arange(0, BLOCK_Q)
@@ -85,6 +95,12 @@ def dkdv_inner(dk, dv, k, v,
         if EMPTY_ROWS:  # a row that saw no key has LSE -inf: 2**(-inf - +inf) = 0, not NaN
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)   # S^T / scale
+        if SOFTCAP or ALIBI or MASK_KIND != 0:  # scores already in base 2, scale applied
+            sT, dcapT = modified_scores(sT, offs_q[None, :], offs_kv[:, None], n_q, n_kv, qk_scale, softcap,
+                                        slope, shift, Mask, stride_mq, stride_mk, SOFTCAP, ALIBI, MASK_KIND)
+            s_scale = 1.0
+        else:
+            s_scale = qk_scale
         if MASKED:  # hidden pairs get a score of -inf, hence a probability of exactly 0
             visible = offs_q[None, :] < n_q
             if IS_CAUSAL:
@@ -98,17 +114,26 @@ def dkdv_inner(dk, dv, k, v,
             # (a row that saw no key has an infinite LSE and no low part: inf - inf would be NaN)
             finite = tl.abs(lse_hi) < float("inf")
             lse_lo = (tl.where(finite, lse, 0.0) - tl.where(finite, lse_hi, 0.0).to(tl.float64)).to(tl.float32)
-            pT = tl.exp2(sT * qk_scale - lse_hi[None, :] - lse_lo[None, :])
+            pT = tl.exp2(sT * s_scale - lse_hi[None, :] - lse_lo[None, :])
         else:
-            pT = tl.exp2(sT * qk_scale - lse[None, :])               # P^T, rebuilt from the LSE
-        dv = dot_acc(pT.to(do.dtype), do, dv, DOT_PRECISION)                    # dV += P^T dO
+            pT = tl.exp2(sT * s_scale - lse[None, :])                # P^T, rebuilt from the LSE
+        pT_kept = pT
+        if DROPOUT:  # O = (P * keep / (1 - p)) V: the same factor on dV's P and on dP
+            keepT = dropout_keep(seed, p_drop, drop_row0 + offs_q[None, :], drop_col0 + offs_kv[:, None],
+                                 n_cols_all)
+            pT_kept = tl.where(keepT, pT * (1.0 / (1.0 - p_drop)), 0.0)
+        dv = dot_acc(pT_kept.to(do.dtype), do, dv, DOT_PRECISION)               # dV += P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
+        if DROPOUT:
+            dpT = tl.where(keepT, dpT * (1.0 / (1.0 - p_drop)), 0.0)
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
+        if SOFTCAP:  # d softcap(x) / dx = 1 - tanh**2
+            dsT = dsT * dcapT
         dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_PRECISION)                     # dK += dS^T Q
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right", "seed"])  # one binary per length
 def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -121,7 +146,11 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
+                   WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
+                   softcap=0.0, Slopes=None, stride_sb=0, stride_sh=0,
+                   Mask=None, stride_mb=0, stride_mh=0, stride_mq=0, stride_mk=0, seed=0, p_drop=0.0,
+                   SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+                   DROPOUT: tl.constexpr = False, BOTTOM_RIGHT: tl.constexpr = False):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention K/V head ``kv_head`` is
     # read by the n_group query heads kv_head * n_group + g: this program sums their shares of
     # dK and dV itself, in a fixed order (no atomics, no copy of K and V per query head).
@@ -136,6 +165,9 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
     LSE += batch.to(tl.int64) * n_heads * n_q
     Delta += batch.to(tl.int64) * n_heads * n_q
     n_rows = n_q  # the LSE's row length: all sequences' queries under VARLEN
+    n_cols_all = n_kv
+    q_offset = 0
+    drop_col0 = 0
     if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
         kv_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
                                                                        kv_block)
@@ -147,6 +179,10 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
         dO += q_offset * stride_don
         LSE += q_offset
         Delta += q_offset
+        drop_col0 = kv_offset
+    shift, win_left, win_right, no_slope = score_mod_setup(n_q, n_kv, win_left, win_right, batch, kv_head,
+                                                    Programs, Slopes, stride_sb, stride_sh,
+                                                    False, VARLEN, BOTTOM_RIGHT)
 
     kv_start = kv_block * BLOCK_KV
     offs_kv = kv_start + tl.arange(0, BLOCK_KV)
@@ -178,18 +214,37 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
         dO_h = dO + head.to(tl.int64) * stride_doh
         LSE_h = LSE + head.to(tl.int64) * n_rows
         Delta_h = Delta + head.to(tl.int64) * n_rows
+        # the slope is the query head's (the shift and bounds were set above, once for all heads)
+        head_shift, head_left, head_right, slope = score_mod_setup(n_q, n_kv, 0, 0, batch, head, Programs, Slopes,
+                                                                   stride_sb, stride_sh, ALIBI, VARLEN, False)
+        Mask_h = Mask
+        if MASK_KIND != 0:
+            Mask_h = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+        drop_row0 = (batch.to(tl.int64) * n_heads + head) * n_rows + q_offset
         dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
                              stride_don, stride_dod, offs_kv, offs_d, q_lo, tl.minimum(q_full_lo, n_q),
                              n_q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
-                             WINDOW, WINDOW or VARLEN, win_left, win_right)
+                             WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
+                             n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
+                             Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
+                             drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                             SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
                              stride_don, stride_dod, offs_kv, offs_d, q_full_lo, q_full_hi, n_q, qk_scale,
                              HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
-                             WINDOW, WINDOW or VARLEN, win_left, win_right)
+                             WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
+                             n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
+                             Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
+                             drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                             SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
                              stride_don, stride_dod, offs_kv, offs_d, q_full_hi, q_hi, n_q, qk_scale,
                              HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
-                             WINDOW, WINDOW or VARLEN, win_left, win_right)
+                             WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
+                             n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
+                             Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
+                             drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                             SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
 
     # Every program stores its whole tile, zeros included: keys no query sees get dK = dV = 0.
     dk *= scale  # S = scale * Q K^T, so dK carries the scale once
@@ -203,14 +258,25 @@ def dq_inner(dq, q, do, lse, delta,
               offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              WINDOW: tl.constexpr = False, win_left=0, win_right=0):
-    """Accumulate into dQ the key blocks ``[kv_lo, kv_hi)``."""
+              WINDOW: tl.constexpr = False, win_left=0, win_right=0,
+              n_q=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
+              seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, n_cols_all=0,
+              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+              MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False):
+    """Accumulate into dQ the key blocks ``[kv_lo, kv_hi)`` (modifications and dropout as in
+    :func:`dkdv_inner`)."""
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)
         offs_kv = kv_start + tl.arange(0, BLOCK_KV)
         k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
         v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # S / scale
+        if SOFTCAP or ALIBI or MASK_KIND != 0:  # scores already in base 2, scale applied
+            s, dcap = modified_scores(s, offs_q[:, None], offs_kv[None, :], n_q, n_kv, qk_scale, softcap,
+                                      slope, shift, Mask, stride_mq, stride_mk, SOFTCAP, ALIBI, MASK_KIND)
+            s_scale = 1.0
+        else:
+            s_scale = qk_scale
         if MASKED:
             visible = offs_kv[None, :] < n_kv
             if IS_CAUSAL:
@@ -219,14 +285,20 @@ def dq_inner(dq, q, do, lse, delta,
                 visible = visible & (offs_kv[None, :] >= offs_q[:, None] - win_left) \
                     & (offs_kv[None, :] <= offs_q[:, None] + win_right)
             s = tl.where(visible, s, float("-inf"))
-        p = tl.exp2(s * qk_scale - lse[:, None])                      # P, rebuilt from the LSE
+        p = tl.exp2(s * s_scale - lse[:, None])                       # P, rebuilt from the LSE
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
+        if DROPOUT:
+            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], drop_col0 + offs_kv[None, :],
+                                n_cols_all)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
         ds = p * (dp - delta[:, None])                                 # dS (unscaled)
+        if SOFTCAP:
+            ds = ds * dcap
         dq = dot_acc(ds.to(k.dtype), k, dq, DOT_PRECISION)                # dQ += dS K
     return dq
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right", "seed"])  # one binary per length
 def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                  stride_qb, stride_qh, stride_qn, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -238,7 +310,11 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
+                 WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
+                 softcap=0.0, Slopes=None, stride_sb=0, stride_sh=0,
+                 Mask=None, stride_mb=0, stride_mh=0, stride_mq=0, stride_mk=0, seed=0, p_drop=0.0,
+                 SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+                 DROPOUT: tl.constexpr = False, BOTTOM_RIGHT: tl.constexpr = False):
     # The forward kernel's grid and its grouped heads and packed sequences (see attn_fwd).
     q_block = tl.program_id(0)
     if IS_CAUSAL and not VARLEN:  # the last query blocks visit the most keys: start them first
@@ -252,6 +328,9 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
     dQ += batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
     LSE += (batch.to(tl.int64) * n_heads + head) * n_q
     Delta += (batch.to(tl.int64) * n_heads + head) * n_q
+    drop_row0 = (batch.to(tl.int64) * n_heads + head) * n_q  # dropout's ids, as in attn_fwd
+    drop_col0 = 0
+    n_cols_all = n_kv
     if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
         q_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
                                                                       q_block)
@@ -262,6 +341,13 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
         Delta += q_offset
         K += kv_offset * stride_kn
         V += kv_offset * stride_vn
+        drop_row0 += q_offset
+        drop_col0 = kv_offset
+    shift, win_left, win_right, slope = score_mod_setup(n_q, n_kv, win_left, win_right, batch, head,
+                                                        Programs, Slopes, stride_sb, stride_sh,
+                                                        ALIBI, VARLEN, BOTTOM_RIGHT)
+    if MASK_KIND != 0:
+        Mask += batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
 
     q_start = q_block * BLOCK_Q
     offs_q = q_start + tl.arange(0, BLOCK_Q)
@@ -280,7 +366,7 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
     else:
         row_factor = tl.full([BLOCK_Q], 1.0, dtype=tl.float32)
     delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
-    if WINDOW or VARLEN:  # a row that saw no key has LSE -inf: 2**(-inf - +inf) = 0, not NaN
+    if WINDOW or VARLEN or MASK_KIND != 0:  # a row that saw no key has LSE -inf: 2**(-inf - +inf) = 0
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
 
@@ -291,30 +377,47 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
                        HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
-                       win_right)
+                       win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
                        HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True, win_left,
-                       win_right)
+                       win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
                        HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
-                       win_right)
+                       win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
     else:
         kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
+                       n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
+                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
+                       n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
 
     dq *= scale * row_factor[:, None]
     store_tile(dQ, dq, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
 
 
 def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
-                       window_size=(-1, -1), sequences=None, dkdv=None):
+                       window_size=(-1, -1), sequences=None, dkdv=None, mods=None):
     """Launch the three backward kernels on (B, H, N, D) tensors of any strides.
 
     ``lse2`` is the forward's base-2 log-sum-exp. ``dlse``, if given, is the gradient reaching the
@@ -324,7 +427,7 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     ``forward.attention_forward``. ``dkdv``, if given, computes dK and dV in place of the Triton
     kernel: ``dkdv(q, k, v, do, lse2, delta, is_causal, scale) -> (dk, dv)`` (``flashattn.ops.dispatch``
     passes the Gluon kernel of ``flashattn.hopper.forward.backward`` there). Returns ``(dq, dk, dv)`` in
-    the dtypes of q, k and v.
+    the dtypes of q, k and v. ``mods`` (a ``flashattn.kernels.mods.ScoreMods``): the forward's.
     """
     configs = configs or {}
     batch, heads, n_q, head_dim = q.shape
@@ -334,7 +437,10 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     dq = torch.empty_like(q)
     if n_q == 0 or n_kv == 0:
         return tuple(torch.zeros_like(t, dtype=d) for t, d in zip((q, k, v), dtypes))
-    causal, window, win_left, win_right = window_masking(is_causal, window_size, n_q + n_kv)
+    mods = mods or NO_MODS
+    causal, window, win_left, win_right = window_masking(
+        is_causal, window_size, n_q + n_kv, mods.aligned_bottom_right(n_q, n_kv, sequences is not None))
+    mod_args = mods.kernel_args(n_q, n_kv, sequences is not None)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim))
     masking = dict(common, IS_CAUSAL=causal,
                    DOT_PRECISION=dot_precision(q.dtype, common["BLOCK_D"]),
@@ -372,13 +478,13 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
             "bwd_dkdv", attn_bwd_dkdv, grid,
             (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
              *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
-            masking, seq_len, _checked_dkdv(config))
+            dict(masking, **mod_args), seq_len, _checked_dkdv(config))
     config, grid, tables = grid_and_tables("bwd_dq", "q", "BLOCK_Q", n_q, heads)
     launcher.launch(
         "bwd_dq", attn_bwd_dq, grid,
         (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
          *dq.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
-        masking, seq_len, config)
+        dict(masking, **mod_args), seq_len, config)
     return tuple(t.to(d) for t, d in zip((dq, dk, dv), dtypes))
 
 

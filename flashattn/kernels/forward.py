@@ -21,8 +21,14 @@ Three variants switch on with arguments, not copies of the kernel (``flashattn.a
 * packed sequences (``VARLEN``): each program reads its (sequence, query block) from a table and
   the sequence's offset and length from ``cu_seqlens``, then works as for one sequence.
 
-A row that sees no key under a window, or in a sequence without keys, gets the output 0 and
-the LSE -inf.
+More switch on the same way for what flashattn.attention adds to the scores
+(``flashattn.kernels.mods``): SOFTCAP, ALIBI and MASK_KIND change each tile of scores
+(``tiles.modified_scores``), DROPOUT drops probabilities with Philox (``tiles.dropout_keep``), and
+BOTTOM_RIGHT moves every query to key position ``i + N_kv - N_q`` (the window's bounds shifted, so
+the same tile ranges skip what the mask hides).
+
+A row that sees no key under a window or a mask, or in a sequence without keys, gets the output 0
+and the LSE -inf.
 """
 import torch
 import triton
@@ -30,8 +36,9 @@ import triton.language as tl
 
 from ..gpu import configs, launcher
 from ..gpu.runtime import kernel_dtype
-from .tiles import (dot_acc, kv_stage_bounds, kv_window_bounds, load_tile, qk_scale, sequence_of_program,
-                    store_tile)
+from .tiles import (dot_acc, dropout_keep, kv_stage_bounds, kv_window_bounds, load_tile, modified_scores,
+                    qk_scale, score_mod_setup, sequence_of_program, store_tile)
+from .mods import NO_MODS
 from .traversal import window_masking
 
 
@@ -41,12 +48,18 @@ def fwd_inner(acc, m_i, l_i, q,
                offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               WINDOW: tl.constexpr = False, win_left=0, win_right=0):
+               WINDOW: tl.constexpr = False, win_left=0, win_right=0,
+               n_q=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
+               seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, n_cols_all=0,
+               SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+               MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False):
     """Fold the key/value tiles ``[kv_lo, kv_hi)`` into the running state ``(acc, m_i, l_i)``.
 
     ``m_i`` is the running row maximum and ``l_i`` the running row sum, both in base 2 and already
     multiplied by the softmax scale; ``acc`` is the unnormalised output. With ``WINDOW`` query
-    ``i`` sees only keys ``i - win_left .. i + win_right``.
+    ``i`` sees only keys ``i - win_left .. i + win_right``. SOFTCAP, ALIBI and MASK_KIND change
+    the scores (``tiles.modified_scores``); DROPOUT drops probabilities from ``acc`` but not from
+    ``l_i`` (the softmax's denominator is that of all keys), its 1/(1-p) applied at the end.
     """
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)  # lets the compiler prove aligned addresses
@@ -54,6 +67,12 @@ def fwd_inner(acc, m_i, l_i, q,
         k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM,
                       MASKED, HEAD_DIM < BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw scores q.k, fp32
+        if SOFTCAP or ALIBI or MASK_KIND != 0:  # scores already in base 2, scale applied
+            s, _ = modified_scores(s, offs_q[:, None], offs_kv[None, :], n_q, n_kv, qk_scale, softcap,
+                                   slope, shift, Mask, stride_mq, stride_mk, SOFTCAP, ALIBI, MASK_KIND)
+            s_scale = 1.0
+        else:
+            s_scale = qk_scale
         if MASKED:
             visible = offs_kv[None, :] < n_kv                       # keys past the end do not exist
             if IS_CAUSAL:
@@ -66,16 +85,20 @@ def fwd_inner(acc, m_i, l_i, q,
             s = tl.where(visible, s, float("-inf"))
         # The scale (times log2 e) is applied to the row max and folded into one fused
         # multiply-add inside exp2, so the loop spends no extra instruction on scaling S.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        if MASKED and WINDOW:
-            # Under a window a row may meet hidden keys before its first visible one: while its
-            # max is still -inf, subtract 0 instead, so 2**(-inf - 0) = 0 rather than NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
+        if (MASKED and WINDOW) or MASK_KIND != 0:
+            # Under a window (or a mask) a row may meet hidden keys before its first visible one:
+            # while its max is still -inf, subtract 0 instead, so 2**(-inf - 0) = 0 rather than NaN.
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_ref = m_new
-        p = tl.exp2(s * qk_scale - m_ref[:, None])
+        p = tl.exp2(s * s_scale - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)                                # rescales what came before
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], drop_col0 + offs_kv[None, :],
+                                n_cols_all)
+            p = tl.where(keep, p, 0.0)
         v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
                       MASKED, HEAD_DIM < BLOCK_D)
         acc = acc * alpha[:, None]
@@ -84,7 +107,7 @@ def fwd_inner(acc, m_i, l_i, q,
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right"])  # one binary per length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right", "seed"])  # one binary per length
 def attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
@@ -95,7 +118,11 @@ def attn_fwd(Q, K, V, O, LSE,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
               IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
+              WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
+              softcap=0.0, Slopes=None, stride_sb=0, stride_sh=0,
+              Mask=None, stride_mb=0, stride_mh=0, stride_mq=0, stride_mk=0, seed=0, p_drop=0.0,
+              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
+              DROPOUT: tl.constexpr = False, BOTTOM_RIGHT: tl.constexpr = False):
     # Grid: axis 0 = query blocks, axis 1 = heads, axis 2 = batch. Programs are started in axis-0
     # order, so the blocks running side by side belong to one head and share its K and V in L2.
     # Grouped-query attention: query head ``head`` reads K/V head ``head // n_group`` in place.
@@ -113,6 +140,10 @@ def attn_fwd(Q, K, V, O, LSE,
     V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     O += batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     LSE += (batch.to(tl.int64) * n_heads + head) * n_q
+    # Dropout's element ids count (batch, head, row, column) in the whole tensors' rows and columns.
+    drop_row0 = (batch.to(tl.int64) * n_heads + head) * n_q
+    drop_col0 = 0
+    n_cols_all = n_kv
     if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
         q_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
                                                                       q_block)
@@ -121,6 +152,13 @@ def attn_fwd(Q, K, V, O, LSE,
         LSE += q_offset
         K += kv_offset * stride_kn
         V += kv_offset * stride_vn
+        drop_row0 += q_offset
+        drop_col0 = kv_offset
+    shift, win_left, win_right, slope = score_mod_setup(n_q, n_kv, win_left, win_right, batch, head,
+                                                        Programs, Slopes, stride_sb, stride_sh,
+                                                        ALIBI, VARLEN, BOTTOM_RIGHT)
+    if MASK_KIND != 0:  # attn_mask's (batch, head) slice; a broadcast dim has stride 0
+        Mask += batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
 
     q_start = q_block * BLOCK_Q
     offs_q = q_start + tl.arange(0, BLOCK_Q)
@@ -138,33 +176,53 @@ def attn_fwd(Q, K, V, O, LSE,
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
                                    HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
-                                   win_left, win_right)
+                                   win_left, win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
+                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
                                    HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True,
-                                   win_left, win_right)
+                                   win_left, win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
+                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
                                    HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
-                                   win_left, win_right)
+                                   win_left, win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
+                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
     else:
         kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
         # Stage 1: whole tiles every query of the block sees.
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION)
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
+                                   n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
+                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         # Stage 2: the diagonal and the ragged end, with the element-wise mask.
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION)
+                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
+                                   n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
+                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
 
-    if WINDOW or VARLEN:
-        # A row that saw no key (outside every window, or a sequence without keys) has L = 0 and
-        # acc = 0: dividing by 1 gives the output 0 and LSE = -inf + log2(1) = -inf, not NaN.
+    if WINDOW or VARLEN or MASK_KIND != 0:
+        # A row that saw no key (outside every window, masked out, or a sequence without keys) has
+        # L = 0 and acc = 0: dividing by 1 gives the output 0 and LSE = -inf + log2(1) = -inf, not NaN.
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     # Divide by the softmax denominator once, at the end (chapter 01), and keep
     # LSE = M + log2(L): one number per row from which the backward rebuilds P = 2**(S' - LSE).
-    acc = acc / l_i[:, None]
+    if DROPOUT:  # the kept probabilities scaled by 1 / (1 - p), so that O's expectation is P V
+        acc = acc / (l_i * (1.0 - p_drop))[:, None]
+    else:
+        acc = acc / l_i[:, None]
     # In float64 when the launcher asks for it: at large scores M + log2(L) rounded to float32
     # shifts every P the backward rebuilds from it by the same factor (see attention_forward).
     lse = m_i.to(LSE.dtype.element_ty) + tl.log2(l_i).to(LSE.dtype.element_ty)
@@ -173,7 +231,7 @@ def attn_fwd(Q, K, V, O, LSE,
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
-                      lse_dtype=torch.float32):
+                      lse_dtype=torch.float32, mods=None):
     """Launch the forward kernel on (B, H, N, D) tensors of any strides.
 
     Returns ``(o, lse2)``: the output, shaped and typed like ``q``, and the base-2 log-sum-exp of
@@ -190,12 +248,17 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
     it is off by the same factor, which made dV's error several times PyTorch's (whose largest P
     are exact). flashattn.attention asks for it; the backward kernels read either.
 
+    ``mods`` (a ``flashattn.kernels.mods.ScoreMods``) adds a softcap, ALiBi, an attn_mask,
+    dropout or the bottom-right alignment; None: none of them.
+
     This is the Triton kernel everywhere; ``flashattn.ops.dispatch`` sends some calls on an
     H100/H200 to the Gluon kernel of ``flashattn.hopper.forward`` instead.
     """
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
-    causal, window, win_left, win_right = window_masking(is_causal, window_size, n_q + n_kv)
+    mods = mods or NO_MODS
+    causal, window, win_left, win_right = window_masking(
+        is_causal, window_size, n_q + n_kv, mods.aligned_bottom_right(n_q, n_kv, sequences is not None))
     out_dtype = q.dtype
     q, k, v = kernel_dtype(q, k, v)
     o = torch.empty_like(q)
@@ -208,6 +271,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), IS_CAUSAL=causal,
                       DOT_PRECISION=configs.dot_precision(q.dtype, configs.block_d(head_dim)),
                       WINDOW=window, VARLEN=sequences is not None)
+    mod_args = mods.kernel_args(n_q, n_kv, sequences is not None)
     programs = cu_seqlens_q = cu_seqlens_k = None
     if sequences is None:
         def grid(meta):
@@ -224,5 +288,5 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
         (q, k, v, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
          heads, n_q, n_kv, qk_scale(scale),
          heads // k.shape[1], win_left, win_right, programs, cu_seqlens_q, cu_seqlens_k),
-        constexprs, seq_len=max(n_q, n_kv), config=config)
+        dict(constexprs, **mod_args), seq_len=max(n_q, n_kv), config=config)
     return o.to(out_dtype), lse2

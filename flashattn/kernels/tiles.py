@@ -112,6 +112,9 @@ def kv_window_bounds(q_start, n_kv, win_left, win_right,
     # Seen by every query of the block: keys q_start + BLOCK_Q - 1 - win_left .. q_start + win_right.
     kv_full_lo = tl.maximum(q_start + BLOCK_Q - 1 - win_left + BLOCK_KV - 1, 0) // BLOCK_KV * BLOCK_KV
     kv_full_hi = tl.minimum(q_start + win_right + 1, n_kv) // BLOCK_KV * BLOCK_KV
+    # A bound may be negative when the window is aligned bottom-right (kernels shift it by
+    # N_kv - N_q): a block that sees no key then gets kv_hi <= kv_lo, made an empty range here.
+    kv_hi = tl.maximum(kv_hi, kv_lo)
     kv_full_lo = tl.minimum(tl.maximum(kv_full_lo, kv_lo), kv_hi)
     kv_full_hi = tl.maximum(kv_full_hi, kv_full_lo)
     return kv_lo, kv_full_lo, kv_full_hi, kv_hi
@@ -143,3 +146,94 @@ def sequence_of_program(Programs, CuSeqQ, CuSeqK, program):
     kv_offset = tl.load(CuSeqK + sequence)
     n_kv = tl.load(CuSeqK + sequence + 1) - kv_offset
     return block, q_offset.to(tl.int64), n_q, kv_offset.to(tl.int64), n_kv
+
+
+# -- What flashattn.attention adds to the scores (flashattn.kernels.mods builds the arguments) ----
+# Each piece is switched by a constexpr flag of the kernels (SOFTCAP, ALIBI, MASK_KIND, DROPOUT),
+# off by default, so that a kernel without them compiles to what it was before they existed.
+
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # MASK_KIND: no attn_mask, a boolean one, an additive one
+
+
+@triton.jit
+def tanh(x):
+    """tanh in float32 from exp2, exact to a few ulps everywhere: a large |x| gives +-1 (never NaN),
+    and near 0, where ``(1 - e) / (1 + e)`` would lose the digits of a small result to the
+    cancellation in ``1 - e``, an odd polynomial (Taylor to x**9; its first neglected term is below
+    float32's rounding for |x| < 1/4) takes over."""
+    ax = tl.abs(x)
+    e = tl.exp2(ax * -2.8853900817779268)  # exp(-2|x|)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * 0.021869488536155203))))
+    t = tl.where(ax < 0.25, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def modified_scores(s, rows, cols, n_q, n_kv, qk_scale, softcap, slope, shift,
+                    Mask, stride_mq, stride_mk,
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_KIND: tl.constexpr):
+    """``(S2, dcap)``: the raw scores ``s = q.k`` of a tile turned into the base-2 scores the
+    softmax takes, ``log2(e) * (softcap(scale * s) - slope * |pos(i) - j| + mask)``, and the
+    factor the softcap puts on dS (``1 - tanh**2``; 1 without a softcap).
+
+    ``rows``/``cols`` are the tile's query and key indices broadcast to the tile (``[:, None]`` and
+    ``[None, :]``, or the other way round in the transposed dK/dV kernel); ``pos(i) = i + shift``
+    (``shift = N_kv - N_q`` aligned bottom-right, else 0). The cap acts on the natural-log scaled
+    score, as in the formula: ``qk_scale * ln 2`` is the softmax scale again. A boolean mask hides
+    a pair with -inf; an additive one is read as float32 and added before the conversion to base 2.
+    Pairs outside the sequences read no mask (the kernels hide them anyway)."""
+    if SOFTCAP:
+        t = tanh(s * (qk_scale * 0.6931471805599453 / softcap))
+        s2 = t * (softcap * 1.4426950408889634)
+        dcap = 1.0 - t * t
+    else:
+        s2 = s * qk_scale
+        dcap = 1.0
+    if ALIBI:
+        s2 = s2 - (slope * 1.4426950408889634) * tl.abs(rows + shift - cols).to(tl.float32)
+    if MASK_KIND != 0:
+        ptrs = Mask + rows.to(tl.int64) * stride_mq + cols.to(tl.int64) * stride_mk
+        inside = (rows < n_q) & (cols < n_kv)
+        if MASK_KIND == 1:
+            keep = tl.load(ptrs, mask=inside, other=0)
+            s2 = tl.where(keep != 0, s2, float("-inf"))
+        else:
+            bias = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+            s2 = s2 + bias * 1.4426950408889634
+    return s2, dcap
+
+
+@triton.jit
+def dropout_keep(seed, p_drop, rows, cols, n_cols):
+    """Which pairs of the tile dropout keeps: True with probability ``1 - p_drop``, from Philox on
+    the pair's element id ``rows * n_cols + cols`` (64-bit). The forward and both backward kernels
+    call it with the same ids, so the backward regenerates the forward's mask instead of reading
+    one: nothing N_q x N_kv is stored. ``rows`` already carries the (batch, head) slice."""
+    return tl.rand(seed, rows.to(tl.int64) * n_cols + cols.to(tl.int64)) >= p_drop
+
+
+@triton.jit
+def score_mod_setup(n_q, n_kv, win_left, win_right, batch, head, Programs, Slopes, stride_sb, stride_sh,
+                    ALIBI: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """``(shift, win_left, win_right, slope)`` for one (batch, head) of one sequence: the query
+    positions' shift (``N_kv - N_q`` aligned bottom-right, else 0), the window bounds moved by it
+    (``traversal.aligned_bounds``), and the head's ALiBi slope (of the program's sequence under
+    VARLEN: ``alibi_slopes`` may hold one row per sequence)."""
+    if BOTTOM_RIGHT:
+        shift = n_kv - n_q
+        win_left = win_left - shift
+        win_right = win_right + shift
+    else:
+        shift = 0
+    if ALIBI:
+        if VARLEN:
+            row = tl.load(Programs + 2 * tl.program_id(0))  # the sequence of this program's entry
+        else:
+            row = batch
+        slope = tl.load(Slopes + row.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh)
+    else:
+        slope = 0.0
+    return shift, win_left, win_right, slope

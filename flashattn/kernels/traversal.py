@@ -110,7 +110,7 @@ def decode_split_bounds(n_kv: int, n_q: int, num_splits: int, block_kv: int):
 # aligned like the causal mask; is_causal adds j <= i. The kernels take both bounds as numbers >= 0:
 # an unbounded side becomes a bound past every key.
 
-def window_masking(is_causal: bool, window_size, span: int):
+def window_masking(is_causal: bool, window_size, span: int, bottom_right: bool = False):
     """How the kernels run ``is_causal`` with ``window_size = (left, right)``.
 
     Returns ``(causal, window, left, right)``: the kernels' IS_CAUSAL and WINDOW switches and the
@@ -118,15 +118,31 @@ def window_masking(is_causal: bool, window_size, span: int):
     key, stands for "unbounded"). No bound at all is the dense path (``window`` False); a window
     that is just the causal mask takes the causal path; any other window sets ``window`` and folds
     is_causal into ``right = min(right, 0)``.
+
+    ``bottom_right``: positions aligned bottom-right (query ``i`` at key position
+    ``i + N_kv - N_q``). The kernels then shift both bounds by ``N_kv - N_q`` themselves
+    (``BOTTOM_RIGHT``; per sequence for packed ones, :func:`aligned_bounds` in Python), so any
+    bound at all takes the window path, whose tile ranges skip what the shifted window hides.
     """
     left, right = window_size
     if is_causal:
         right = 0
     if left < 0 and right < 0:
         return False, False, span, span
+    if bottom_right:
+        return False, True, (span if left < 0 else left), (span if right < 0 else right)
     if left < 0 and right == 0:
         return True, False, span, 0
     return False, True, (span if left < 0 else left), (span if right < 0 else right)
+
+
+def aligned_bounds(left: int, right: int, n_q: int, n_kv: int):
+    """The kernels' window bounds (from :func:`window_masking`) moved to the bottom-right
+    alignment of a sequence of ``n_q`` queries and ``n_kv`` keys, as ``BOTTOM_RIGHT`` does in the
+    kernels: query ``i`` sees key ``j`` iff ``i + shift - left <= j <= i + shift + right``,
+    ``shift = n_kv - n_q``. The results may be negative; the ranges below take them."""
+    shift = n_kv - n_q
+    return left - shift, right + shift
 
 
 def kv_window_ranges(q_start: int, block_q: int, block_kv: int, n_kv: int, left: int, right: int):
@@ -140,6 +156,7 @@ def kv_window_ranges(q_start: int, block_q: int, block_kv: int, n_kv: int, left:
     hi = min(q_start + block_q + right, n_kv)
     full_lo = max(q_start + block_q - 1 - left + block_kv - 1, 0) // block_kv * block_kv
     full_hi = min(q_start + right + 1, n_kv) // block_kv * block_kv
+    hi = max(hi, lo)  # a bound may be negative aligned bottom-right: an empty range, as the kernels
     full_lo = min(max(full_lo, lo), hi)
     return lo, full_lo, max(full_hi, full_lo), hi
 

@@ -91,6 +91,9 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), target=SM90, *
 #: The tables of packed sequences (flashattn.ops.varlen): ``constexprs`` of :func:`compile_kernel`
 #: gives them as "pointer" to compile the VARLEN kernels.
 VARIANT_POINTERS = ("Programs", "CuSeqQ", "CuSeqK")
+#: The score modifications' tensors (flashattn.kernels.mods): ``constexprs`` gives their element
+#: type ("fp32", "u8") to compile the kernels with ALIBI or MASK_KIND on.
+MOD_POINTERS = ("Slopes", "Mask")
 
 
 def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM90):
@@ -104,19 +107,29 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
     # ``constexprs`` may override them (a table is then an int32 pointer, see VARIANT_POINTERS).
     variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False,
-                "VARLEN": False}
+                "VARLEN": False, "Slopes": None, "Mask": None}
     constexprs = {**{arg: value for arg, value in variants.items() if arg in fn.arg_names}, **constexprs}
+    # Every other switch at its default (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT off), as a
+    # launch that does not pass it: left out here, it would compile as a run-time int.
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     constexprs.update({arg: 1 for arg in fn.arg_names if arg.startswith("stride_") and arg.endswith("d")})
     pointers = {**{arg: dtype for arg in tensors}, **fixed}
     for arg in VARIANT_POINTERS:
         if constexprs.get(arg, 0) == "pointer":  # a packed batch's table: an int32 pointer
             del constexprs[arg]
             pointers[arg] = "i32"
+    for arg in MOD_POINTERS:  # ALiBi's slopes, attn_mask: a pointer of the type given ("fp32", "u8")
+        if isinstance(constexprs.get(arg), str):
+            pointers[arg] = constexprs.pop(arg)
+    if pointers.get("Mask"):  # a mask's key dim is contiguous, which Triton turns into a constant
+        constexprs["stride_mk"] = 1
     if constexprs.get("n_group") == "runtime":  # grouped-query attention: a run-time int
         del constexprs["n_group"]
-    aligned = set(pointers) | {arg for arg in fn.arg_names if arg.startswith("stride_")}
-    return compile_sm90(fn, pointers, constexprs, floats=("scale", "qk_scale"), aligned=aligned, target=target,
-                        num_warps=num_warps, num_stages=num_stages)
+    # The mask's and the slopes' strides are plain ints (0 on broadcast dims), not multiples of 16.
+    aligned = set(pointers) | {arg for arg in fn.arg_names if arg.startswith("stride_")
+                               and not arg.startswith(("stride_m", "stride_s"))}
+    return compile_sm90(fn, pointers, constexprs, floats=("scale", "qk_scale", "softcap", "p_drop"),
+                        aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages)
 
 
 def _cuobjdump(compiled, flag):
@@ -281,7 +294,8 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
 
 def variant_report(dtype="bf16", head_dim=128, arch=90):
     """The attention kernels compiled for sm_``arch`` with each variant switched on (grouped heads,
-    a sliding window, packed sequences, and all three), in ``dtype`` with the default tiles of
+    a sliding window, packed sequences, and all three; the score modifications and dropout with a
+    bottom-right window, with packed sequences, and a float mask), in ``dtype`` with the default tiles of
     ``flashattn.gpu.defaults`` for that architecture: one dict per kernel and variant with its registers,
     spilled bytes and shared memory. Run it through :func:`in_child` from the interpreter."""
     torch_dtype = TORCH_DTYPES[dtype]
@@ -294,7 +308,14 @@ def variant_report(dtype="bf16", head_dim=128, arch=90):
                                ("varlen", dict(VARLEN=True, IS_CAUSAL=True, Programs="pointer",
                                                CuSeqQ="pointer", CuSeqK="pointer")),
                                ("all", dict(n_group="runtime", WINDOW=True, VARLEN=True, IS_CAUSAL=False,
-                                            Programs="pointer", CuSeqQ="pointer", CuSeqK="pointer"))):
+                                            Programs="pointer", CuSeqQ="pointer", CuSeqK="pointer")),
+                               ("mods", dict(n_group="runtime", WINDOW=True, IS_CAUSAL=False, BOTTOM_RIGHT=True,
+                                             SOFTCAP=True, ALIBI=True, Slopes="fp32", MASK_KIND=1, Mask="u8",
+                                             DROPOUT=True)),
+                               ("mods-varlen", dict(WINDOW=True, VARLEN=True, IS_CAUSAL=False, BOTTOM_RIGHT=True,
+                                                    Programs="pointer", CuSeqQ="pointer", CuSeqK="pointer",
+                                                    ALIBI=True, Slopes="fp32", DROPOUT=True)),
+                               ("float-mask", dict(IS_CAUSAL=False, MASK_KIND=2, Mask="fp32"))):
             constexprs = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION=precision,
                               **extra)
             kernel = compile_kernel(name, dtype, constexprs, num_warps=config.num_warps,

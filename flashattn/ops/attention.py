@@ -10,34 +10,65 @@ import numbers
 import numpy as np
 import torch
 
-from .autograd import FlashAttention, natural_lse
+from .autograd import attention_op, natural_lse
+from .modifiers import causal_bias, score_mods
+from .modifiers import type_name as _type_name
 from ..gpu.runtime import DEVICE, RUNTIME
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def attention(q, k, v, is_causal=False, scale=None, return_lse=False, enable_gqa=False,
-              window_size=(-1, -1)):
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+              return_lse=False, window_size=(-1, -1), causal_alignment="top_left", softcap=0.0,
+              alibi_slopes=None):
     """Scaled dot-product attention, ``softmax(q @ k^T * scale) @ v``, computed by FlashAttention.
+
+    A drop-in for ``torch.nn.functional.scaled_dot_product_attention``: its arguments in its order,
+    then FlashAttention's own, keyword-only.
 
     Args:
         q: queries, shape ``(..., N_q, D)``.
-        k, v: keys and values, shape ``(..., N_kv, D)``, with the same leading dims as ``q``.
-            Any strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
-        is_causal: mask so that query ``i`` sees keys ``0..i`` (top-left aligned, like SDPA).
+        k, v: keys and values, shape ``(..., N_kv, D)``, with the same leading dims as ``q``, or 1
+            where q's are larger (broadcast as SDPA does, read in place with stride 0). Any
+            strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
+        attn_mask: None; a bool tensor (True: the pair takes part) or a float tensor (added to the
+            scaled scores), broadcastable to ``(..., H, N_q, N_kv)``; or one of
+            ``torch.nn.attention.bias.causal_upper_left/causal_lower_right(N_q, N_kv)``, which are
+            ``is_causal`` aligned top-left or bottom-right. A tensor mask is read in place, tile by
+            tile, a stride of 0 on each broadcast dim: a key-padding mask ``(B, 1, 1, N_kv)`` is
+            never expanded (leading dims beyond batch and heads that broadcast partly are expanded
+            to the batch). No gradient flows to it: a float mask that requires grad is refused.
+        dropout_p: probability of dropping each attention probability (kept ones are scaled by
+            ``1 / (1 - dropout_p)``), applied whenever > 0, as SDPA does. The mask is drawn in the
+            kernel (Philox) from a seed taken from torch's default generator, so
+            ``torch.manual_seed`` reproduces it; the backward regenerates it (nothing N x N stored).
+            The returned lse is that of the scores before dropout.
+        is_causal: mask so that query ``i`` sees keys ``0..pos(i)``, ``pos`` as ``causal_alignment``.
         scale: the factor applied to ``q @ k^T``; defaults to ``1 / sqrt(D)``.
-        return_lse: also return the log-sum-exp of each row of the scaled, masked scores.
         enable_gqa: grouped-query attention, as SDPA's flag: ``q`` is ``(..., H_q, N_q, D)`` and
             ``k``, ``v`` are ``(..., H_kv, N_kv, D)`` with ``H_q`` a multiple of ``H_kv``; query head
             ``h`` reads K/V head ``h // (H_q // H_kv)``. The kernels read each group's K and V in
             place (no copy per query head), and the backward sums dK and dV over the group.
+        return_lse: also return the log-sum-exp of each row of the scaled, masked scores.
         window_size: ``(left, right)``, a sliding window as in FlashAttention: query ``i`` sees key
-            ``j`` only if ``j >= i - left`` (when ``left >= 0``) and ``j <= i + right`` (when
-            ``right >= 0``); -1 leaves that side unbounded. Positions are aligned top-left, as for
-            ``is_causal``, which adds ``j <= i``. Tiles wholly outside the window are never
-            loaded, so the cost grows with ``N * window``, not ``N**2``. A query that sees no key
-            gets the output 0, the lse -inf and zero gradients.
+            ``j`` only if ``j >= pos(i) - left`` (when ``left >= 0``) and ``j <= pos(i) + right``
+            (when ``right >= 0``); -1 leaves that side unbounded; ``is_causal`` adds
+            ``j <= pos(i)``. Tiles wholly outside the window are never loaded, so the cost grows
+            with ``N * window``, not ``N**2``.
+        causal_alignment: where query ``i`` sits among the keys, for ``is_causal``, the window and
+            ALiBi: ``"top_left"`` (``pos(i) = i``, SDPA's ``is_causal``) or ``"bottom_right"``
+            (``pos(i) = i + N_kv - N_q``, FlashAttention >= 2.1 and SDPA's ``causal_lower_right``:
+            the last query sees every key). Tiles the mask hides are skipped in both.
+        softcap: > 0 caps the scaled scores, ``S -> softcap * tanh(S / softcap)``, before the
+            softmax (Gemma 2, Grok); 0 turns it off.
+        alibi_slopes: None, or float32 slopes of shape ``(H_q,)`` or ``(..., H_q)`` (q's leading
+            dims): the score of query ``i`` and key ``j`` gets ``- slope * |pos(i) - j|`` (ALiBi,
+            added after the softcap). No gradient flows to the slopes.
+
+    A query that sees no key (outside every window, or masked out entirely) gets the output 0, the
+    lse -inf and zero gradients (SDPA would give NaN for a fully masked row). Pairs are modified in
+    this order: scale, softcap, ALiBi, attn_mask, the causal mask and window, then dropout.
 
     Returns:
         ``out`` with ``q``'s shape and dtype, or ``(out, lse)`` with ``lse`` of shape ``(..., N_q)``,
@@ -50,17 +81,23 @@ def attention(q, k, v, is_causal=False, scale=None, return_lse=False, enable_gqa
     PyTorch's own matmul.
     On the CPU (Triton's interpreter) bfloat16 inputs are computed in float32 and rounded back.
     Under ``torch.autocast``, q, k and v are cast to the autocast dtype first, as
-    scaled_dot_product_attention does. It works under ``torch.compile`` (as one opaque operator),
-    ``torch.func.vmap`` and ``torch.func.grad``; it has no double backward (a gradient of the
-    gradients raises a RuntimeError).
+    scaled_dot_product_attention does. It works under ``torch.compile`` (as one opaque operator,
+    ``fullgraph=True`` included), ``torch.func.vmap`` (over q, k, v) and ``torch.func.grad``; it has
+    no double backward (a gradient of the gradients raises a RuntimeError). Calls with a mask, a
+    softcap, ALiBi, dropout or the bottom-right alignment always run the Triton kernels.
     """
     q, k, v = _autocast(q, k, v)
+    attn_mask, is_causal, causal_alignment = causal_bias(attn_mask, is_causal, causal_alignment, q, k)
     check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa)
     window_size = check_window_size(window_size)
     is_causal, return_lse = bool(is_causal), bool(return_lse)  # numpy bools too
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
+    if k.dim() > 3 and k.shape[:-3] != q.shape[:-3]:
+        # k and v broadcast over q's batch dims (checked above): a view with stride 0 there, so
+        # every batch element reads the same K and V in place; autograd sums their gradients.
+        k, v = (t.expand(*q.shape[:-3], *t.shape[-3:]) for t in (k, v))
     # The kernels index (batch, head, seq, head_dim) with a stride for each. A 3-D or 4-D input is
     # used as is (no copy); more leading dims are merged into the batch, which reshape does
     # without copying whenever their strides allow it.
@@ -68,9 +105,11 @@ def attention(q, k, v, is_causal=False, scale=None, return_lse=False, enable_gqa
     heads = lead[-1] if lead else 1
     batch = math.prod(lead[:-1])
     heads_kv = k.shape[-3] if k.dim() > 2 else 1
+    mods = score_mods(q, k, attn_mask, dropout_p, is_causal, causal_alignment, softcap, alibi_slopes,
+                      batch, heads)
     q4 = q.reshape(batch, heads, q.shape[-2], head_dim)
     k4, v4 = (t.reshape(batch, heads_kv, t.shape[-2], head_dim) for t in (k, v))
-    out, lse2 = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size)
+    out, lse2 = attention_op(q4, k4, v4, is_causal, scale, window_size, None, mods)
     out = out.reshape(q.shape)
     return (out, natural_lse(lse2).reshape(q.shape[:-1])) if return_lse else out
 
@@ -86,13 +125,6 @@ def _autocast(q, k, v):
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return tuple(t.to(dtype) if t.dtype in SUPPORTED_DTYPES else t for t in tensors)
-
-
-def _type_name(x):
-    """``bool``, ``int``, ``numpy.float64``: the type's name, with its module where not built in."""
-    kind = type(x)
-    module = kind.__module__.split(".")[0]
-    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
 
 
 def check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa=False):
@@ -145,10 +177,14 @@ def check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa=False):
 def _check_heads(name, t, q, enable_gqa):
     """``t`` (k or v) has other leading dims than ``q``: fine only for grouped-query attention,
     where they differ in the heads dim alone and H_kv divides H_q; else a ValueError."""
-    if t.dim() < 3 or q.dim() < 3 or t.shape[:-3] != q.shape[:-3] or t.dim() != q.dim():
+    broadcast = all(n in (1, m) for n, m in zip(t.shape[:-3], q.shape[:-3]))  # SDPA's broadcasting
+    if t.dim() < 3 or q.dim() < 3 or not broadcast or t.dim() != q.dim():
         raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has "
-                         f"{tuple(q.shape[:-2])}; they must be equal (no broadcasting)")
+                         f"{tuple(q.shape[:-2])}; they must be equal, or 1 where q's are not "
+                         "(broadcast), apart from the heads under enable_gqa")
     heads_q, heads_kv = q.shape[-3], t.shape[-3]
+    if heads_kv == heads_q:
+        return
     if not enable_gqa:
         raise ValueError(f"{name} has leading dims {tuple(t.shape[:-2])} but q has {tuple(q.shape[:-2])}: "
                          f"{name} has {heads_kv} heads but q has {heads_q}; they must be equal, or pass "

@@ -12,6 +12,7 @@ folds its extra dim into the batch.
 import torch
 
 from ..gpu.runtime import kernel_dtype
+from ..kernels.mods import ScoreMods
 from ..kernels.sequences import Sequences
 from ..kernels.tiles import LN2, LOG2E
 from . import warmup
@@ -21,11 +22,27 @@ from .dispatch import attention_backward, attention_forward
 MAX_GRID_DIM = 65535
 
 
+def attention_op(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None):
+    """``(out, lse2)`` as :class:`FlashAttention` computes them, through autograd only when a
+    gradient may be asked for.
+
+    Without one the operator is called directly: torch.compile (torch 2.13) traces an
+    autograd.Function's ``forward`` under no_grad with its arguments bound one place off (the
+    ``forward`` here takes no ``ctx``), which made fullgraph inference fail with "'float' object is
+    not iterable" at the window's unpacking; and an inference call has no backward to prepare."""
+    tensors = (q, k, v) + ((mods.alibi_slopes, mods.attn_mask) if mods is not None else ())
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return FlashAttention.apply(q, k, v, is_causal, scale, window_size, sequences, mods)
+    return torch.ops.flashattn.forward(q, k, v, is_causal, scale, *window_size, *_sequence_args(sequences),
+                                       *_mod_args(mods))
+
+
 class FlashAttention(torch.autograd.Function):
-    """``apply(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None) -> (out, lse2)``,
+    """``apply(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None) -> (out, lse2)``,
     lse2 the base-2 log-sum-exp of each row (float32, float64 for float32 kernels), which
     :func:`natural_lse` turns into the public one. ``k``/``v`` may have fewer heads than ``q``
-    (grouped-query attention); ``sequences`` marks packed sequences (``flashattn.ops.varlen``).
+    (grouped-query attention); ``sequences`` marks packed sequences (``flashattn.ops.varlen``);
+    ``mods`` (a ``flashattn.kernels.mods.ScoreMods``) the softcap, ALiBi, mask, dropout and alignment.
 
     Both outputs are differentiable, and the natural-log LSE is computed outside, by autograd:
     with ``lse2`` returned as a third, non-differentiable output beside a natural-log ``lse`` of
@@ -35,8 +52,9 @@ class FlashAttention(torch.autograd.Function):
     generate_vmap_rule = True  # torch.func.vmap runs forward and backward on batched tensors
 
     @staticmethod
-    def forward(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None):
-        return torch.ops.flashattn.forward(q, k, v, is_causal, scale, *window_size, *_sequence_args(sequences))
+    def forward(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None):
+        return torch.ops.flashattn.forward(q, k, v, is_causal, scale, *window_size, *_sequence_args(sequences),
+                                           *_mod_args(mods))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -46,6 +64,7 @@ class FlashAttention(torch.autograd.Function):
         ctx.is_causal, ctx.scale = is_causal, scale
         ctx.window_size = tuple(rest[0]) if rest else (-1, -1)
         ctx.sequences = rest[1] if len(rest) > 1 else None
+        ctx.mods = rest[2] if len(rest) > 2 else None
         ctx.set_materialize_grads(False)  # an unused output gets None, not a tensor of zeros
 
     @staticmethod
@@ -58,10 +77,11 @@ class FlashAttention(torch.autograd.Function):
         differentiable = torch.is_grad_enabled()
         with torch.no_grad():
             dq, dk, dv = torch.ops.flashattn.backward(q, k, v, o, lse2, do, dlse, ctx.is_causal, ctx.scale,
-                                                      *ctx.window_size, *_sequence_args(ctx.sequences))
+                                                      *ctx.window_size, *_sequence_args(ctx.sequences),
+                                                      *_mod_args(ctx.mods))
         if differentiable:  # create_graph=True: these gradients may be differentiated
             dq, dk, dv = _FirstOrderOnly.apply(dq, dk, dv, q, k, v, o, do)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def natural_lse(lse2):
@@ -122,6 +142,20 @@ def _sequence_args(sequences):
             [int(n) for n in sequences.lengths_q], [int(n) for n in sequences.lengths_k])
 
 
+def _mod_args(mods):
+    """A ScoreMods as the operators' arguments: (softcap, alibi_slopes, attn_mask, dropout_p, seed,
+    bottom_right), the seed a 0-dim int64 tensor (drawn in the graph under torch.compile)."""
+    if mods is None:
+        return 0.0, None, None, 0.0, None, False
+    return (mods.softcap, mods.alibi_slopes, mods.attn_mask, mods.dropout_p, mods.seed, mods.bottom_right)
+
+
+def _mods(softcap, alibi_slopes, attn_mask, dropout_p, seed, bottom_right):
+    if not (softcap or alibi_slopes is not None or attn_mask is not None or dropout_p or bottom_right):
+        return None
+    return ScoreMods(softcap, alibi_slopes, attn_mask, dropout_p, 0 if seed is None else int(seed), bottom_right)
+
+
 def _sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k):
     if cu_seqlens_q is None:
         return None
@@ -156,16 +190,31 @@ def _sliced(fn, tensors, *args):
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                 window_left: int, window_right: int, cu_seqlens_q: torch.Tensor | None,
                 cu_seqlens_k: torch.Tensor | None, lengths_q: list[int] | None,
-                lengths_k: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                lengths_k: list[int] | None, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
+                bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse2)`` of :func:`flashattn.ops.dispatch.attention_forward`. On a GPU, when a gradient
-    may follow, the backward's kernels start compiling beside the forward's (flashattn.ops.warmup)."""
+    may follow, the backward's kernels start compiling beside the forward's (flashattn.ops.warmup;
+    not for calls with score modifications, whose kernels are other variants)."""
     sequences = _sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
-    warmup.start(q, k, v, is_causal, scale, (window_left, window_right), sequences, _lse_dtype(q))
+    mods = _mods(softcap, alibi_slopes, attn_mask, dropout_p, seed, bottom_right)
+    if mods is None:
+        warmup.start(q, k, v, is_causal, scale, (window_left, window_right), sequences, _lse_dtype(q))
 
     def run(q, k, v):
         return attention_forward(q, k, v, is_causal, scale, None, (window_left, window_right),
-                                 sequences, _lse_dtype(q))
+                                 sequences, _lse_dtype(q), mods=mods)
+    if mods is not None:  # the mask and the slopes index batch and heads: one launch, no slices
+        _check_grid(q)
+        return run(q, k, v)
     return _sliced(run, (q, k, v))
+
+
+def _check_grid(q):
+    if q.shape[0] > MAX_GRID_DIM or q.shape[1] > MAX_GRID_DIM:
+        raise ValueError(f"an attn_mask, dropout, softcap, ALiBi or the bottom-right alignment with "
+                         f"{q.shape[0]} batch elements and {q.shape[1]} heads: at most {MAX_GRID_DIM} of "
+                         "each are supported with them (calls without them are launched in slices)")
 
 
 @torch.library.register_fake("flashattn::forward")
@@ -183,15 +232,20 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
                  lse2: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, is_causal: bool,
                  scale: float, window_left: int, window_right: int, cu_seqlens_q: torch.Tensor | None,
                  cu_seqlens_k: torch.Tensor | None, lengths_q: list[int] | None,
-                 lengths_k: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lengths_k: list[int] | None, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
+                 bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`flashattn.ops.dispatch.attention_backward`."""
     sequences = _sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
+    mods = _mods(softcap, alibi_slopes, attn_mask, dropout_p, seed, bottom_right)
     warmup.wait()  # for the kernels flashattn.ops.warmup is compiling, if any
 
     def run(q, k, v, o, lse2, do, dlse):
         # The kernels index the LSE as a contiguous (B, H, N_q) array: a slice of it is not one.
         return attention_backward(q, k, v, o, lse2.contiguous(), do, is_causal, scale, dlse=dlse,
-                                  window_size=(window_left, window_right), sequences=sequences)
+                                  window_size=(window_left, window_right), sequences=sequences, mods=mods)
+    if mods is not None:
+        return run(q, k, v, o, lse2, do, dlse)
     return _sliced(run, (q, k, v, o, lse2, do, dlse))
 
 
@@ -216,9 +270,10 @@ def _unfolded(tensor, size):
 def _(info, in_dims, q, k, v, is_causal, scale, *variants):
     if variants[2] is not None:
         raise NotImplementedError("torch.func.vmap over flashattn.varlen_attention is not supported")
+    _refuse_batched_mods(in_dims[5:])
     n = info.batch_size
     folded = (_folded(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
-    o, lse2 = torch.ops.flashattn.forward(*folded, is_causal, scale, *variants)
+    o, lse2 = torch.ops.flashattn.forward(*folded, is_causal, scale, *_repeated_mods(variants, n))
     return (_unfolded(o, n), _unfolded(lse2, n)), (0, 0)
 
 
@@ -226,7 +281,28 @@ def _(info, in_dims, q, k, v, is_causal, scale, *variants):
 def _(info, in_dims, q, k, v, o, lse2, do, dlse, is_causal, scale, *variants):
     if variants[2] is not None:
         raise NotImplementedError("torch.func.vmap over flashattn.varlen_attention is not supported")
+    _refuse_batched_mods(in_dims[9:])
     n = info.batch_size
     tensors = (_folded(t, d, n) for t, d in zip((q, k, v, o, lse2, do, dlse), in_dims[:7]))
-    grads = torch.ops.flashattn.backward(*tensors, is_causal, scale, *variants)
+    grads = torch.ops.flashattn.backward(*tensors, is_causal, scale, *_repeated_mods(variants, n))
     return tuple(_unfolded(g, n) for g in grads), (0, 0, 0)
+
+
+def _repeated_mods(variants, n):
+    """The operators' variant arguments with the mask and the slopes following q's batch once vmap's
+    ``n`` copies are folded into it: a batch dim of 1 stays a stride-0 view, a full one is repeated
+    ``n`` times (the folded batch is vmap's index times the batch, plus the batch element)."""
+    variants = list(variants)
+    for i in (7, 8):  # alibi_slopes (B or 1, H), attn_mask (B or 1, ...)
+        t = variants[i]
+        if t is not None and t.shape[0] != 1:
+            variants[i] = t.unsqueeze(0).expand(n, *t.shape).reshape(n * t.shape[0], *t.shape[1:])
+    return variants
+
+
+def _refuse_batched_mods(variant_dims):
+    # The mask and the slopes are indexed by (batch, head) in the kernels: a vmapped one would
+    # need folding like q's; not done.
+    if any(d is not None for d in variant_dims):
+        raise NotImplementedError("torch.func.vmap over attn_mask or alibi_slopes of flashattn.attention "
+                                  "is not supported (vmap over q, k and v is)")

@@ -7,6 +7,10 @@ call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn
 dK/dV from ``flashattn.hopper.backward`` at the head dims of :data:`GLUON_DKDV_HEAD_DIMS` without
 grouped heads or windows, its Delta and dQ from the Triton kernels. Packed sequences and a fixed
 configuration take the Triton kernels; so does every call with ``FLASHATTN_GLUON=0``.
+
+So does every call with a score modification or dropout (``mods``: an attn_mask, a softcap,
+ALiBi, dropout, the bottom-right alignment): the Gluon kernels implement none of them, and
+computing without them would be silently wrong.
 """
 import torch
 
@@ -22,35 +26,38 @@ from ..kernels.traversal import window_masking
 GLUON_DKDV_HEAD_DIMS = (128,)
 
 
-def _plain(q, k, is_causal, window_size, sequences):
+def _plain(q, k, is_causal, window_size, sequences, mods=None):
     """Whether a call is one the Gluon kernels compute: no window (a window that is just the
-    causal mask counts as causal), no packed sequences; and whether its heads are grouped.
-    Returns ``(plain, grouped, causal)``."""
+    causal mask counts as causal), no packed sequences, no score modification or dropout; and
+    whether its heads are grouped. Returns ``(plain, grouped, causal)``."""
     causal, window, _, _ = window_masking(is_causal, window_size, q.shape[2] + k.shape[2])
-    return not window and sequences is None, k.shape[1] != q.shape[1], causal
+    unmodified = mods is None or not mods.active
+    return not window and sequences is None and unmodified, k.shape[1] != q.shape[1], causal
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
-                      lse_dtype=torch.float32):
+                      lse_dtype=torch.float32, mods=None):
     """``(o, lse2)`` as :func:`flashattn.kernels.forward.attention_forward` computes them, from
     the Gluon forward where it applies (see the module's docstring), grouped heads and sliding
     windows of as many queries as keys included."""
     causal, window, left, right = window_masking(is_causal, window_size, q.shape[2] + k.shape[2])
     bounds = (left, right) if window else None
-    gluon = hopper.load("forward") if sequences is None and config is None else None
+    unmodified = mods is None or not mods.active
+    gluon = hopper.load("forward") if sequences is None and config is None and unmodified else None
     if gluon is not None and gluon.supports(q, k, v, window=bounds):
         return gluon.attention_forward(q, k, v, causal, scale, window=bounds)
-    return forward.attention_forward(q, k, v, is_causal, scale, config, window_size, sequences, lse_dtype)
+    return forward.attention_forward(q, k, v, is_causal, scale, config, window_size, sequences, lse_dtype,
+                                     mods)
 
 
 def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
-                       window_size=(-1, -1), sequences=None):
+                       window_size=(-1, -1), sequences=None, mods=None):
     """``(dq, dk, dv)`` as :func:`flashattn.kernels.backward.attention_backward` computes them,
     dK/dV from the Gluon kernel where it applies (see the module's docstring)."""
-    plain, grouped, _ = _plain(q, k, is_causal, window_size, sequences)
+    plain, grouped, _ = _plain(q, k, is_causal, window_size, sequences, mods)
     gluon = None
     if plain and not grouped and (configs or {}).get("bwd_dkdv") is None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS:
         gluon = hopper.load("backward")
     dkdv = gluon.attention_backward_dkdv if gluon is not None and gluon.supports(q, k, v) else None
     return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,
-                                       window_size, sequences, dkdv=dkdv)
+                                       window_size, sequences, dkdv=dkdv, mods=mods)

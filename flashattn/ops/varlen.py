@@ -9,8 +9,8 @@ another, with no padding at all, and describes the batch by the cumulative lengt
 
 Sequence ``b`` owns the rows ``cu_seqlens[b]:cu_seqlens[b + 1]``, and its queries see only its own
 keys, aligned top-left as in :func:`flashattn.attention` (query ``i`` of a sequence, with
-``is_causal``, sees that sequence's keys ``0..i``). Grouped-query attention and sliding windows
-work as there.
+``is_causal``, sees that sequence's keys ``0..i``) unless ``causal_alignment="bottom_right"``.
+Grouped-query attention and sliding windows work as there.
 
 How the kernels do it: the very same forward and backward kernels as ``flashattn.attention``, with
 ``VARLEN`` switched on. Their launch grid walks a table of programs built here from the lengths,
@@ -29,11 +29,14 @@ import torch
 
 from ..kernels.sequences import Sequences
 from .attention import check_inputs, check_window_size
-from .autograd import FlashAttention, natural_lse
+from ..kernels.mods import ScoreMods
+from .autograd import attention_op, natural_lse
+from .modifiers import check_alibi, check_alignment, check_dropout, check_softcap, draw_seed
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
-                     scale=None, return_lse=False, enable_gqa=False, window_size=(-1, -1)):
+                     scale=None, return_lse=False, enable_gqa=False, window_size=(-1, -1), *,
+                     dropout_p=0.0, causal_alignment="top_left", softcap=0.0, alibi_slopes=None):
     """Attention over a batch of packed sequences of different lengths (no padding), in the layout
     of FlashAttention's ``flash_attn_varlen_func``.
 
@@ -41,16 +44,21 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q: ``(total_q, H_q, D)``, the queries of all sequences one after another.
         k, v: ``(total_k, H_kv, D)``, the keys and values likewise (``H_kv = H_q`` unless
             ``enable_gqa``).
-        cu_seqlens_q, cu_seqlens_k: int32 (or int64) tensors of ``batch + 1`` entries on the
-            inputs' device, the cumulative lengths: starting at 0, non-decreasing, ending at
-            ``total_q`` (``total_k``). int64 ones (what ``torch.cumsum`` gives) are converted to
-            the int32 the kernels read, after checking that the values fit.
+        cu_seqlens_q, cu_seqlens_k: int32 (or int64, converted) tensors of ``batch + 1`` entries on
+            the inputs' device,
+            the cumulative lengths: starting at 0, non-decreasing, ending at ``total_q`` (``total_k``).
             Sequence ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; a sequence may be empty.
         max_seqlen_q, max_seqlen_k: at least the longest query (key) sequence, as FlashAttention
             asks; checked here, not needed by the kernels.
         is_causal, scale, enable_gqa, window_size: as in :func:`flashattn.attention`, within each
-            sequence (positions counted from the sequence's first row, aligned top-left).
+            sequence (positions counted from the sequence's first row, aligned as
+            ``causal_alignment`` says).
         return_lse: also return the log-sum-exp.
+        dropout_p, causal_alignment, softcap: as in :func:`flashattn.attention`, within each
+            sequence (aligned bottom-right, query ``i`` of a sequence of ``n_q`` queries and ``n_k``
+            keys sits at key position ``i + n_k - n_q``).
+        alibi_slopes: float32 ``(H_q,)`` or ``(batch, H_q)`` (one row per sequence), as in
+            :func:`flashattn.attention`.
 
     Returns:
         ``out`` of shape ``(total_q, H_q, D)`` in ``q``'s dtype, or ``(out, lse)`` with ``lse`` of shape
@@ -65,8 +73,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     check_inputs(*(t.transpose(0, 1) if isinstance(t, torch.Tensor) else t for t in (q, k, v)),
            is_causal, scale, return_lse, enable_gqa)
     window_size = check_window_size(window_size)
-    cu_seqlens_q, lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    cu_seqlens_k, lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    check_alignment(causal_alignment)
+    lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
     if len(lengths_q) != len(lengths_k):
         raise ValueError(f"cu_seqlens_q has {len(lengths_q) + 1} entries but cu_seqlens_k has "
                          f"{len(lengths_k) + 1}; both must be batch + 1 long")
@@ -82,9 +92,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     head_dim = q.shape[-1]
     scale = head_dim ** -0.5 if scale is None else float(scale)
     sequences = Sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
+    dropout_p, softcap = check_dropout(dropout_p), check_softcap(softcap)
+    slopes = check_alibi(alibi_slopes, q, len(lengths_q), q.shape[1], "the sequences")
+    mods = ScoreMods(softcap, slopes, None, dropout_p, draw_seed() if dropout_p > 0 else None,
+                     causal_alignment == "bottom_right")
     # One "batch" of H heads whose rows are all sequences' tokens: views, no copies.
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out, lse2 = FlashAttention.apply(q4, k4, v4, is_causal, scale, window_size, sequences)
+    out, lse2 = attention_op(q4, k4, v4, is_causal, scale, window_size, sequences,
+                             mods if mods.active else None)
     out = out[0].transpose(0, 1)
     return (out, natural_lse(lse2[0])) if return_lse else out
 
@@ -112,9 +127,7 @@ def _check_cu_seqlens(name, cu_seqlens, total, device):
                          f"{bounds[at + 1]} at index {at + 1}")
     if bounds[-1] != total:
         raise ValueError(f"{name} must end at the number of tokens, {total}; got {bounds[-1]}")
-    # The kernels read int32 offsets; from 0, non-decreasing, ending at the total, every value fits
-    # when the total does.
-    if bounds[-1] > torch.iinfo(torch.int32).max:
-        raise ValueError(f"{name} ends at {bounds[-1]}, past int32's range: the kernels read int32 offsets")
-    return cu_seqlens.to(torch.int32), lengths
+    if total >= 2 ** 31:  # the kernels read int32 offsets (int64 ones are converted)
+        raise ValueError(f"{name}: {total} tokens; at most 2**31 - 1 are supported")
+    return lengths
 

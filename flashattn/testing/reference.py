@@ -31,12 +31,21 @@ def _accumulator_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-def naive_attention(q, k, v, is_causal=False, scale=None):
+def naive_attention(q, k, v, is_causal=False, scale=None, *, attn_mask=None, dropout_p=0.0,
+                    enable_gqa=False, window_size=(-1, -1), causal_alignment="top_left", softcap=0.0,
+                    alibi_slopes=None, dropout_keep=None):
     """Attention as the formula reads: materialise S and P (N_q x N_kv each), then O = P V.
 
     Computes in the dtype of the inputs. Returns ``(out, lse)``, with ``lse`` the natural-log
     log-sum-exp of each row of the scaled, masked scores, in float32 (float64 for float64 inputs).
+    The keyword arguments are those of ``flashattn.attention`` (see :func:`modified_attention`);
+    dropout needs the keep-mask ``dropout_keep`` the kernels drew (``flashattn.kernels.mods.dropout_mask``).
     """
+    if (attn_mask is not None or dropout_p or enable_gqa or tuple(window_size) != (-1, -1)
+            or causal_alignment != "top_left" or softcap or alibi_slopes is not None):
+        return modified_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                  window_size=window_size, causal_alignment=causal_alignment,
+                                  softcap=softcap, alibi_slopes=alibi_slopes, dropout_keep=dropout_keep)
     scale = default_scale(q.shape[-1], scale)
     s = (q @ k.transpose(-2, -1)) * scale
     if is_causal:
@@ -252,11 +261,15 @@ def masked_attention(q, k, v, is_causal=False, scale=None, enable_gqa=False, win
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale=None,
-                     enable_gqa=False, window_size=(-1, -1)):
+                     enable_gqa=False, window_size=(-1, -1), **mods):
     """Packed sequences (``flashattn.varlen_attention``) as the formula reads, one sequence at a
     time with :func:`masked_attention`: ``q`` is ``(total_q, H_q, D)``, ``k`` and ``v`` are
     ``(total_k, H_kv, D)``, sequence ``b`` holds rows ``cu_seqlens[b]:cu_seqlens[b + 1]``. Returns
-    ``(out, lse)`` with ``lse`` of shape ``(H_q, total_q)``."""
+    ``(out, lse)`` with ``lse`` of shape ``(H_q, total_q)``.
+
+    ``mods``: :func:`modified_attention`'s keyword arguments, per sequence: ``alibi_slopes`` of
+    shape ``(H_q,)`` or ``(batch, H_q)``; ``dropout_keep`` of shape ``(H_q, total_q, total_k)``,
+    of which sequence ``b`` takes its own block (``flashattn.kernels.mods.dropout_mask``'s layout)."""
     outs, lses = [], []
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(bounds_q) - 1):
@@ -268,7 +281,66 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale
             lses.append(torch.full(qs.shape[:2], float("-inf"), dtype=_accumulator_dtype(q.dtype),
                                    device=q.device))
             continue
-        o, lse = masked_attention(qs, ks, vs, is_causal, scale, enable_gqa, window_size)
+        if mods:
+            seq = dict(mods)
+            slopes = seq.get("alibi_slopes")
+            if slopes is not None and slopes.dim() == 2:
+                seq["alibi_slopes"] = slopes[b]
+            if seq.get("dropout_keep") is not None:
+                seq["dropout_keep"] = seq["dropout_keep"][:, bounds_q[b]:bounds_q[b + 1],
+                                                          bounds_k[b]:bounds_k[b + 1]]
+            o, lse = modified_attention(qs, ks, vs, None, seq.pop("dropout_p", 0.0), is_causal, scale,
+                                        enable_gqa, window_size=window_size, **seq)
+        else:
+            o, lse = masked_attention(qs, ks, vs, is_causal, scale, enable_gqa, window_size)
         outs.append(o.transpose(0, 1))
         lses.append(lse)
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def modified_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False, *, window_size=(-1, -1), causal_alignment="top_left",
+                       softcap=0.0, alibi_slopes=None, dropout_keep=None):
+    """``flashattn.attention``'s arguments as the formula reads, on ``(..., H, N, D)`` tensors:
+
+        S = softcap * tanh(scale * Q K^T / softcap) - slope_h * |pos(i) - j| + mask
+        P = softmax(S over the keys i sees),   O = (P * keep / (1 - dropout_p)) V
+
+    with ``pos(i) = i`` (top-left) or ``i + N_kv - N_q`` (bottom-right), the causal mask and the
+    window taken at ``pos(i)``, a bool ``attn_mask`` hiding its False pairs. A row that sees no key
+    gets the output 0 and lse -inf, with zero gradients. ``dropout_keep`` (bool, broadcastable to
+    the scores) is the keep-mask, required when ``dropout_p > 0``. Returns ``(out, lse)``."""
+    scale = default_scale(q.shape[-1], scale)
+    if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    n_q, n_kv = q.shape[-2], k.shape[-2]
+    s = (q @ k.transpose(-2, -1)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    shift = n_kv - n_q if causal_alignment == "bottom_right" else 0
+    distance = (torch.arange(n_q, device=q.device)[:, None] + shift
+                - torch.arange(n_kv, device=q.device)[None, :]).abs().to(s.dtype)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(s.dtype)
+        s = s - slopes[..., None, None] * distance
+    seen = window_mask(n_q + max(shift, 0), n_kv, window_size, is_causal, q.device)[max(shift, 0):]
+    if shift < 0:  # queries before the first key position: pad the top of the mask
+        seen = window_mask(n_q, n_kv - shift, window_size, is_causal, q.device)[:, -shift:]
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            seen = seen & attn_mask
+        else:
+            s = s + attn_mask.to(s.dtype)
+    s = s.masked_fill(~seen, float("-inf"))
+    empty = (s == float("-inf")).all(dim=-1, keepdim=True)       # rows that see no key
+    s = s.masked_fill(empty, 0.0)
+    lse = torch.logsumexp(s.to(_accumulator_dtype(s.dtype)), dim=-1)
+    lse = lse.masked_fill(empty[..., 0], float("-inf"))
+    p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+    if dropout_p:
+        if dropout_keep is None:
+            raise ValueError("dropout_p > 0 needs the keep-mask dropout_keep")
+        p = p * dropout_keep / (1.0 - dropout_p)
+    return p @ v, lse

@@ -1,0 +1,91 @@
+"""What ``flashattn.attention`` adds to plain attention, as the kernels take it: a softcap, ALiBi,
+an ``attn_mask``, dropout and the bottom-right alignment of the causal mask and windows.
+
+:class:`ScoreMods` holds them on the host and turns them into the kernels' arguments: the
+constexpr switches (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT), each off when unused so
+that a call without them runs the kernel it always ran, and the run-time values. A mask or the
+slopes are read in place through strides, a stride of 0 on every dim of size 1, so that a
+key-padding mask ``(B, 1, 1, N_kv)`` is read as is, never expanded to ``(B, H, N_q, N_kv)``.
+
+:func:`dropout_mask` is the debug path of dropout: the mask the kernels draw for a seed, from
+the same Philox call (``tiles.dropout_keep``), so that tests can build a reference with it.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .tiles import MASK_BOOL, MASK_FLOAT, MASK_NONE, dropout_keep
+
+
+class ScoreMods:
+    """The additions of one call: ``softcap`` (0: none), ``alibi_slopes`` (None, or a 2-D tensor
+    ``(B or 1, H)``: one row per sequence for packed sequences), ``attn_mask`` (None, or a 4-D bool
+    or float tensor whose dims are 1 or the full size), ``dropout_p`` with its ``seed`` (an int or
+    a 0-dim integer tensor, read at the launch),
+    and ``bottom_right`` (positions aligned bottom-right)."""
+
+    def __init__(self, softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0, seed=0,
+                 bottom_right=False):
+        self.softcap, self.alibi_slopes, self.attn_mask = float(softcap), alibi_slopes, attn_mask
+        self.dropout_p, self.seed, self.bottom_right = float(dropout_p), seed, bool(bottom_right)
+
+    @property
+    def active(self):
+        """Whether anything here changes the kernels (else they run as without it)."""
+        return (self.softcap > 0 or self.alibi_slopes is not None or self.attn_mask is not None
+                or self.dropout_p > 0 or self.bottom_right)
+
+    def aligned_bottom_right(self, n_q, n_kv, packed):
+        """Whether the kernels must shift positions: bottom-right alignment differs from top-left
+        only where the lengths differ (always possible for packed sequences)."""
+        return self.bottom_right and (packed or n_q != n_kv)
+
+    def kernel_args(self, n_q, n_kv, packed):
+        """The keyword arguments of the forward and backward kernels."""
+        args = dict(SOFTCAP=self.softcap > 0, ALIBI=self.alibi_slopes is not None,
+                    MASK_KIND=MASK_NONE, DROPOUT=self.dropout_p > 0,
+                    BOTTOM_RIGHT=self.aligned_bottom_right(n_q, n_kv, packed))
+        if self.softcap > 0:
+            args["softcap"] = self.softcap
+        if self.alibi_slopes is not None:
+            slopes = self.alibi_slopes
+            args.update(Slopes=slopes, stride_sb=_stride(slopes, 0), stride_sh=_stride(slopes, 1))
+        if self.attn_mask is not None:
+            mask = self.attn_mask
+            if mask.dtype == torch.bool:  # the same bytes, as a type every Triton backend loads
+                mask, args["MASK_KIND"] = mask.view(torch.uint8), MASK_BOOL
+            else:
+                args["MASK_KIND"] = MASK_FLOAT
+            args.update(Mask=mask, stride_mb=_stride(mask, 0), stride_mh=_stride(mask, 1),
+                        stride_mq=_stride(mask, 2), stride_mk=_stride(mask, 3))
+        if self.dropout_p > 0:
+            args.update(seed=int(self.seed), p_drop=self.dropout_p)
+        return args
+
+
+def _stride(t, dim):
+    return 0 if t.shape[dim] == 1 else t.stride(dim)
+
+
+NO_MODS = ScoreMods()
+
+
+@triton.jit
+def _dropout_mask_kernel(Keep, n_q, n_kv, seed, p_drop, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)           # (batch * heads + head) * n_q + query row
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = dropout_keep(seed, p_drop, row, cols, n_kv)
+    tl.store(Keep + row * n_kv + cols, keep.to(tl.int8), mask=cols < n_kv)
+
+
+def dropout_mask(shape, dropout_p, seed, device):
+    """The keep-mask (bool, ``shape = (B, H, N_q, N_kv)``) the kernels draw for ``seed``: True
+    where a probability is kept. For packed sequences the shape is ``(1, H, total_q, total_k)``
+    and sequence ``b`` uses the block ``[cu_q[b]:cu_q[b+1], cu_k[b]:cu_k[b+1]]`` of it."""
+    batch, heads, n_q, n_kv = shape
+    keep = torch.empty(shape, dtype=torch.int8, device=device)
+    if keep.numel():
+        block = 64
+        _dropout_mask_kernel[(batch * heads * n_q, triton.cdiv(n_kv, block))](
+            keep, n_q, n_kv, int(seed), float(dropout_p), BLOCK=block)
+    return keep.bool()

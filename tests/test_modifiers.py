@@ -1,0 +1,368 @@
+"""What flashattn.attention adds to plain attention, in the kernels, against the float64 reference
+(``flashattn.testing.reference.naive_attention`` with the same arguments) under the course's rule:
+the bottom-right alignment, softcap, ALiBi, attn_mask and dropout, forward and backward, at odd
+sizes, in every dtype, with grouped heads and windows where they combine.
+"""
+import itertools
+import random
+from functools import partial
+
+import flashattn  # first: it picks the interpreter before triton is imported
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from flashattn.kernels import traversal
+from flashattn.kernels.mods import dropout_mask
+from flashattn.kernels.tiles import kv_window_bounds, q_window_bounds
+from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
+from flashattn.ops.modifiers import check_mask, draw_seed
+from flashattn.testing.reference import naive_attention, window_mask
+from flashattn.testing.rule import compare_with_reference
+
+DEVICE = flashattn.DEVICE
+N_Q, N_KV, HEAD_DIM = 19, 27, 24
+
+
+def make_qkv(n_q=N_Q, n_kv=N_KV, head_dim=HEAD_DIM, dtype=torch.float32, batch=2, heads_q=2, heads_kv=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads_q, n_q, head_dim, generator=g)
+    k = torch.randn(batch, heads_kv, n_kv, head_dim, generator=g)
+    v = torch.randn(batch, heads_kv, n_kv, head_dim, generator=g)
+    return [t.to(dtype=dtype, device=DEVICE) for t in (q, k, v)]
+
+
+def checks_of(q, k, v, is_causal=False, ref_kwargs=None, **kwargs):
+    """The rule's checks of flashattn.attention(**kwargs) against naive_attention(**kwargs) (plus
+    ``ref_kwargs``, the reference's alone)."""
+    gqa = k.shape[1] != q.shape[1]
+    impl = partial(flashattn.attention, enable_gqa=gqa, **kwargs)
+    reference = partial(naive_attention, enable_gqa=gqa, **kwargs, **(ref_kwargs or {}))
+    return compare_with_reference(q, k, v, is_causal=is_causal, impl=impl, reference=reference)
+
+
+def assert_rule(checks):
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))
+
+
+def slopes(heads, batch=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (heads,) if batch is None else (batch, heads)
+    return (torch.rand(shape, generator=g) * 0.5 + 0.05).to(DEVICE)
+
+
+def key_padding(batch=2, n_kv=N_KV, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, 1, 1, n_kv, generator=g) > 0.3
+    mask[..., 0] = True  # every row sees a key (rows that see none are tested on their own)
+    return mask.to(DEVICE)
+
+
+# -- Bottom-right alignment -----------------------------------------------------------------------
+
+def shifted_window_mask(n_q, n_kv, window_size, is_causal):
+    """The mask aligned bottom-right, by brute force: query i at key position i + n_kv - n_q."""
+    shift = n_kv - n_q
+    i = torch.arange(n_q)[:, None] + shift
+    j = torch.arange(n_kv)[None, :]
+    left, right = window_size
+    seen = torch.ones(n_q, n_kv, dtype=torch.bool)
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    if is_causal:
+        seen &= j <= i
+    return seen
+
+
+def test_reference_bottom_right_mask_is_brute_force():
+    for n_q, n_kv, window, causal in itertools.product((5, 19, 27), (5, 19, 27), ((-1, -1), (3, 2), (-1, 4), (2, -1)),
+                                                       (False, True)):
+        q, k, v = (torch.randn(1, 1, n, 4, dtype=torch.float64) for n in (n_q, n_kv, n_kv))
+        _, lse = naive_attention(q, k, v, causal, window_size=window, causal_alignment="bottom_right")
+        seen = shifted_window_mask(n_q, n_kv, window, causal)
+        assert torch.equal(torch.isinf(lse[0, 0]), ~seen.any(dim=1))
+
+
+@pytest.mark.parametrize("dkdv", [False, True])
+def test_bottom_right_tiles_against_brute_force(dkdv):
+    """The kernels' tile ranges under the bottom-right alignment (the window's bounds shifted by
+    N_kv - N_q, possibly negative): every visible pair in a visited tile, full tiles only visible
+    pairs, skipped tiles none, and the tiles that the shifted mask hides are skipped."""
+    rnd = random.Random(0)
+    skipped_some = False
+    for _ in range(300):
+        n_q, n_kv = rnd.randint(1, 90), rnd.randint(1, 90)
+        block_q, block_kv = rnd.choice([16, 32]), rnd.choice([16, 32])
+        window = rnd.choice([(-1, 0), (-1, 0), (0, 0), (5, 0), (16, 3), (-1, 2), (7, -1)])
+        span = n_q + n_kv
+        _, _, left, right = traversal.window_masking(False, window, span, bottom_right=True)
+        left, right = traversal.aligned_bounds(left, right, n_q, n_kv)
+        kinds = traversal.classify_blocks_window(n_q, n_kv, block_q, block_kv, left, right, dkdv=dkdv)
+        seen = shifted_window_mask(n_q, n_kv, window, False).numpy()
+        for qb, kb in itertools.product(*map(range, kinds.shape)):
+            tile = seen[qb * block_q:(qb + 1) * block_q, kb * block_kv:(kb + 1) * block_kv]
+            case = (n_q, n_kv, block_q, block_kv, window, qb, kb)
+            if kinds[qb, kb] == traversal.SKIPPED:
+                assert not tile.any(), case
+                skipped_some = True
+            else:
+                assert tile.any(), case  # a tile that nobody sees is never visited
+            if kinds[qb, kb] == traversal.FULL:
+                assert tile.all(), case
+    assert skipped_some
+
+
+@triton.jit
+def _bounds_probe(Out, q_start, kv_start, n_q, n_kv, left, right,
+                  BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    a, b, c, d = kv_window_bounds(q_start, n_kv, left, right, BLOCK_Q, BLOCK_KV)
+    e, f, g, h = q_window_bounds(kv_start, n_q, left, right, BLOCK_Q, BLOCK_KV)
+    tl.store(Out + 0, a)  # one store each: compiled Triton has no loop over a tuple of values
+    tl.store(Out + 1, b)
+    tl.store(Out + 2, c)
+    tl.store(Out + 3, d)
+    tl.store(Out + 4, e)
+    tl.store(Out + 5, f)
+    tl.store(Out + 6, g)
+    tl.store(Out + 7, h)
+
+
+def test_kernel_bounds_match_the_twins_with_negative_bounds():
+    """Shifted bottom-right, a bound may be negative (a block that sees nothing): the kernels'
+    ranges are the twins', and empty."""
+    out = torch.empty(8, dtype=torch.int32, device=DEVICE)
+    rnd = random.Random(3)
+    for _ in range(12):
+        n_q, n_kv, block_q, block_kv = rnd.randint(20, 90), rnd.randint(1, 40), rnd.choice([16, 32]), 16
+        left, right = traversal.aligned_bounds(rnd.choice([0, 3, 200]), 0, n_q, n_kv)  # right < 0
+        start_q, start_kv = rnd.randrange(0, n_q, block_q), rnd.randrange(0, n_kv, block_kv)
+        _bounds_probe[(1,)](out, start_q, start_kv, n_q, n_kv, left, right, block_q, block_kv)
+        assert out.tolist() == [*traversal.kv_window_ranges(start_q, block_q, block_kv, n_kv, left, right),
+                                *traversal.q_window_ranges(start_kv, block_kv, block_q, n_q, left, right)]
+
+
+def test_bottom_right_skips_keys_no_query_reaches():
+    """Aligned bottom-right, queries 0..29 of 30 against 200 keys sit at positions 170..199: with
+    a window of 5 to the left they see keys from 165 on. Keys in whole tiles before that are NaN:
+    had the kernels loaded them, 0 * NaN would spread into the output or the gradients."""
+    q, k, v = make_qkv(30, 200, 16, batch=1)
+    unseen = 160 // 32 * 32  # whole tiles of every default BLOCK_KV (16, 32) below key 165
+    k[:, :, :unseen] = float("nan")
+    v[:, :, :unseen] = float("nan")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flashattn.attention(*leaves, is_causal=True, window_size=(5, -1), causal_alignment="bottom_right")
+    expected, _ = naive_attention(q, k[:, :, unseen:], v[:, :, unseen:], True, window_size=(5, -1),
+                                  causal_alignment="bottom_right")
+    torch.testing.assert_close(out, expected)
+    dq, dk, dv = torch.autograd.grad(out.sum(), leaves)
+    assert torch.isfinite(dq).all() and (dk[:, :, :unseen] == 0).all() and (dv[:, :, :unseen] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_q,n_kv,window_size,is_causal,gqa", [
+    (19, 27, (-1, -1), True, False),   # causal, more keys than queries
+    (27, 19, (-1, -1), True, True),    # more queries: the first 8 see no key
+    (19, 27, (4, 1), False, False),    # a window around pos(i)
+    (27, 19, (3, -1), True, True),     # a causal window, grouped heads
+])
+def test_bottom_right_against_reference(n_q, n_kv, window_size, is_causal, gqa, dtype):
+    q, k, v = make_qkv(n_q, n_kv, dtype=dtype, heads_q=4 if gqa else 2)
+    assert_rule(checks_of(q, k, v, is_causal, window_size=window_size, causal_alignment="bottom_right"))
+
+
+def test_bottom_right_is_sdpa_causal_lower_right():
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    q, k, v = make_qkv(11, 27, 16)
+    for bias, alignment in ((causal_lower_right(11, 27), "bottom_right"), (causal_upper_left(11, 27), "top_left")):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        torch.testing.assert_close(flashattn.attention(q, k, v, attn_mask=bias), want, atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(flashattn.attention(q, k, v, is_causal=True, causal_alignment=alignment),
+                                   want, atol=2e-6, rtol=2e-6)
+    # the two alignments differ when the lengths do, and agree when they are equal
+    assert not torch.allclose(flashattn.attention(q, k, v, is_causal=True),
+                              flashattn.attention(q, k, v, is_causal=True, causal_alignment="bottom_right"))
+    q, k, v = make_qkv(19, 19, 16)
+    assert torch.equal(flashattn.attention(q, k, v, is_causal=True),
+                       flashattn.attention(q, k, v, is_causal=True, causal_alignment="bottom_right"))
+
+
+# -- Softcap and ALiBi ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["softcap", "softcap-causal-gqa", "alibi", "alibi-batched-bottom-right",
+                                  "alibi-window", "both"])
+def test_softcap_and_alibi_against_reference(case, dtype):
+    gqa = "gqa" in case
+    q, k, v = make_qkv(dtype=dtype, heads_q=4 if gqa else 2)
+    q = q * 3  # scores of several units, so that the cap bends them
+    kwargs, causal = {}, "causal" in case
+    if "softcap" in case or case == "both":
+        kwargs["softcap"] = 2.5
+    if "alibi" in case or case == "both":
+        kwargs["alibi_slopes"] = slopes(q.shape[1], q.shape[0] if "batched" in case else None)
+    if "bottom-right" in case or case == "both":
+        kwargs.update(causal_alignment="bottom_right")
+        causal = True
+    if "window" in case:
+        kwargs["window_size"] = (6, 2)
+    assert_rule(checks_of(q, k, v, causal, **kwargs))
+
+
+def test_softcap_and_alibi_checks_can_fail():
+    """The rule sees a missing cap, a wrong slope and ALiBi at the wrong alignment."""
+    q, k, v = make_qkv()
+    q = q * 3
+    assert not any(c.ok for c in checks_of(q, k, v, ref_kwargs=dict(softcap=2.5)))
+    s = slopes(2)
+    wrong = compare_with_reference(q, k, v, impl=partial(flashattn.attention, alibi_slopes=s),
+                                   reference=partial(naive_attention, alibi_slopes=s * 1.05))
+    assert not all(c.ok for c in wrong)
+    wrong = compare_with_reference(q, k, v, impl=partial(flashattn.attention, alibi_slopes=s),
+                                   reference=partial(naive_attention, alibi_slopes=s, causal_alignment="bottom_right"))
+    assert not all(c.ok for c in wrong)
+
+
+def test_softcap_bounds_the_scores():
+    q, k, v = make_qkv(9, 9, 16, batch=1)
+    _, lse = flashattn.attention(q * 100, k, v, softcap=1.0, return_lse=True)
+    assert (lse <= 1.0 + torch.log(torch.tensor(9.0)) + 1e-5).all()  # every score <= 1
+
+
+# -- attn_mask ------------------------------------------------------------------------------------
+
+def mask_case(name, dtype):
+    g = torch.Generator().manual_seed(3)
+    if name == "key-padding":
+        return key_padding()
+    if name == "bool-full":
+        mask = torch.rand(2, 2, N_Q, N_KV, generator=g) > 0.5
+        mask[..., 0] = True
+        return mask.to(DEVICE)
+    if name == "bool-2d":
+        return window_mask(N_Q, N_KV, (5, 5), device=DEVICE)
+    if name == "float-heads":
+        return torch.randn(2, N_Q, N_KV, generator=g).to(DEVICE, dtype)
+    if name == "float-inf":  # -inf hides a pair, as a False does
+        mask = torch.randn(1, 1, N_Q, N_KV, generator=g)
+        mask[..., 3:9] = float("-inf")
+        return mask.to(DEVICE, dtype)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["key-padding", "bool-full", "bool-2d", "float-heads", "float-inf"])
+def test_attn_mask_against_reference(name, dtype):
+    q, k, v = make_qkv(dtype=dtype)
+    assert_rule(checks_of(q, k, v, attn_mask=mask_case(name, dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_attn_mask_with_gqa_window_softcap(dtype):
+    q, k, v = make_qkv(dtype=dtype, heads_q=4)
+    assert_rule(checks_of(q, k, v, attn_mask=key_padding(), window_size=(7, 3), softcap=4.0,
+                          alibi_slopes=slopes(4)))
+
+
+def test_attn_mask_check_can_fail():
+    q, k, v = make_qkv()
+    mask = key_padding()
+    assert not all(c.ok for c in compare_with_reference(
+        q, k, v, impl=partial(flashattn.attention, attn_mask=mask), reference=naive_attention))
+
+
+def test_fully_masked_rows_get_zero_and_minus_inf():
+    q, k, v = (t.requires_grad_() for t in make_qkv())
+    mask = torch.ones(2, 1, N_Q, N_KV, dtype=torch.bool, device=DEVICE)
+    mask[0, :, 4] = False  # row 4 of batch 0 sees nothing
+    out, lse = flashattn.attention(q, k, v, attn_mask=mask, return_lse=True)
+    assert (out[0, :, 4] == 0).all() and (lse[0, :, 4] == float("-inf")).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[1]).all()
+    dq, dk, dv = torch.autograd.grad(out.sum() + lse[torch.isfinite(lse)].sum(), (q, k, v))
+    assert (dq[0, :, 4] == 0).all() and all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+def test_mask_is_read_in_place():
+    """A key-padding mask reaches the kernels as the same memory, with its broadcast dims of size 1,
+    and a mask the caller expanded with stride 0 stays a view."""
+    q, k, _ = make_qkv()
+    mask = key_padding()
+    view = check_mask(mask, q, k)
+    assert view.data_ptr() == mask.data_ptr() and view.shape == (2, 1, 1, N_KV)
+    expanded = mask.expand(2, 2, N_Q, N_KV)
+    view = check_mask(expanded, q, k)
+    assert view.data_ptr() == mask.data_ptr() and view.stride()[1:3] == (0, 0)
+    q, k, v = make_qkv()
+    torch.testing.assert_close(flashattn.attention(q, k, v, attn_mask=expanded),
+                               flashattn.attention(q, k, v, attn_mask=mask), atol=0, rtol=0)
+
+
+def test_mask_with_more_leading_dims():
+    q, k, v = make_qkv()
+    q5, k5, v5 = (t.reshape(1, *t.shape).expand(3, *t.shape).contiguous() for t in (q, k, v))
+    g = torch.Generator().manual_seed(4)
+    mask = (torch.rand(3, 1, 1, 1, N_KV, generator=g) > 0.3).to(DEVICE)
+    mask[..., 0] = True
+    out = flashattn.attention(q5, k5, v5, attn_mask=mask)
+    want = torch.nn.functional.scaled_dot_product_attention(q5, k5, v5, attn_mask=mask)
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
+
+
+# -- Dropout --------------------------------------------------------------------------------------
+
+def kernel_keep_mask(seed_of_call, shape, dropout_p):
+    """The keep-mask of the call made after ``torch.manual_seed(seed_of_call)``."""
+    torch.manual_seed(seed_of_call)
+    return dropout_mask(shape, dropout_p, draw_seed(), DEVICE)
+
+
+def test_dropout_is_reproducible_and_drops_p():
+    q, k, v = make_qkv(33, 40, 16)
+    torch.manual_seed(11)
+    a = flashattn.attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(11)
+    b = flashattn.attention(q, k, v, dropout_p=0.3)
+    c = flashattn.attention(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    keep = kernel_keep_mask(11, (2, 2, 33, 40), 0.3)
+    assert abs((1 - keep.float().mean().item()) - 0.3) < 0.02  # 5280 draws: 4 standard deviations
+    assert not torch.equal(keep, kernel_keep_mask(12, (2, 2, 33, 40), 0.3))
+
+
+def test_dropout_mask_is_the_kernels():
+    """With V the identity, output row i is ``P_i * keep_i / (1 - p)``: the mask the kernel used,
+    seen from outside, is the debug path's."""
+    n = 16
+    q, k, _ = make_qkv(n, n, n, batch=1)
+    v = torch.eye(n, device=DEVICE).expand(1, 2, n, n)
+    torch.manual_seed(5)
+    out = flashattn.attention(q, k, v, dropout_p=0.4)
+    keep = kernel_keep_mask(5, (1, 2, n, n), 0.4)
+    assert torch.equal(out != 0, keep)
+    p = torch.softmax(q @ k.transpose(-2, -1) * n ** -0.5, dim=-1)
+    torch.testing.assert_close(out, p * keep / 0.6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["plain", "causal-gqa", "window-softcap-mask", "bottom-right-alibi"])
+def test_dropout_against_reference_with_the_same_mask(case, dtype):
+    q, k, v = make_qkv(dtype=dtype, heads_q=4 if "gqa" in case else 2)
+    kwargs, causal = dict(dropout_p=0.25), "causal" in case
+    if "window" in case:
+        kwargs.update(window_size=(5, 2), softcap=3.0, attn_mask=key_padding())
+    if "bottom-right" in case:
+        kwargs.update(causal_alignment="bottom_right", alibi_slopes=slopes(2))
+        causal = True
+    keep = kernel_keep_mask(21, (2, q.shape[1], N_Q, N_KV), 0.25)
+    torch.manual_seed(21)  # compare_with_reference's call of flashattn.attention draws the same seed
+    assert_rule(checks_of(q, k, v, causal, ref_kwargs=dict(dropout_keep=keep), **kwargs))
+
+
+def test_dropout_check_can_fail():
+    q, k, v = make_qkv()
+    keep = kernel_keep_mask(22, (2, 2, N_Q, N_KV), 0.25)  # another seed than the call's
+    torch.manual_seed(21)
+    assert not all(c.ok for c in checks_of(q, k, v, ref_kwargs=dict(dropout_keep=keep), dropout_p=0.25))

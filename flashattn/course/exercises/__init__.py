@@ -4,7 +4,7 @@
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
 One module per group of chapters (``ch00_02``, ``ch03_04`` with chapter 04's Triton ladder in
-``ch04_ladder``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``), and
+``ch04_ladder`` and its whole kernel in ``ch04_kernel``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``), and
 ``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
 are available from here.
 """
@@ -13,8 +13,9 @@ from .ch00_02 import (check_lse_from_state, check_merge_softmax_states, check_na
                       check_softmax_exp2)
 from .ch03_04 import (FORWARD_MISTAKES, check_classify_tiles, check_fwd_inner, check_kv_stage_bounds,
                       check_tiled_attention, fwd_exercise_kernel, run_fwd_inner, tiled_forward_with_mistake)
-from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_row_softmax_kernel,
-                          check_stream_kv_kernel)
+from .ch04_kernel import check_my_attention_forward, check_my_attn_fwd, launch_my_attn_fwd
+from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_matmul_kernel,
+                          check_row_softmax_kernel, check_stream_kv_kernel)
 from .ch05_07 import check_attention_backward, check_row_lse_kernel, check_rule_test, check_softmax_backward
 from .ch06 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, dkdv_exercise_kernel,
                    dq_exercise_kernel, run_dkdv_inner, run_dq_inner)
@@ -36,7 +37,9 @@ __all__ = [
     "fwd_exercise_kernel", "run_fwd_inner", "tiled_forward_with_mistake", "FORWARD_MISTAKES",
     # chapter 04's Triton ladder
     "check_block_shift_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",
-    "check_stream_kv_kernel",
+    "check_stream_kv_kernel", "check_matmul_kernel",
+    # chapter 04's whole forward kernel and its launcher
+    "check_my_attn_fwd", "check_my_attention_forward", "launch_my_attn_fwd",
     # chapters 05-07
     "check_softmax_backward", "check_attention_backward", "check_delta_kernel", "check_dkdv_inner",
     "dkdv_exercise_kernel", "run_dkdv_inner", "check_dq_inner", "dq_exercise_kernel", "run_dq_inner",

@@ -61,6 +61,19 @@ def test_tiled_attention_catches(solutions, edits, message):
         ex.check_tiled_attention(solutions("03", edits).tiled_attention)
 
 
+@mistakes(
+    ("every tile counted", [("kv_end = min(q_start + block_q, n_kv)      #", "kv_end = n_kv      #")], "above the diagonal are skipped"),
+    ("first query of the block", [("kv_end = min(q_start + block_q, n_kv)      #", "kv_end = min(q_start + 1, n_kv)      #")],
+     "its last query"),
+    ("keys past the end", [("kv_end = min(q_start + block_q, n_kv)      #", "kv_end = q_start + block_q      #")], "do not exist"),
+    ("the course's own map", [("    return total\n", "    return int((traversal.classify_blocks(n_q, n_kv, block_q, block_kv, True) > 0).sum())\n")],
+     "uses flashattn.kernels.traversal.classify_blocks"),
+)
+def test_causal_tiles_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_causal_tiles(solutions("03", edits).causal_tiles)
+
+
 # --- Chapter 04 -------------------------------------------------------------------------------------
 
 # --- Chapter 04's Triton ladder --------------------------------------------------------------------

@@ -11,8 +11,8 @@ are available from here.
 from .ch00_02 import (check_lse_from_state, check_merge_softmax_states, check_naive_causal_attention,
                       check_online_softmax, check_online_softmax_weighted_sum, check_score_bytes,
                       check_softmax_exp2)
-from .ch03_04 import (FORWARD_MISTAKES, check_classify_tiles, check_fwd_inner, check_kv_stage_bounds,
-                      check_tiled_attention, fwd_exercise_kernel, run_fwd_inner, tiled_forward_with_mistake)
+from .ch03_04 import (FORWARD_MISTAKES, check_causal_tiles, check_classify_tiles, check_fwd_inner,
+                      check_kv_stage_bounds, check_tiled_attention, fwd_exercise_kernel, run_fwd_inner, tiled_forward_with_mistake)
 from .ch04_kernel import check_my_attention_forward, check_my_attn_fwd, launch_my_attn_fwd
 from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_matmul_kernel,
                           check_row_softmax_kernel, check_stream_kv_kernel)
@@ -33,7 +33,7 @@ __all__ = [
     "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_lse_from_state",
     "check_softmax_exp2",
     # chapters 03-04
-    "check_classify_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
+    "check_classify_tiles", "check_causal_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
     "fwd_exercise_kernel", "run_fwd_inner", "tiled_forward_with_mistake", "FORWARD_MISTAKES",
     # chapter 04's Triton ladder
     "check_block_shift_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",

@@ -8,11 +8,12 @@ One module per group of chapters (``ch00_02``, ``ch03_04`` with chapter 04's Tri
 ``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
 are available from here.
 """
-from .ch00_02 import (check_lse_from_state, check_merge_softmax_states, check_naive_causal_attention,
-                      check_online_softmax, check_online_softmax_weighted_sum, check_score_bytes,
-                      check_softmax_exp2)
+from .ch00_02 import (check_block_alphas, check_lse_from_state, check_merge_softmax_states,
+                      check_naive_causal_attention, check_online_softmax, check_online_softmax_weighted_sum,
+                      check_score_bytes, check_softmax_exp2)
 from .ch03_04 import (FORWARD_MISTAKES, check_causal_tiles, check_classify_tiles, check_fwd_inner,
-                      check_kv_stage_bounds, check_tiled_attention, fwd_exercise_kernel, run_fwd_inner, tiled_forward_with_mistake)
+                      check_kv_stage_bounds, check_tiled_attention, fwd_exercise_kernel, run_fwd_inner,
+                      tiled_forward_with_mistake)
 from .ch04_kernel import check_my_attention_forward, check_my_attn_fwd, launch_my_attn_fwd
 from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_matmul_kernel,
                           check_row_softmax_kernel, check_stream_kv_kernel)
@@ -29,7 +30,7 @@ from .common import ExerciseError, attempt, expect_close
 __all__ = [
     "ExerciseError", "attempt", "expect_close",
     # chapters 00-02
-    "check_naive_causal_attention", "check_score_bytes", "check_online_softmax",
+    "check_naive_causal_attention", "check_score_bytes", "check_online_softmax", "check_block_alphas",
     "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_lse_from_state",
     "check_softmax_exp2",
     # chapters 03-04

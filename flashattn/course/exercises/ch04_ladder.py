@@ -1,7 +1,8 @@
-"""Checkers of chapter 04's Triton ladder: four small kernels, one idea each, before the forward
+"""Checkers of chapter 04's Triton ladder: five small kernels, one idea each, before the forward
 kernel's inner loop. A masked load and store with a ragged end (``block_shift_kernel``), a softmax
-with one program per row (``row_softmax_kernel``), one tile of attention (``attention_tile_kernel``),
-and one query block streaming its key blocks with the online softmax (``stream_kv_kernel``).
+with one program per row (``row_softmax_kernel``), a tiled matrix product with a loop over K
+(``matmul_kernel``), one tile of attention (``attention_tile_kernel``), and one query block
+streaming its key blocks with the online softmax (``stream_kv_kernel``).
 
 Each checker launches the learner's kernel on inputs it draws itself, inside larger buffers whose
 extra elements hold sentinels: a load past the end reads them (and the result shows it), a store
@@ -165,7 +166,7 @@ def check_row_softmax_kernel(row_softmax_kernel):
            "scores up to about 100)")
 
 
-# --- 3. One tile of attention --------------------------------------------------------------------------
+# --- 3. One tile of attention (Exercise 4) ------------------------------------------------------------
 
 def _not_finite(name, what, ragged):
     """The message for an output with inf or NaN. The checks put NaN in the memory past the end of
@@ -253,7 +254,7 @@ def check_attention_tile_kernel(attention_tile_kernel):
            "one key, large scores)")
 
 
-# --- 4. One query block streaming its key blocks ------------------------------------------------------
+# --- 4. One query block streaming its key blocks (Exercise 5) -----------------------------------------
 
 #: The mistakes check_stream_kv_kernel names, in the order it tries them (FORWARD_MISTAKES' names).
 STREAM_MISTAKES = ("alpha", "alpha_acc", "alpha_l", "ragged", "no_scale", "exp", "per_tile", "drop_tail")
@@ -296,7 +297,7 @@ def check_stream_kv_kernel(stream_kv_kernel):
            "maxima that rise along the keys)")
 
 
-# --- 3. A tiled matrix product with a loop over K ------------------------------------------------------
+# --- 5. A tiled matrix product with a loop over K (Exercise 3) ----------------------------------------
 
 def check_matmul_kernel(matmul_kernel):
     """``matmul_kernel[(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))](A, B, C, M, N, K, stride_am, stride_ak,
@@ -352,8 +353,6 @@ def check_matmul_kernel(matmul_kernel):
              a64[:, :full] @ b64[:full] if k % bk and full else None),
             ("every iteration multiplied the first tile of K again: move the K offsets with the loop "
              "variable, ks = k0 + tl.arange(0, BLOCK_K)", len(tiles) * (a64[:, :bk] @ b64[:bk]) if len(tiles) > 1 else None),
-            ("C came out transposed in its tiles: program_id(0) walks the rows of C (M), program_id(1) its "
-             "columns (N)", None),
         ], atol=tol * 4, rtol=tol)
         if hint:
             raise ExerciseError(f"{name} is wrong{what}: {hint}.")

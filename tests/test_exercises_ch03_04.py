@@ -280,3 +280,8 @@ def test_my_attn_fwd_catches(solutions, edits, message):
 def test_my_attention_forward_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
         ex.check_my_attention_forward(solutions("04", edits).my_attention_forward)
+
+
+def test_my_attention_forward_says_when_the_kernel_is_missing(solutions):
+    with pytest.raises(ex.ExerciseError, match="launches my_attn_fwd, which is not implemented yet"):
+        ex.check_my_attention_forward(solutions("04", stub="ch04-my-attn-fwd").my_attention_forward)

@@ -24,7 +24,7 @@ from ...kernels.traversal import kv_ranges
 from ...testing.reference import naive_attention
 from ...testing.rule import compare_with_reference
 from .ch03_04 import tiled_forward_with_mistake
-from .common import ExerciseError, attempt, close, expect_close, launch_learner_kernel, passed
+from .common import ExerciseError, attempt, close, expect_close, is_stub, launch_learner_kernel, passed
 
 FORBID = ("flashattn", "softmax", "sdpa")
 GPU_TOL = 5e-3  # on a GPU, tl.dot multiplies float32 tiles in TF32 unless told input_precision="ieee"
@@ -233,6 +233,10 @@ def check_my_attention_forward(my_attention_forward):
     tensors of any strides: o like q, lse2 float32 (B, H, N_q) in base 2; scale None means
     1/sqrt(D)."""
     name = "my_attention_forward"
+    kernel = getattr(my_attention_forward, "__globals__", {}).get("my_attn_fwd")
+    if kernel is not None and not is_stub(my_attention_forward) and is_stub(kernel):
+        raise ExerciseError(f"{name} launches my_attn_fwd, which is not implemented yet: write the kernel "
+                            "(Exercise 8) first, then run this check again.")
     aligned_ok = strided_ok = False
     for n, (batch, heads, n_q, n_kv, d, causal, layout, scale) in enumerate(LAUNCHER_CASES):
         q, k, v = make_inputs(batch, heads, n_q, n_kv, d, layout, 470 + n)

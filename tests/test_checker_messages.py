@@ -44,9 +44,12 @@ def scratch_notebook(mistakes=()):
     cells (statement, solution, check), the grade_ids in ``mistakes`` with their mistake written
     in, then a last cell that says the run got there."""
     chapter = nbformat.read(CHAPTER, as_version=4)
-    first = next(i for i, c in enumerate(chapter.cells) if _meta(c).get("solution")) - 1
+    # the exercises sit where their topics are taught: keep each one's statement (the markdown cell
+    # before its solution), solution and check, and none of the chapter's other cells
+    keep = [i for i, c in enumerate(chapter.cells) if _meta(c).get("grade_id")]
+    keep = sorted(set(keep) | {i - 1 for i in keep if _meta(chapter.cells[i]).get("solution")})
     cells = [nbformat.v4.new_code_cell("import math\n\nimport torch\n\nimport flashattn.course.exercises")]
-    for cell in chapter.cells[first:]:
+    for cell in (chapter.cells[i] for i in keep):
         cell = nbformat.from_dict(cell)
         gid = _meta(cell).get("grade_id")
         if gid in mistakes:

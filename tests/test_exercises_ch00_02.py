@@ -156,3 +156,19 @@ def test_shortcuts_are_put_back(solutions):
     x = torch.randn(3, 5)
     assert torch.allclose(x.softmax(-1), torch.softmax(x, -1)) and torch.allclose((x @ x.T).sum(-1), x @ x.sum(0), atol=1e-5)
     assert torch.max(x, -1).values.shape == (3,)
+
+
+@mistakes(
+    ("first alpha 1", [("    alphas, m = [], float(\"-inf\")\n", "    alphas, m = [], float(\"-inf\")\n    first = True\n"),
+                       ("        alphas.append(math.exp(m - m_new))        #", "        alphas.append(1.0 if first else math.exp(m - m_new))        #"),
+                       ("        m = m_new\n    return alphas", "        m, first = m_new, False\n    return alphas")],
+     "nothing before it to rescale"),
+    ("sign flipped", [("alphas.append(math.exp(m - m_new))", "alphas.append(0.0 if m == float('-inf') else math.exp(m_new - m))")],
+     "sign flipped"),
+    ("previous block's max", [("        m_new = max(m, block_max)\n", "        m_new = block_max\n")], "running max"),
+    ("the course's own", [("    return alphas\n", "    reference.online_softmax_trace\n    return alphas\n")],
+     "uses flashattn.testing.reference.online_softmax_trace"),
+)
+def test_block_alphas_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=message):
+        ex.check_block_alphas(solutions("01", edits).block_alphas)

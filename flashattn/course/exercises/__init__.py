@@ -4,17 +4,19 @@
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
 One module per group of chapters (``ch00_02``, ``ch03_04`` with chapter 04's Triton ladder in
-``ch04_ladder``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``), and
+``ch04_ladder`` and its whole kernel in ``ch04_kernel``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``), and
 ``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
 are available from here.
 """
-from .ch00_02 import (check_lse_from_state, check_merge_softmax_states, check_naive_causal_attention,
-                      check_online_softmax, check_online_softmax_weighted_sum, check_score_bytes,
-                      check_softmax_exp2)
-from .ch03_04 import (FORWARD_MISTAKES, check_classify_tiles, check_fwd_inner, check_kv_stage_bounds,
-                      check_tiled_attention, fwd_exercise_kernel, run_fwd_inner, tiled_forward_with_mistake)
-from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_row_softmax_kernel,
-                          check_stream_kv_kernel)
+from .ch00_02 import (check_block_alphas, check_lse_from_state, check_merge_softmax_states,
+                      check_naive_causal_attention, check_online_softmax, check_online_softmax_weighted_sum,
+                      check_score_bytes, check_softmax_exp2)
+from .ch03_04 import (FORWARD_MISTAKES, check_causal_tiles, check_classify_tiles, check_fwd_inner,
+                      check_kv_stage_bounds, check_tiled_attention, fwd_exercise_kernel, run_fwd_inner,
+                      tiled_forward_with_mistake)
+from .ch04_kernel import check_my_attention_forward, check_my_attn_fwd, launch_my_attn_fwd
+from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_matmul_kernel,
+                          check_row_softmax_kernel, check_stream_kv_kernel)
 from .ch05_07 import (check_attention_backward, check_my_attention, check_row_lse_kernel, check_rule_test,
                       check_slip_factors, check_softmax_backward)
 from .ch06 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, check_my_attention_backward,
@@ -29,17 +31,20 @@ from .common import ExerciseError, attempt, expect_close
 __all__ = [
     "ExerciseError", "attempt", "expect_close",
     # chapters 00-02
-    "check_naive_causal_attention", "check_score_bytes", "check_online_softmax",
+    "check_naive_causal_attention", "check_score_bytes", "check_online_softmax", "check_block_alphas",
     "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_lse_from_state",
     "check_softmax_exp2",
     # chapters 03-04
-    "check_classify_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
+    "check_classify_tiles", "check_causal_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
     "fwd_exercise_kernel", "run_fwd_inner", "tiled_forward_with_mistake", "FORWARD_MISTAKES",
     # chapter 04's Triton ladder
     "check_block_shift_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",
-    "check_stream_kv_kernel",
+    "check_stream_kv_kernel", "check_matmul_kernel",
+    # chapter 04's whole forward kernel and its launcher
+    "check_my_attn_fwd", "check_my_attention_forward", "launch_my_attn_fwd",
     # chapters 05-07
-    "check_softmax_backward", "check_attention_backward", "check_slip_factors", "check_delta_kernel", "check_dkdv_inner",
+    "check_softmax_backward", "check_attention_backward", "check_slip_factors", "check_delta_kernel",
+    "check_dkdv_inner",
     "dkdv_exercise_kernel", "run_dkdv_inner", "check_dq_inner", "dq_exercise_kernel", "run_dq_inner",
     "check_my_attention_backward",
     "check_rule_test", "check_row_lse_kernel", "check_my_attention",

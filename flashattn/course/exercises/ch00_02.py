@@ -383,3 +383,41 @@ def check_softmax_exp2(fn):
         ], atol=1e-10, rtol=1e-8, where=where)
         count += 1
     passed(f"{name} equals torch.softmax(s * scale) on {count} cases, including huge and masked scores")
+
+
+def check_block_alphas(fn):
+    """Chapter 01: ``block_alphas(block_maxima) -> list of floats``: the correction factor alpha of
+    each block of a streamed row, from the blocks' own maxima alone (natural base): 0 at the first
+    block (the empty state's M is -inf), then e^(M_old - M_new) with M the running max."""
+    import math
+
+    name = "block_alphas"
+    cases = [[1.5, 3.0, 2.0, 2.5, 4.5], [0.0], [2.0, 2.0, 2.0], [5.0, 1.0, 6.0, -3.0], [-1.0, -0.5, -2.0, 0.25]]
+    for maxima in cases:
+        call = f"{name}({maxima})"
+        got = attempt(fn, list(maxima), name=name, forbid=("flashattn",))
+        try:
+            got = [float(a) for a in got]
+        except Exception:
+            raise ExerciseError(f"{call} should return a list of floats, one alpha per block, got {got!r}") from None
+        if len(got) != len(maxima):
+            raise ExerciseError(f"{call} returned {len(got)} values; expected one alpha per block, {len(maxima)}")
+        running = [max(maxima[:b + 1]) for b in range(len(maxima))]
+        want = [0.0] + [math.exp(running[b - 1] - running[b]) for b in range(1, len(maxima))]
+        if all(abs(g - w) <= 1e-9 for g, w in zip(got, want)):
+            continue
+        if abs(got[0] - 1.0) <= 1e-9 and all(abs(g - w) <= 1e-9 for g, w in zip(got[1:], want[1:])):
+            why = ("the first block's alpha is e^(M - M_new) with the empty state's M = -inf, so it is 0: "
+                   "there is nothing before it to rescale (with 1 the result is the same only because L = 0)")
+        elif all(abs(g - 1 / w) <= 1e-9 * max(1, 1 / w) for g, w in zip(got[1:], want[1:]) if w > 0) \
+                and any(w < 1 for w in want[1:]):
+            why = "alpha = e^(M_old - M_new) is at most 1; yours has the exponent's sign flipped"
+        elif all(abs(g - math.exp(maxima[b - 1] - maxima[b])) <= 1e-9 for b, g in enumerate(got) if b > 0):
+            why = ("alpha compares the running max M (the max of every block so far), not the previous block's "
+                   "own max: when a block's max is lower than M, M stays and alpha = 1")
+        else:
+            b = next(b for b, (g, w) in enumerate(zip(got, want)) if abs(g - w) > 1e-9)
+            why = (f"block {b}: the running max goes from {running[b - 1] if b else float('-inf')} to {running[b]}, "
+                   f"so alpha = {want[b]:.6g}, not {got[b]:.6g}")
+        raise ExerciseError(f"{call} is wrong: {why}.")
+    passed(f"{name} gives every block's alpha in all {len(cases)} cases (M rising, staying, one block)")

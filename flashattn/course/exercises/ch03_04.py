@@ -395,3 +395,38 @@ def check_fwd_inner(fwd_inner):
                      atol=atol, rtol=atol)
     passed(f"fwd_inner gives the right O and LSE in all {len(cases)} cases (ragged, causal, "
            "N_q != N_kv, strided K/V, float16)")
+
+
+def check_causal_tiles(causal_tiles):
+    """Chapter 03: ``causal_tiles(n_q, n_kv, block_q, block_kv) -> int``, the number of tiles a causal
+    forward computes (full or masked, not skipped), derived rather than counted tile by tile."""
+    cases = [(64, 64, 16, 16), (1024, 1024, 64, 64), (69, 69, 32, 16), (69, 69, 16, 32), (17, 113, 32, 32),
+             (113, 17, 32, 16), (1, 1, 16, 16), (200, 130, 64, 16), (4096, 4096, 128, 64)]
+    for n_q, n_kv, block_q, block_kv in cases:
+        call = f"causal_tiles({n_q}, {n_kv}, {block_q}, {block_kv})"
+        got = attempt(causal_tiles, n_q, n_kv, block_q, block_kv, name="causal_tiles", forbid=("flashattn",))
+        try:
+            got = int(got)
+        except Exception:
+            raise ExerciseError(f"{call} should return an int, got {type(got).__name__}") from None
+        kinds = classify_blocks(n_q, n_kv, block_q, block_kv, True)
+        want = int((kinds != SKIPPED).sum())
+        if got == want:
+            continue
+        blocks = [(q, min(q + block_q, n_kv)) for q in range(0, n_q, block_q)]
+        if got == kinds.size:
+            why = "that is every tile: the tiles above the diagonal are skipped, never computed"
+        elif got == sum(cdiv(min(q + 1, n_kv), block_kv) for q, _ in blocks):
+            why = ("each query block was counted up to its first query; its last query, q_start + BLOCK_Q - 1, "
+                   "sees the most keys, and the block computes every tile that query needs")
+        elif got == sum(cdiv(q + block_q, block_kv) for q, _ in blocks):
+            why = f"keys past N_kv = {n_kv} do not exist: a block needs keys up to min(q_start + BLOCK_Q, N_kv)"
+        elif n_q == n_kv and block_q == block_kv and got == (n_q // block_q) * (n_q // block_q + 1) // 2:
+            why = "the closed form n(n + 1)/2 holds for aligned lengths only: count the ragged last blocks too"
+        else:
+            why = ("query block b computes the key tiles 0 .. cdiv(min((b + 1) * BLOCK_Q, N_kv), BLOCK_KV) - 1; "
+                   "sum that over the blocks")
+        raise ExerciseError(f"{call} returned {got}; the causal forward computes {want} of the "
+                            f"{kinds.size} tiles: {why}.")
+    passed(f"causal_tiles gives the number of tiles computed in all {len(cases)} cases (aligned, ragged, "
+           "N_q != N_kv, BLOCK_Q != BLOCK_KV)")

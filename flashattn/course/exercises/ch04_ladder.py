@@ -1,7 +1,8 @@
-"""Checkers of chapter 04's Triton ladder: four small kernels, one idea each, before the forward
+"""Checkers of chapter 04's Triton ladder: five small kernels, one idea each, before the forward
 kernel's inner loop. A masked load and store with a ragged end (``block_shift_kernel``), a softmax
-with one program per row (``row_softmax_kernel``), one tile of attention (``attention_tile_kernel``),
-and one query block streaming its key blocks with the online softmax (``stream_kv_kernel``).
+with one program per row (``row_softmax_kernel``), a tiled matrix product with a loop over K
+(``matmul_kernel``), one tile of attention (``attention_tile_kernel``), and one query block
+streaming its key blocks with the online softmax (``stream_kv_kernel``).
 
 Each checker launches the learner's kernel on inputs it draws itself, inside larger buffers whose
 extra elements hold sentinels: a load past the end reads them (and the result shows it), a store
@@ -165,7 +166,7 @@ def check_row_softmax_kernel(row_softmax_kernel):
            "scores up to about 100)")
 
 
-# --- 3. One tile of attention --------------------------------------------------------------------------
+# --- 3. One tile of attention (Exercise 4) ------------------------------------------------------------
 
 def _not_finite(name, what, ragged):
     """The message for an output with inf or NaN. The checks put NaN in the memory past the end of
@@ -253,7 +254,7 @@ def check_attention_tile_kernel(attention_tile_kernel):
            "one key, large scores)")
 
 
-# --- 4. One query block streaming its key blocks ------------------------------------------------------
+# --- 4. One query block streaming its key blocks (Exercise 5) -----------------------------------------
 
 #: The mistakes check_stream_kv_kernel names, in the order it tries them (FORWARD_MISTAKES' names).
 STREAM_MISTAKES = ("alpha", "alpha_acc", "alpha_l", "ragged", "no_scale", "exp", "per_tile", "drop_tail")
@@ -294,3 +295,70 @@ def check_stream_kv_kernel(stream_kv_kernel):
         expect_close(f"O{what}", got, want, atol=tol, rtol=tol, heatmap=True)
     passed(f"{name} equals float64 attention on {len(cases)} cases (1 to 100 keys, ragged last blocks, "
            "maxima that rise along the keys)")
+
+
+# --- 5. A tiled matrix product with a loop over K (Exercise 3) ----------------------------------------
+
+def check_matmul_kernel(matmul_kernel):
+    """``matmul_kernel[(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))](A, B, C, M, N, K, stride_am, stride_ak,
+    stride_bk, stride_bn, stride_cm, stride_cn, BLOCK_M=..., BLOCK_N=..., BLOCK_K=...)``: program
+    (i, j) writes the tile (i, j) of C = A @ B, summing over K in tiles of BLOCK_K, and nothing
+    outside C's M x N entries. A, B and C may have any strides."""
+    name = "matmul_kernel"
+    tol = pick(**DOT_TOL)
+    # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, B stored transposed)
+    cases = [(32, 32, 64, 16, 16, 16, False), (37, 29, 45, 16, 16, 16, False), (20, 45, 70, 16, 32, 32, True),
+             (1, 1, 1, 16, 16, 16, False), (50, 17, 16, 32, 16, 16, True)]
+    for n, (m, n_cols, k, bm, bn, bk, transposed) in enumerate(cases):
+        g = _generator(450 + n)
+        a_values = round_to_tf32(torch.randn(m, k, generator=g))
+        b_values = round_to_tf32(torch.randn(k, n_cols, generator=g))
+        a, _ = _in_buffer(a_values, extra_rows=bm, extra_cols=bk)
+        if transposed:  # B as the transpose of an (N, K) matrix: column stride K + BLOCK_K, row stride 1
+            b_t, _ = _in_buffer(b_values.T.contiguous(), extra_rows=bn, extra_cols=bk)
+            b = b_t.T
+        else:
+            b, _ = _in_buffer(b_values, extra_rows=bk, extra_cols=bn)
+        c, c_buffer = _in_buffer(torch.full((m, n_cols), float("nan")), extra_rows=bm, extra_cols=bn, fill=UNTOUCHED)
+        launch_learner_kernel(matmul_kernel, (triton.cdiv(m, bm), triton.cdiv(n_cols, bn)),
+                              (a, b, c, m, n_cols, k, *a.stride(), *b.stride(), *c.stride()),
+                              dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), name, matmul_kernel, forbid=("flashattn",))
+        what = (f" (M = {m}, N = {n_cols}, K = {k}, BLOCK_M = {bm}, BLOCK_N = {bn}, BLOCK_K = {bk}"
+                + (", B a transposed view)" if transposed else ")"))
+        if _wrote_outside(c_buffer, m, n_cols):
+            raise ExerciseError(f"{name} wrote outside C's {m} x {n_cols} entries{what}: mask the store with "
+                                "(rows[:, None] < M) & (cols[None, :] < N)")
+        got = c.cpu()
+        if torch.isnan(got).any():
+            i, j = (int(x) for x in torch.isnan(got).nonzero()[0])
+            raise ExerciseError(f"{name} left C[{i}, {j}] unwritten{what}: program (i, j) = (tl.program_id(0), "
+                                "tl.program_id(1)) owns rows i * BLOCK_M + tl.arange(0, BLOCK_M) and columns "
+                                "j * BLOCK_N + tl.arange(0, BLOCK_N)")
+        a64, b64 = a_values.double(), b_values.double()
+        want = a64 @ b64
+        tiles = range(0, k, bk)
+        last = tiles[-1]
+        full = k // bk * bk
+        padded = torch.full((m, len(tiles) * bk), PAST_THE_END, dtype=torch.float64)
+        padded[:, :k] = a64
+        padded_b = torch.full((len(tiles) * bk, n_cols), PAST_THE_END, dtype=torch.float64)
+        padded_b[:k] = b64
+        hint = _named(got, want, [
+            ("the last tile of K read past the end of A and B (the memory there holds 99 in this check): "
+             "mask the loads with the K index, (ks[None, :] < K) for A and (ks[:, None] < K) for B, other=0.0",
+             padded @ padded_b if k % bk else None),
+            ("only the last tile of K counts: create the accumulator once, before the loop, and add each "
+             "tile's product to it, acc += tl.dot(a, b)", a64[:, last:] @ b64[last:] if last else None),
+            ("the ragged last tile of K was left out: loop over range(0, K, BLOCK_K) and mask it",
+             a64[:, :full] @ b64[:full] if k % bk and full else None),
+            ("every iteration multiplied the first tile of K again: move the K offsets with the loop "
+             "variable, ks = k0 + tl.arange(0, BLOCK_K)", len(tiles) * (a64[:, :bk] @ b64[:bk]) if len(tiles) > 1 else None),
+        ], atol=tol * 4, rtol=tol)
+        if hint:
+            raise ExerciseError(f"{name} is wrong{what}: {hint}.")
+        if not torch.isfinite(got).all():
+            raise ExerciseError(f"{name} returned inf or NaN{what}: a load read memory outside A or B; mask "
+                                "every load (rows < M or cols < N, and the K index < K)")
+        expect_close(f"C{what}", got, want, atol=tol * 4, rtol=tol, heatmap=True)
+    passed(f"{name} equals float64 A @ B on {len(cases)} cases (ragged M, N and K, one element, a "
+           "transposed B)")

@@ -45,9 +45,12 @@ def source_html(obj, only=None, note=None) -> str:
             f'<pre style="{pre}">{code}</pre></div>')
 
 
-#: The constexpr flags of the variants chapter 09 teaches (windows, packed sequences), switched off:
-#: ``show_source(kernel, only=LATER)`` shows a kernel as the chapters before it teach it.
-LATER = {"WINDOW": False, "VARLEN": False}
+#: The constexpr flags of what the first chapters leave for later, switched off: chapter 09's windows
+#: and packed sequences (EMPTY_ROWS: rows that see no key, which only they make), and the score
+#: modifications (masks, softcap, ALiBi, dropout, the bottom-right alignment). ``show_source(kernel,
+#: only=LATER)`` shows a kernel as chapters 04-08 teach it.
+LATER = {"WINDOW": False, "VARLEN": False, "EMPTY_ROWS": False, "SOFTCAP": False, "ALIBI": False,
+         "MASK_KIND": 0, "DROPOUT": False, "BOTTOM_RIGHT": False}
 
 
 def source_text(obj, only=None, note=None):

@@ -112,11 +112,13 @@ def test_a_rotated_dot_product_depends_only_on_the_distance():
     cos, sin = rope_tables(64, 8)
     from flashattn.ops import kv_cache
     g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(1, 1, 1, 8, generator=g), torch.randn(1, 1, 1, 8, generator=g)
-    score = [(kv_cache.rotate(q, torch.tensor([[m]]), cos, sin, False)
-              * kv_cache.rotate(k, torch.tensor([[m - 5]]), cos, sin, False)).sum().item() for m in (5, 20, 40)]
-    same_place = (kv_cache.rotate(q, torch.tensor([[17]]), cos, sin, False)
-                  * kv_cache.rotate(k, torch.tensor([[17]]), cos, sin, False)).sum().item()
+    q, k = (torch.randn(1, 1, 1, 8, generator=g).to(DEVICE) for _ in range(2))
+
+    def at(x, position):
+        return kv_cache.rotate(x, torch.tensor([[position]], device=DEVICE), cos, sin, False)
+
+    score = [(at(q, m) * at(k, m - 5)).sum().item() for m in (5, 20, 40)]
+    same_place = (at(q, 17) * at(k, 17)).sum().item()
     assert max(score) - min(score) < 1e-5 and abs(same_place - (q * k).sum().item()) < 1e-5
 
 
@@ -157,8 +159,10 @@ def test_max_seqlen_appends_without_reading_lengths_on_the_host(monkeypatch):
 def test_bad_cache_steps_are_named(change, error, words):
     q, k_cache, v_cache, k_new, v_new, lengths = setup(torch.float32, [4, 9])
     args = dict(k_new=k_new, v_new=v_new)
+    change = dict(change)
     lengths = change.pop("lengths", lengths)
-    args.update(change)
+    # the parameters' tensors were made at collection, on the CPU: on the inputs' device here
+    args.update({name: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for name, t in change.items()})
     with pytest.raises(error, match=words), torch.no_grad():
         flashattn.decode(q, k_cache, v_cache, lengths, **args)
 

@@ -149,7 +149,7 @@ def test_bottom_right_skips_keys_no_query_reaches():
     a window of 5 to the left they see keys from 165 on. Keys in whole tiles before that are NaN:
     had the kernels loaded them, 0 * NaN would spread into the output or the gradients."""
     q, k, v = make_qkv(30, 200, 16, batch=1)
-    unseen = 160 // 32 * 32  # whole tiles of every default BLOCK_KV (16, 32) below key 165
+    unseen = 165 // 128 * 128  # whole tiles of every BLOCK_KV (16 to 128, CPU and GPU) below key 165
     k[:, :, :unseen] = float("nan")
     v[:, :, :unseen] = float("nan")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -31,7 +31,7 @@ def test_signature_is_sdpas():
     keyword_only = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert keyword_only == ["return_lse", "window_size", "causal_alignment", "softcap", "alibi_slopes"]
     q, k, v = make_qkv(9, 9, 16)
-    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    mask = torch.ones(9, 9, dtype=torch.bool, device=DEVICE).tril()
     # positionally, as SDPA is called (SDPA's scale and enable_gqa are keyword-only; here they may be
     # either)
     torch.testing.assert_close(flashattn.attention(q, k, v, None, 0.0, True, 0.3, False),
@@ -89,6 +89,12 @@ def test_gpt_block_with_sdpa_replaced(monkeypatch, masked):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
+def on_device(kwargs):
+    """The parameters' tensors (made at collection, on the CPU) on the inputs' device."""
+    return {name: value.detach().to(DEVICE).requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor)
+            else value for name, value in kwargs.items()}
+
+
 # -- Bad input -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -118,7 +124,7 @@ def test_gpt_block_with_sdpa_replaced(monkeypatch, masked):
 def test_bad_new_arguments(kwargs, error, match):
     q, k, v = make_qkv()
     with pytest.raises(error, match=match):
-        flashattn.attention(q, k, v, **kwargs)
+        flashattn.attention(q, k, v, **on_device(kwargs))
 
 
 def test_causal_bias_errors():
@@ -247,7 +253,7 @@ def test_varlen_new_arguments_against_reference(case, dtype):
     elif case == "bottom-right-causal-gqa":
         kwargs = dict(is_causal=True, causal_alignment="bottom_right", enable_gqa=True)
     elif case == "bottom-right-window-alibi":
-        kwargs = dict(window_size=(3, 1), causal_alignment="bottom_right", alibi_slopes=torch.tensor([0.3, 0.7]))
+        kwargs = dict(window_size=(3, 1), causal_alignment="bottom_right", alibi_slopes=torch.tensor([0.3, 0.7], device=DEVICE))
     else:
         kwargs, seed = dict(dropout_p=0.3, is_causal=True), 17
     checks = varlen_checks(dtype, seed, **kwargs)
@@ -273,7 +279,7 @@ def test_varlen_check_can_fail_and_int64_is_int32():
 def test_varlen_bad_new_arguments(kwargs, error, match):
     q, k, v, cu_q, cu_k = packed(torch.float32)
     with pytest.raises(error, match=match):
-        flashattn.varlen_attention(q, k, v, cu_q, cu_k, 13, 12, **kwargs)
+        flashattn.varlen_attention(q, k, v, cu_q, cu_k, 13, 12, **on_device(kwargs))
     with pytest.raises(TypeError, match="cu_seqlens_q has dtype torch.float32"):
         flashattn.varlen_attention(q, k, v, cu_q.float(), cu_k, 13, 12)
 
@@ -316,11 +322,11 @@ def test_gluon_kernels_never_get_modified_calls(monkeypatch, kwargs):
 
     class FakeGluon:
         @staticmethod
-        def supports(q, k, v):
+        def supports(q, k, v, window=None):
             return True
 
         @staticmethod
-        def attention_forward(q, k, v, causal, scale):
+        def attention_forward(q, k, v, causal, scale, window=None):
             calls.append("forward")
             return torch.zeros_like(q), torch.zeros(q.shape[:-1], device=q.device)
 

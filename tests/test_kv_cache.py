@@ -198,3 +198,66 @@ def test_gpu_a_step_that_appends_and_rotates_replays_in_a_cuda_graph():
             want = step(k_copy, v_copy, lens.cpu())
             torch.testing.assert_close(static_out, want)
             torch.testing.assert_close(k_cache, k_copy, rtol=0, atol=0)
+
+
+# -- softcap and sliding windows in decode ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("softcap, window", [(5.0, -1), (0.0, 0), (0.0, 6), (3.0, 20), (0.0, 100)])
+@pytest.mark.parametrize("n_q", [1, 3])
+def test_decode_softcap_and_windows_against_the_reference(dtype, softcap, window, n_q):
+    """Token t sees the window's keys before it (bottom-right), with the scores capped, in every
+    split: ragged lengths, an empty sequence, a window longer than the cache."""
+    lengths = torch.tensor([0, n_q, 17, 40, 33], dtype=torch.int32)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 4, n_q, 24, generator=g).to(DEVICE, dtype)
+    k_cache, v_cache = (torch.randn(5, 2, 40, 24, generator=g).to(DEVICE, dtype) for _ in range(2))
+    with torch.no_grad():
+        out, lse = flashattn.decode(q, k_cache, v_cache, lengths, softcap=softcap, window_size=(window, 0),
+                                    return_lse=True)
+    ref, ref_lse = decode_reference(q.double(), k_cache.double(), v_cache.double(), lengths, softcap=softcap,
+                                    window=window)
+    low, _ = decode_reference(q, k_cache, v_cache, lengths, softcap=softcap, window=window)
+    assert within_rule(out, ref, low, dtype)
+    assert torch.equal(lse == float("-inf"), ref_lse == float("-inf"))
+    finite = ref_lse > float("-inf")
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=2e-2 if dtype != torch.float32 else 1e-4)
+
+
+def test_a_window_reads_nothing_before_the_first_tokens_window():
+    """Keys before the window are NaN: had decode loaded their tiles, 0 * NaN would reach the output."""
+    q, k_cache, v_cache, _, _, _ = setup(torch.float32, [0, 0], n_q=1, n_max=200)
+    lengths = torch.tensor([200, 150], dtype=torch.int32)
+    k_cache[0, :, :128], v_cache[0, :, :128] = float("nan"), float("nan")    # row 0 sees keys 189..199
+    k_cache[1, :, :128], v_cache[1, :, :128] = float("nan"), float("nan")    # row 1 sees keys 139..149
+    with torch.no_grad():
+        out = flashattn.decode(q, k_cache, v_cache, lengths, window_size=(10, 0))
+    clean = [t.clone() for t in (k_cache, v_cache)]
+    for t in clean:
+        t[:, :, :128] = 0.0
+    ref, _ = decode_reference(q.double(), clean[0].double(), clean[1].double(), lengths, window=10)
+    assert torch.isfinite(out).all() and torch.allclose(out.double(), ref, atol=1e-5)
+
+
+def test_a_window_matches_attention_aligned_bottom_right():
+    """decode's window is flashattn.attention's bottom-right window on the valid cache."""
+    q, k_cache, v_cache, _, _, _ = setup(torch.float32, [0], n_q=3, heads=2, kv_heads=2)
+    lengths = torch.tensor([29], dtype=torch.int32)
+    with torch.no_grad():
+        out = flashattn.decode(q, k_cache, v_cache, lengths, window_size=(7, 0), softcap=4.0)
+        want = flashattn.attention(q, k_cache[:, :, :29], v_cache[:, :, :29], is_causal=True, window_size=(7, 0),
+                                   causal_alignment="bottom_right", softcap=4.0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
+    (dict(softcap="1"), TypeError, "softcap must be a real number"),
+    (dict(window_size=(4, 2)), ValueError, r"window_size is \(4, 2\).*right -1 or 0"),
+    (dict(window_size=(-2, 0)), ValueError, "left must be -1"),
+    (dict(window_size=4), TypeError, "window_size must be a pair of ints"),
+])
+def test_bad_decode_modifications_are_named(kwargs, error, words):
+    q, k_cache, v_cache, _, _, lengths = setup(torch.float32, [4, 9])
+    with pytest.raises(error, match=words), torch.no_grad():
+        flashattn.decode(q, k_cache, v_cache, lengths + 2, **kwargs)

@@ -46,14 +46,15 @@ MAX_SPLITS = 64
 INTERPRETER_SMS = 8
 
 
-@triton.jit(do_not_specialize=["n_q", "group", "num_splits", "n_max"])  # one binary for every length
+@triton.jit(do_not_specialize=["n_q", "group", "num_splits", "n_max", "win_left"])  # one binary for every length
 def decode_split(Q, K, V, LENS, O, LSE,
                   stride_qb, stride_qh, stride_qn, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
-                  n_q, group, num_splits, qk_scale, n_max,
+                  n_q, group, num_splits, qk_scale, n_max, softcap, win_left,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_KV: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  BLOCK_KV: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  SOFTCAP: tl.constexpr = False, WINDOW: tl.constexpr = False):
     # Grid: axis 0 = (row block, split), axis 1 = KV heads, axis 2 = batch.
     split = tl.program_id(0) % num_splits
     row_block = tl.program_id(0) // num_splits
@@ -81,12 +82,21 @@ def decode_split(Q, K, V, LENS, O, LSE,
     # starts with a key that all its rows see, and -inf masks stay safe as in the forward kernel.
     # Splits past the end (a short sequence, or L = 0) get no keys.
     n_seen = tl.maximum(n_kv - n_q + 1, 0)
-    span = tl.cdiv(tl.cdiv(n_seen, BLOCK_KV), num_splits) * BLOCK_KV
-    kv_lo = split * span
+    # A sliding window of win_left keys before each token: the tiles before the first token's
+    # window are never loaded, and the splits share the keys from there on.
+    if WINDOW:
+        first = tl.maximum(n_kv - n_q - win_left, 0) // BLOCK_KV * BLOCK_KV
+    else:
+        first = 0
+    span = tl.cdiv(tl.cdiv(n_seen - first, BLOCK_KV), num_splits) * BLOCK_KV
+    kv_lo = first + split * span
     kv_hi = tl.where(kv_lo + span < n_seen, kv_lo + span, n_kv)
     kv_hi = tl.where(kv_lo < n_seen, kv_hi, kv_lo)
-    # Only the tiles from the last whole tile of [0, n_seen) on need the mask.
+    # Only the tiles from the last whole tile of [0, n_seen) on need the mask; under a window
+    # every tile does (each token's window starts at its own key).
     kv_full_end = tl.minimum(tl.maximum(n_seen // BLOCK_KV * BLOCK_KV, kv_lo), kv_hi)
+    if WINDOW:
+        kv_full_end = kv_lo
 
     K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
@@ -95,12 +105,15 @@ def decode_split(Q, K, V, LENS, O, LSE,
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     # The forward kernel's inner loop, unchanged: whole tiles without a mask, then the diagonal
     # (where keys past a row's position, and past L, are hidden; keys >= L are never loaded).
+    # Softcap (Gemma 2) and the window are the forward kernel's too.
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                pos, offs_d, kv_lo, kv_full_end, n_kv, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_KV, False, True, DOT_PRECISION)
+                               HEAD_DIM, BLOCK_D, BLOCK_KV, False, True, DOT_PRECISION, WINDOW, win_left, 0,
+                               softcap=softcap, SOFTCAP=SOFTCAP)
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                pos, offs_d, kv_full_end, kv_hi, n_kv, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_KV, True, True, DOT_PRECISION)
+                               HEAD_DIM, BLOCK_D, BLOCK_KV, True, True, DOT_PRECISION, WINDOW, win_left, 0,
+                               softcap=softcap, SOFTCAP=SOFTCAP)
 
     # A split without keys has L = 0: it writes the neutral state O = 0, LSE = -inf, which
     # weighs nothing in the merge (and is the answer for L = 0: an empty sum, like SDPA).
@@ -264,8 +277,10 @@ class Plan:
                                  self.config["BLOCK_KV"], sm_count(self.device))
 
     def run(self, q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, partials=False,
-            keep_lse=True):
-        """The launches, on arguments of this plan's shapes, dtypes, strides and alignment.
+            keep_lse=True, softcap=0.0, window=-1):
+        """The launches, on arguments of this plan's shapes, dtypes, strides and alignment;
+        ``softcap`` > 0 caps the scores, ``window`` >= 0 lets each token see only that many keys
+        before it.
         Returns ``(out, lse)`` with lse flat (B * H_q * N_q,), or the partial states, shaped.
         Without ``keep_lse`` (the caller drops lse), lse may be a view of the partial states'
         buffer (it would hold that buffer's memory while it lives)."""
@@ -302,12 +317,15 @@ class Plan:
             o_part = torch.empty(n_rows * num_splits * self.head_dim, device=self.device, dtype=f32)
             lse_part = torch.empty(n_rows * num_splits, device=self.device, dtype=f32)
         key = (num_splits, partials, lengths.data_ptr() % 16)
-        direct.launch(self.kernels, ("split",) + key, decode_split,
+        capped, windowed = softcap > 0, window >= 0
+        direct.launch(self.kernels, ("split",) + key + (capped, windowed), decode_split,
                       (self.row_blocks * num_splits, self.kv_heads, self.batch),
                       (q, k_cache, v_cache, lengths, o_part, lse_part, *strides,
-                       self.n_q, self.group, num_splits, qk_scale(scale), self.n_max),
+                       self.n_q, self.group, num_splits, qk_scale(scale), self.n_max,
+                       float(softcap), max(int(window), 0)),
                       lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_R=self.block_r,
-                                   FINAL=final, DOT_PRECISION=self.precision, **self.config),
+                                   FINAL=final, DOT_PRECISION=self.precision, SOFTCAP=capped,
+                                   WINDOW=windowed, **self.config),
                       HOST["launch"])
         if partials:
             return (o_part[:n_rows * num_splits * self.head_dim].view(*self.rows, num_splits, self.head_dim),

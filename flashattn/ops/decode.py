@@ -27,7 +27,8 @@ MAX_PLANS = 64  # a loop that changes shapes every step starts afresh now and th
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, max_seqlen=None,
-           k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False):
+           k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+           softcap=0.0, window_size=(-1, -1)):
     """Attention of the newest ``N_q`` tokens of each sequence against its KV cache.
 
     Args:
@@ -58,6 +59,12 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
             sequence (the first ``rotary_dim`` features of each head; the rest pass unchanged).
         rotary_interleaved: the features turned together: ``(i, i + rotary_dim / 2)`` when False
             (GPT-NeoX's and Llama's layout), ``(2i, 2i + 1)`` when True (GPT-J's).
+        softcap: > 0 caps the scaled scores at ``softcap * tanh(S / softcap)`` (Gemma 2), as
+            ``flashattn.attention``'s.
+        window_size: ``(left, right)`` as ``flashattn.attention``'s, aligned bottom-right as
+            decoding is: token ``t`` sees keys ``L - N_q + t - left`` to ``L - N_q + t``; ``left``
+            -1 is unbounded; ``right`` must be -1 or 0 (no key comes after the newest tokens).
+            The cache before the first token's window is never read.
 
     The new tokens are the last ``N_q`` entries of each valid cache, so token ``t`` sees keys
     ``0 .. L - N_q + t`` (aligned bottom-right, as in decoding and speculative decoding).
@@ -83,9 +90,10 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
     """
     plan = plan_for(q, k_cache, v_cache, cache_seqlens)
     _check_call(q, k_cache, v_cache, scale, return_lse)
+    mods = _check_mods(softcap, window_size)
     if k_new is not None or v_new is not None or rotary_cos is not None or rotary_sin is not None:
         return _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqlen,
-                     k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved)
+                     k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, mods)
     if max_seqlen is not None:
         lengths, max_len = cache_seqlens.contiguous(), _check_max_seqlen(max_seqlen, cache_seqlens, plan)
     elif not INTERPRET and torch.cuda.is_current_stream_capturing():
@@ -96,12 +104,28 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
     else:
         lengths, max_len = _lengths(cache_seqlens, plan.n_max, plan.n_q, plan.device)
     out, lse = plan.run(q, k_cache, v_cache, lengths, max_len,
-                        plan.scale if scale is None else float(scale), keep_lse=return_lse)
+                        plan.scale if scale is None else float(scale), keep_lse=return_lse, **mods)
     return (out, lse.view(plan.rows)) if return_lse else out
 
 
+def _check_mods(softcap, window_size):
+    """decode's score modifications as ``Plan.run`` takes them, or an error naming the argument."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: no cap), got {softcap}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right not in (-1, 0):
+        raise ValueError(f"window_size is {tuple(window_size)}: left must be -1 (unbounded) or >= 0, and "
+                         "right -1 or 0 (decode's queries are the newest tokens: no key comes after them)")
+    return dict(softcap=float(softcap), window=int(left))
+
+
 def _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqlen,
-          k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved):
+          k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, mods):
     """decode with the KV-cache step of ``flashattn.ops.kv_cache``: rotate, append, attend."""
     appending = kv_cache.check_new(q, k_cache, k_new, v_new)
     rotary = kv_cache.check_rotary(q, rotary_cos, rotary_sin, rotary_interleaved)
@@ -138,7 +162,7 @@ def _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqle
     if appending:
         kv_cache.append(k_cache, v_cache, k_new, v_new, pos)
     out, lse = plan.run(q, k_cache, v_cache, lengths, max_len, plan.scale if scale is None else float(scale),
-                        keep_lse=return_lse)
+                        keep_lse=return_lse, **mods)
     return (out, lse.view(plan.rows)) if return_lse else out
 
 

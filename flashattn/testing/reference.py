@@ -167,11 +167,13 @@ def attention_backward(q, k, v, o, do, lse, is_causal=False, scale=None):
     return dq, dk, dv
 
 
-def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None):
+def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=0.0, window=-1):
     """Decoding against a KV cache (``flashattn.decode``) as the formula reads, one sequence at a
     time: query head ``h`` uses KV head ``h // (H_q / H_kv)``, only the first ``L`` cache entries
-    exist, and new token ``t`` sees keys ``0 .. L - N_q + t`` (bottom-right). A row that sees no
-    key (``L = 0``) gets 0 and lse -inf. Computes in the inputs' dtype; returns ``(out, lse)``."""
+    exist, and new token ``t`` sees keys ``0 .. L - N_q + t`` (bottom-right), only the last
+    ``window + 1`` of them when ``window >= 0``; ``softcap > 0`` caps the scaled scores
+    (``softcap * tanh(S / softcap)``). A row that sees no key (``L = 0``) gets 0 and lse -inf.
+    Computes in the inputs' dtype; returns ``(out, lse)``."""
     scale = default_scale(q.shape[-1], scale)
     n_heads, n_q = q.shape[1], q.shape[2]
     group = n_heads // k_cache.shape[1]
@@ -181,8 +183,12 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None):
         k = k_cache[b, :, :length].repeat_interleave(group, dim=0)   # (H_q, L, D)
         v = v_cache[b, :, :length].repeat_interleave(group, dim=0)
         s = (q[b] @ k.transpose(-2, -1)) * scale                     # (H_q, N_q, L)
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
         position = length - n_q + torch.arange(n_q, device=q.device)[:, None]
-        s = s.masked_fill(torch.arange(length, device=q.device)[None, :] > position, float("-inf"))
+        keys = torch.arange(length, device=q.device)[None, :]
+        hidden = (keys > position) | ((keys < position - window) if window >= 0 else False)
+        s = s.masked_fill(hidden, float("-inf"))
         lse[b] = torch.logsumexp(s.to(lse.dtype), dim=-1)
         seen = (lse[b] > float("-inf"))[..., None]
         p = torch.softmax(s, dim=-1)

@@ -294,7 +294,8 @@ def _repeated_mods(variants, n):
     ``n`` times (the folded batch is vmap's index times the batch, plus the batch element)."""
     variants = list(variants)
     for i in (7, 8):  # alibi_slopes (B or 1, H), attn_mask (B or 1, ...)
-        t = variants[i]
+        # (arguments at their defaults may reach the rule left out)
+        t = variants[i] if i < len(variants) else None
         if t is not None and t.shape[0] != 1:
             variants[i] = t.unsqueeze(0).expand(n, *t.shape).reshape(n * t.shape[0], *t.shape[1:])
     return variants

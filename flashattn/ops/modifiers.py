@@ -8,16 +8,24 @@ of size 1 and is read with stride 0), so that a key-padding mask is never expand
 """
 import math
 import numbers
+import sys
 
 import numpy as np
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ..kernels.mods import ScoreMods
 
 ALIGNMENTS = ("top_left", "bottom_right")
-#: torch.nn.attention.bias's causal variants, as flashattn's alignment
-_VARIANTS = {CausalVariant.UPPER_LEFT: "top_left", CausalVariant.LOWER_RIGHT: "bottom_right"}
+#: torch.nn.attention.bias's causal variants (by name), as flashattn's alignment
+_VARIANTS = {"UPPER_LEFT": "top_left", "LOWER_RIGHT": "bottom_right"}
+
+
+def _causal_bias_class():
+    """``torch.nn.attention.bias.CausalBias`` where that module was imported, else None: importing
+    it imports torch._dynamo (a second or more), which a first attention call must not pay; a
+    caller holding a causal bias has imported it already."""
+    module = sys.modules.get("torch.nn.attention.bias")
+    return None if module is None else module.CausalBias
 
 
 def type_name(x):
@@ -32,7 +40,8 @@ def causal_bias(attn_mask, is_causal, causal_alignment, q, k):
     (``causal_upper_left``, ``causal_lower_right``) turned into ``is_causal`` and its alignment, as
     SDPA reads it; an explicit mask with ``is_causal=True`` is refused, as SDPA refuses it."""
     check_alignment(causal_alignment)
-    if isinstance(attn_mask, CausalBias):
+    bias_class = _causal_bias_class()
+    if bias_class is not None and isinstance(attn_mask, bias_class):
         if is_causal:
             raise ValueError("attn_mask is a causal bias (torch.nn.attention.bias) and is_causal=True: "
                              "pass one of them")
@@ -43,7 +52,7 @@ def causal_bias(attn_mask, is_causal, causal_alignment, q, k):
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] != n:
                 raise ValueError(f"attn_mask is a causal bias for {attn_mask.seq_len_q} queries and "
                                  f"{attn_mask.seq_len_kv} keys, but {name} has sequence length {t.shape[-2]}")
-        return None, True, _VARIANTS[attn_mask.variant]
+        return None, True, _VARIANTS[attn_mask.variant.name]
     if attn_mask is not None and isinstance(is_causal, (bool, np.bool_)) and is_causal:
         raise ValueError("attn_mask and is_causal=True were both given; as in scaled_dot_product_attention, "
                          "pass one of them (a causal mask can be folded into attn_mask)")

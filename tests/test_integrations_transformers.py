@@ -7,7 +7,6 @@ float32. The tolerance is the course's rule: the error against the same model in
 the size of the values. Generation must give the very same greedy tokens.
 """
 import copy
-import inspect
 import os
 import subprocess
 import sys
@@ -26,7 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = fa_transformers.register()
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-HAS_SOFTCAP = "softcap" in inspect.signature(flashattn.varlen_attention).parameters
 #: Mistral repeats what Llama checks, with a window: marked slow where the file would pass 60 s.
 MISTRAL_SLOW = pytest.param("mistral", marks=pytest.mark.slow)
 
@@ -84,8 +82,6 @@ def check_rule(ours, baseline, ref64, factor=2.0, what="logits"):
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gemma2-nocap"])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_logits(family, side):
-    if family == "gemma2" and not HAS_SOFTCAP:
-        pytest.skip("flashattn.varlen_attention has no softcap yet (Gemma 2 needs it)")
     model = tiny(family)
     ids, mask = padded_batch(side)
     ours, theirs = logits(model, NAME, input_ids=ids, attention_mask=mask), \
@@ -327,28 +323,6 @@ def test_options_reach_the_kernels(monkeypatch):
     assert [(name, p, cap, kw["scale"], kw["window_size"], kw["enable_gqa"])
             for name, p, cap, kw in seen] == [
         ("attention", 0.1, 30.0, 0.2, (2, 0), True), ("varlen_attention", 0.1, 30.0, 0.2, (2, 0), True)]
-
-
-def test_missing_features_are_named():
-    """Softcapping and attention dropout raise a NotImplementedError naming the feature when the
-    installed flashattn lacks the keyword."""
-    def lacking(q, k, v, is_causal=False):
-        pass
-    with pytest.raises(NotImplementedError, match="softcap"):
-        fa_transformers.options_for(lacking, 0.0, 30.0)
-    with pytest.raises(NotImplementedError, match="attention dropout"):
-        fa_transformers.options_for(lacking, 0.1, None)
-    assert fa_transformers.options_for(lacking, 0.0, None) == {}
-    if not HAS_SOFTCAP:
-        model = tiny("gemma2")
-        ids, mask = padded_batch("left")
-        with pytest.raises(NotImplementedError, match="softcap"):
-            logits(model, NAME, input_ids=ids, attention_mask=mask)
-    if "dropout_p" not in inspect.signature(flashattn.attention).parameters:
-        model = tiny("llama", attention_dropout=0.1).train()
-        with pytest.raises(NotImplementedError, match="attention dropout"):
-            model.set_attn_implementation(NAME)
-            model(input_ids=torch.randint(0, 128, (1, 6)))
 
 
 def test_importing_flashattn_does_not_import_transformers():

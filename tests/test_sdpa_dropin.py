@@ -140,7 +140,8 @@ def test_causal_bias_errors():
 
 
 def test_old_positional_order_is_refused_clearly():
-    """``attention(q, k, v, True)`` meant is_causal before SDPA's order: now attn_mask, refused."""
+    """A 4th positional ``True`` is ``attn_mask``, as in SDPA: refused, with the hint to pass
+    ``is_causal=True``."""
     q, k, v = make_qkv()
     with pytest.raises(TypeError, match="4th positional argument is attn_mask"):
         flashattn.attention(q, k, v, True)

@@ -58,6 +58,21 @@ def test_a_flag_left_open_keeps_its_branch_and_loses_the_decided_part():
     assert all(pruned(x, False, b) == sample(x, False, b) for x in range(-2, 6) for b in (False, True))
 
 
+def chained(x, A=False, B=True, C=True):
+    if A:
+        x = x + 1
+    elif B and not C:
+        x = x * 3
+    return x
+
+
+def test_an_elif_left_partly_open_becomes_an_if():
+    text, _, _, _ = teaching_view.pruned_source(chained, {"A": False, "C": False})
+    assert "    if B:\n        x = x * 3\n" in text and "elif" not in text
+    pruned = _load(text, "chained", globals())
+    assert all(pruned(x, False, b, False) == chained(x, False, b, False) for x in range(3) for b in (False, True))
+
+
 def test_unknown_flags_are_refused_by_name_unless_another_is_used():
     with pytest.raises(ValueError, match=r"\['WINDOWS'\], none of which attn_fwd uses"):
         teaching_view.pruned_source(forward.attn_fwd, {"WINDOWS": False})

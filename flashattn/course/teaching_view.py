@@ -78,8 +78,10 @@ def pruned_source(obj, only):
         value, test = _simplify(node.test, only)
         if value is _UNKNOWN:
             if test is not node.test and node.test.lineno == node.test.end_lineno:
-                line = lines[node.lineno - 1]
-                start, end = node.test.col_offset, node.test.end_col_offset
+                # the line as an earlier rewrite left it (an `elif` made an `if`, 2 characters shorter)
+                line = header.get(node.lineno, lines[node.lineno - 1])
+                moved = len(line) - len(lines[node.lineno - 1])
+                start, end = node.test.col_offset + moved, node.test.end_col_offset + moved
                 header[node.lineno] = line[:start] + ast.unparse(test) + line[end:]
             continue
         body_end = node.body[-1].end_lineno

@@ -28,12 +28,11 @@ What the attention function does with what it gets:
   ``(-1, off)`` without ``is_causal`` is exactly bottom-right causal masking (and a sliding window
   of ``left`` keys becomes ``(left - off, off)`` once the keys no query sees are dropped). Sequences
   with different offsets (a padded batch with a cache) are run in groups of equal offset. Without
-  gradients, dropout or softcapping, ``flashattn.decode``, made for this case, runs instead.
+  gradients or dropout, ``flashattn.decode``, made for this case, runs instead.
 
 transformers' sliding windows count the query itself: ``sliding_window=w`` lets query ``i`` see
 keys ``i - w < j <= i``, which is FlashAttention's ``window_size=(w - 1, 0)``.
 """
-import inspect
 import numbers
 
 import torch
@@ -131,21 +130,12 @@ def window_of(sliding_window, causal):
     return (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
 
 
-def options_for(op, dropout, softcap):
-    """The keywords beyond the defaults that ``op`` gets, or a NotImplementedError naming the
-    feature the installed flashattn lacks."""
-    options, parameters = {}, inspect.signature(op).parameters
+def options_for(dropout, softcap):
+    """The keywords beyond the defaults that the model's dropout and softcap add to a call."""
+    options = {}
     if dropout:
-        if "dropout_p" not in parameters:
-            raise NotImplementedError(
-                f"attention dropout: the model trains with attention_dropout={dropout}, but "
-                f"flashattn.{op.__name__} has no dropout_p here; set config.attention_dropout = 0.0")
         options["dropout_p"] = dropout
     if softcap is not None:
-        if "softcap" not in parameters:
-            raise NotImplementedError(
-                f"logit softcapping (softcap={softcap}, as Gemma 2's attn_logit_softcapping): "
-                f"flashattn.{op.__name__} has no softcap here; use attn_implementation='eager'")
         options["softcap"] = float(softcap)
     return options
 
@@ -174,10 +164,10 @@ class Call:
         return max(0, offset - left) if self.causal and left >= 0 else 0
 
     def may_decode(self, query, key, value, n_q):
-        """Whether ``flashattn.decode`` can compute this call: forward only, no dropout, no
-        softcap, and a window only for one query (whose window is a cache's last keys)."""
+        """Whether ``flashattn.decode`` can compute this call: forward only, no dropout (softcap it
+        takes), and a window only for one query (whose window is a cache's last keys)."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return (self.causal and not grad and not self.dropout and self.softcap is None
+        return (self.causal and not grad and not self.dropout
                 and (self.window[0] < 0 or n_q == 1) and self.window[1] <= 0)
 
     def dense(self, query, key, value):
@@ -189,9 +179,9 @@ class Call:
         if offset > 0 and self.may_decode(query, key, value, n_q):
             # The lengths on the host, where decode checks them without waiting for the GPU.
             lengths = torch.full((query.shape[0],), n_k - start, dtype=torch.int32)
-            return flashattn.decode(query, key, value, lengths, scale=self.scale)
+            return flashattn.decode(query, key, value, lengths, scale=self.scale, softcap=self.softcap or 0.0)
         is_causal, window = self.masking(offset - start)
-        options = options_for(flashattn.attention, self.dropout, self.softcap)
+        options = options_for(self.dropout, self.softcap)
         return flashattn.attention(query, key, value, is_causal=is_causal, scale=self.scale,
                                    enable_gqa=self.gqa, window_size=window, **options)
 
@@ -233,7 +223,7 @@ class Call:
     def varlen(self, q, k, v, lengths_q, lengths_k, offset):
         """One ``varlen_attention`` call over sequences that share ``offset``."""
         is_causal, window = self.masking(offset)
-        options = options_for(flashattn.varlen_attention, self.dropout, self.softcap)
+        options = options_for(self.dropout, self.softcap)
         return flashattn.varlen_attention(
             q, k, v, cumulative(lengths_q, q.device), cumulative(lengths_k, q.device),
             max(lengths_q), max(lengths_k), is_causal=is_causal, scale=self.scale,
@@ -248,7 +238,7 @@ class Call:
         k_cache, v_cache = (t[index].transpose(1, 2) for t in (k, v))   # (B, H_kv, longest, D)
         query = q.view(batch, n_q, q.shape[1], q.shape[2]).transpose(1, 2)
         out = flashattn.decode(query, k_cache, v_cache, torch.tensor(lengths_k, dtype=torch.int32),
-                               scale=self.scale)
+                               scale=self.scale, softcap=self.softcap or 0.0)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])
 
 

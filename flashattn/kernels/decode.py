@@ -79,7 +79,8 @@ def decode_split(Q, K, V, LENS, O, LSE,
 
     # Keys [0, n_seen) are seen by every row. They are cut into num_splits runs of whole tiles,
     # and the last run also takes the keys only later tokens see, [n_seen, L). So every split
-    # starts with a key that all its rows see, and -inf masks stay safe as in the forward kernel.
+    # starts with a key that all its rows see, and -inf masks stay safe as in the forward kernel
+    # (under a window a row may first meet hidden keys: fwd_inner's guard for windows covers it).
     # Splits past the end (a short sequence, or L = 0) get no keys.
     n_seen = tl.maximum(n_kv - n_q + 1, 0)
     # A sliding window of win_left keys before each token: the tiles before the first token's

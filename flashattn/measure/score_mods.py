@@ -6,8 +6,8 @@
 One row per (modification, provider, mode), B = 2, H = 16, N = 4096, D = 128, causal unless said:
 
 * ``causal``: the plain causal kernel, the baseline of every other row (``flashattn``, ``sdpa``);
-* ``key-padding``: a boolean ``(B, 1, 1, N)`` mask hiding the last quarter of each sequence's keys;
-  SDPA gets the same mask;
+* ``key-padding``: a boolean ``(B, 1, 1, N)`` mask hiding the last quarter of each sequence's keys,
+  not causal (twice the causal baseline's pairs, a quarter of them hidden); SDPA gets the same mask;
 * ``float-mask``: an additive ``(B, 1, N, N)`` float mask, read tile by tile (SDPA: the same mask);
 * ``alibi``: ALiBi slopes per head; SDPA gets the bias as a float mask it has to read;
 * ``softcap``: Gemma 2's cap of 50 on the scores; PyTorch has no such SDPA argument, so its row is

@@ -152,6 +152,9 @@ def _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqle
             lengths, max_len = _lengths(host + n_q, plan.n_max, n_q, plan.device)
         else:
             lengths, max_len = _lengths(cache_seqlens, plan.n_max, n_q, plan.device)
+    if rotary and max_len > rotary_cos.shape[0]:
+        raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions but the cache reaches {max_len} "
+                         "tokens: the tables need a row for every position")
     # the new tokens' positions: after the tokens cached before them
     pos = kv_cache.positions(lengths - n_q, n_q, plan.device)
     if rotary:

@@ -21,9 +21,10 @@ def check_new(q, k_cache, k_new, v_new):
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != k_cache.dtype or t.device != k_cache.device:
-            raise ValueError(f"{name} is {t.dtype} on {t.device}; expected {k_cache.dtype} on "
-                             f"{k_cache.device}, like the caches")
+        if t.dtype != k_cache.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected {k_cache.dtype}, like the caches")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device}; expected {k_cache.device}, like the caches")
         if tuple(t.shape) != expected:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected (B, H_kv, N_q, D) = "
                              f"{expected}: one key and value per new token (q has N_q = {q.shape[2]})")
@@ -65,7 +66,8 @@ def rotate(x, pos, rotary_cos, rotary_sin, interleaved):
     ``rotary_dim`` features, in pairs, turned by the angle of their position; the rest unchanged.
     Pairs are ``(i, i + rotary_dim / 2)`` (GPT-NeoX's layout) or, ``interleaved``, ``(2i, 2i + 1)``
     (GPT-J's). Computed in float32, returned in x's dtype. Positions past the tables are clamped
-    to the last row: nothing outside them is read (decode's checks say when that happens)."""
+    to the last row, so that nothing outside them is read (decode refuses tables shorter than its
+    lengths, or than max_seqlen, before it gets here)."""
     half = rotary_cos.shape[1]
     pos = pos.clamp(0, rotary_cos.shape[0] - 1)
     cos = rotary_cos[pos].float()[:, None]  # (B, 1, N, half)

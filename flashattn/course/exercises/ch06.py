@@ -524,7 +524,17 @@ def check_my_attention_backward(my_attention_backward):
                 raise ExerciseError(f"{name} should return (dq, dk, dv), got {type(out).__name__}")
             return out
 
-        got = run(q, k, v, o, lse2, do)
+        try:
+            got = run(q, k, v, o, lse2, do)
+        except ExerciseError as error:
+            # wrong strides can read past a view's memory: the interpreter then fails on the garbage
+            if views:
+                run(*(t.contiguous() for t in (q, k, v, o, lse2, do)))  # raises again if not the views
+                raise ExerciseError(f"right on contiguous tensors, wrong on non-contiguous views ({what}): on the "
+                                    f"views it failed ({error}). Pass each tensor's own strides (*x.stride()) for "
+                                    "every pointer a kernel gets, never another tensor's or strides computed from "
+                                    "the shape.") from None
+            raise
         for grad, like, label in zip(got, (q, k, v), ("dq", "dk", "dv")):
             if not isinstance(grad, torch.Tensor) or tuple(grad.shape) != tuple(like.shape):
                 shape = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__

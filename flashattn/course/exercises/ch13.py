@@ -74,7 +74,8 @@ def check_softcap_piece(my_softcap):
     g = torch.Generator().manual_seed(13)
     for cap, centre, spread in SOFTCAP_CASES:
         s = (centre + spread * torch.randn(300, generator=g, dtype=torch.float64))
-        s[:4] = torch.tensor([0.0, 1e-3, -10 * cap, 10 * cap], dtype=torch.float64)   # 0, tiny, far past the cap
+        # 0, tiny, far past the cap, and so far that exp(s / softcap) overflows float64
+        s[:6] = torch.tensor([0.0, 1e-3, -10 * cap, 10 * cap, -1000 * cap, 1000 * cap], dtype=torch.float64)
         capped, dcap = run_softcap_piece(my_softcap, s, cap, name=name)
         x = s.numpy()
         t = np.tanh(x / cap)
@@ -130,24 +131,35 @@ def check_alibi_bias(alibi_bias):
     """Chapter 13: ``alibi_bias(i, j, n_q, n_kv, slope, alignment)`` must return the number ALiBi adds
     to the score of query ``i`` and key ``j`` (``alignment`` "top_left" or "bottom_right")."""
     name = getattr(alibi_bias, "__name__", "alibi_bias")
-    for i, j, nq, nk, m in ALIBI_CASES:
-        for alignment in ("top_left", "bottom_right"):
-            br = alignment == "bottom_right"
-            where = f"{name}({i}, {j}, n_q={nq}, n_kv={nk}, slope={m}, alignment={alignment!r})"
-            got = attempt(alibi_bias, i, j, nq, nk, m, alignment, name=name, forbid=("flashattn",))
-            try:
-                got = float(got)
-            except (TypeError, ValueError):
-                raise ExerciseError(f"{where} should return a number, got {type(got).__name__}") from None
-            want = -m * abs(i + (nk - nq if br else 0) - j)
-            if abs(got - want) <= 1e-9:
-                continue
-            for mistake, hint in ALIBI_MISTAKES:
-                if abs(got - mistake(i, j, nq, nk, m, br)) <= 1e-9:
-                    raise ExerciseError(f"{where} returned {got:g}, expected {want:g}: {hint}.")
-            raise ExerciseError(f"{where} returned {got:g}, expected {want:g}")
+    cases = [(*case, alignment) for case in ALIBI_CASES for alignment in ("top_left", "bottom_right")]
+    got = []
+    for i, j, nq, nk, m, alignment in cases:
+        value = attempt(alibi_bias, i, j, nq, nk, m, alignment, name=name, forbid=("flashattn",))
+        try:
+            got.append(float(value))
+        except (TypeError, ValueError):
+            raise ExerciseError(f"{_where(name, i, j, nq, nk, m, alignment)} should return a number, got "
+                                f"{type(value).__name__}") from None
+
+    def values(rule):
+        return [rule(i, j, nq, nk, m, alignment == "bottom_right") for i, j, nq, nk, m, alignment in cases]
+
+    want = [w + 0.0 for w in values(lambda i, j, nq, nk, m, br: -m * abs(i + (nk - nq if br else 0) - j))]
+    wrong = [c for c, (a, b) in enumerate(zip(got, want)) if abs(a - b) > 1e-9]
+    if wrong:
+        # the first case the answer gets wrong, and the mistake that explains every case, if one does
+        first = wrong[0]
+        where = f"{_where(name, *cases[first])} returned {got[first]:g}, expected {want[first]:g}"
+        for mistake, hint in ALIBI_MISTAKES:
+            if all(abs(a - b) <= 1e-9 for a, b in zip(got, values(mistake))):
+                raise ExerciseError(f"{where}: {hint}.")
+        raise ExerciseError(where)
     passed(f"{name} gives the bias of {len(ALIBI_CASES)} pairs under both alignments, n_q below, equal to "
            "and above n_kv")
+
+
+def _where(name, i, j, nq, nk, m, alignment):
+    return f"{name}({i}, {j}, n_q={nq}, n_kv={nk}, slope={m}, alignment={alignment!r})"
 
 
 # --- Exercise 3: a key-padding mask as the kernels read it --------------------------------------------

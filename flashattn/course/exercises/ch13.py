@@ -23,12 +23,13 @@ def softcap_exercise_kernel(S, Capped, Dcap, n, softcap, PIECE: tl.constexpr, BL
     tl.store(Dcap + offs, dcap, mask=offs < n)
 
 
-def run_softcap_piece(piece, s, softcap, block=64, name="my_softcap"):
-    """``(capped, dcap)`` of the 1-D tensor ``s`` through the learner's ``piece``, in ``s``'s dtype."""
+def run_softcap_piece(piece, s, softcap, block=64, name="my_softcap", forbid=("flashattn",)):
+    """``(capped, dcap)`` of the 1-D tensor ``s`` through the learner's ``piece``, in ``s``'s dtype
+    (``forbid``: what the piece may not call; by default flashattn's own functions)."""
     capped, dcap = torch.empty_like(s), torch.empty_like(s)
     launch_learner_kernel(softcap_exercise_kernel, (triton.cdiv(s.numel(), block),),
                           (s, capped, dcap, s.numel(), float(softcap)), dict(PIECE=piece, BLOCK=block),
-                          name, piece)
+                          name, piece, forbid=forbid)
     return capped, dcap
 
 

@@ -15,18 +15,21 @@ def score_tile(values, tile=4, ax=None, title=None):
     hidden = np.isinf(grid) & (grid < 0)
     shown = np.ma.masked_array(grid, hidden)
     image = ax.imshow(shown, cmap="viridis", aspect="equal")
-    plt.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    if shown.count() and shown.max() > shown.min():  # a scale only where the values differ
+        plt.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     n_q, n_kv = grid.shape
     for i in range(n_q):
         for j in range(n_kv):
             if hidden[i, j]:
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", color="0.6"))
             else:
-                ax.text(j, i, f"{grid[i, j]:g}", ha="center", va="center", fontsize=7, color="white")
+                ax.text(j, i, f"{grid[i, j] + 0.0:g}", ha="center", va="center", fontsize=7, color="white")
     for edge in range(0, n_kv + 1, tile):
         ax.axvline(edge - 0.5, color="red", lw=1.5)
     for edge in range(0, n_q + 1, tile):
         ax.axhline(edge - 0.5, color="red", lw=1.5)
+    ax.set_xticks(range(n_kv))
+    ax.set_yticks(range(n_q))
     ax.set_xlim(-0.5, n_kv - 0.5)
     ax.set_ylim(n_q - 0.5, -0.5)
     ax.set_xlabel("key j")

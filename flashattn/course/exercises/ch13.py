@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...gpu.runtime import DEVICE
 from .common import ExerciseError, attempt, close, launch_learner_kernel, passed
 
 
@@ -25,12 +26,14 @@ def softcap_exercise_kernel(S, Capped, Dcap, n, softcap, PIECE: tl.constexpr, BL
 
 def run_softcap_piece(piece, s, softcap, block=64, name="my_softcap", forbid=("flashattn",)):
     """``(capped, dcap)`` of the 1-D tensor ``s`` through the learner's ``piece``, in ``s``'s dtype
-    (``forbid``: what the piece may not call; by default flashattn's own functions)."""
+    (``forbid``: what the piece may not call; by default flashattn's own functions), run on the
+    kernels' device and returned on the CPU."""
+    s = s.to(DEVICE)
     capped, dcap = torch.empty_like(s), torch.empty_like(s)
     launch_learner_kernel(softcap_exercise_kernel, (triton.cdiv(s.numel(), block),),
                           (s, capped, dcap, s.numel(), float(softcap)), dict(PIECE=piece, BLOCK=block),
                           name, piece, forbid=forbid)
-    return capped, dcap
+    return capped.cpu(), dcap.cpu()
 
 
 def _near(got, want, atol, rtol):

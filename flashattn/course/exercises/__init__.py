@@ -4,7 +4,7 @@
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
 One module per group of chapters (``ch00_02``, ``ch03_04`` with chapter 04's Triton ladder in
-``ch04_ladder`` and its whole kernel in ``ch04_kernel``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``), and
+``ch04_ladder`` and its whole kernel in ``ch04_kernel``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``, ``ch13``), and
 ``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
 are available from here.
 """
@@ -26,6 +26,7 @@ from .ch09 import check_kv_head_map, check_varlen_programs, check_window_kv_rang
 from .ch10 import check_merge_split_partials
 from .ch11 import check_ring_slot, check_smem_bytes
 from .ch12 import check_zigzag_blocks, check_zigzag_positions
+from .ch13 import check_alibi_bias, check_key_padding_mask, check_softcap_piece, run_softcap_piece
 from .common import ExerciseError, attempt, expect_close
 
 __all__ = [
@@ -58,4 +59,6 @@ __all__ = [
     "check_ring_slot", "check_smem_bytes",
     # chapter 12
     "check_zigzag_positions", "check_zigzag_blocks",
+    # chapter 13
+    "check_softcap_piece", "run_softcap_piece", "check_alibi_bias", "check_key_padding_mask",
 ]

@@ -151,7 +151,7 @@ def test_nbgrader_scores_a_stub_0_and_the_solution_full_marks(course):
     submissions = {"stub": student(scratch_notebook()),       # what the learner got, untouched
                    "wrong": student(scratch_notebook()),      # one exercise answered wrongly
                    "solved": scratch_notebook()}              # the chapter's solutions
-    wrong_gid = "ch01-merge-states"         # answered wrongly; the other two right
+    wrong_gid = "ch01-merge-states"         # answered wrongly; the other three right
     for mine, theirs in zip(submissions["wrong"].cells, scratch_notebook({wrong_gid}).cells):
         if _meta(mine).get("solution"):
             mine.source = theirs.source
@@ -169,7 +169,7 @@ def test_nbgrader_scores_a_stub_0_and_the_solution_full_marks(course):
     with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gradebook:
         scores = {name: (gradebook.find_submission("ps", name).score,
                          gradebook.find_submission("ps", name).max_score) for name in submissions}
-    assert scores == {"stub": (0, 3), "wrong": (2, 3), "solved": (3, 3)}, scores
+    assert scores == {"stub": (0, 4), "wrong": (3, 4), "solved": (4, 4)}, scores  # chapter 01's four exercises
 
     graded = nbformat.read(root / "autograded" / "wrong" / "ps" / "ps.ipynb", as_version=4)
     (check,) = [c for c in graded.cells if _meta(c).get("grade_id") == f"{wrong_gid}-check"]

@@ -10,16 +10,14 @@ from functools import partial
 import flashattn  # first: it picks the interpreter before triton is imported
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from flashattn.kernels import traversal
 from flashattn.kernels.mods import dropout_mask
-from flashattn.kernels.tiles import kv_window_bounds, q_window_bounds
 from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
 from flashattn.ops.modifiers import check_mask, draw_seed
 from flashattn.testing.reference import naive_attention, window_mask
 from flashattn.testing.rule import compare_with_reference
+from test_window import _bounds_probe  # the window tests' kernel that returns the tile bounds
 
 DEVICE = flashattn.DEVICE
 N_Q, N_KV, HEAD_DIM = 19, 27, 24
@@ -113,21 +111,6 @@ def test_bottom_right_tiles_against_brute_force(dkdv):
             if kinds[qb, kb] == traversal.FULL:
                 assert tile.all(), case
     assert skipped_some
-
-
-@triton.jit
-def _bounds_probe(Out, q_start, kv_start, n_q, n_kv, left, right,
-                  BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
-    a, b, c, d = kv_window_bounds(q_start, n_kv, left, right, BLOCK_Q, BLOCK_KV)
-    e, f, g, h = q_window_bounds(kv_start, n_q, left, right, BLOCK_Q, BLOCK_KV)
-    tl.store(Out + 0, a)  # one store each: compiled Triton has no loop over a tuple of values
-    tl.store(Out + 1, b)
-    tl.store(Out + 2, c)
-    tl.store(Out + 3, d)
-    tl.store(Out + 4, e)
-    tl.store(Out + 5, f)
-    tl.store(Out + 6, g)
-    tl.store(Out + 7, h)
 
 
 def test_kernel_bounds_match_the_twins_with_negative_bounds():

@@ -13,6 +13,7 @@ import torch
 from ..gpu.runtime import DEVICE, INTERPRET, RUNTIME
 from ..kernels.decode import HOST, Plan
 from . import kv_cache
+from .modifiers import check_softcap
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LENGTH_DTYPES = (torch.int32, torch.int64)
@@ -110,10 +111,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
 
 def _check_mods(softcap, window_size):
     """decode's score modifications as ``Plan.run`` takes them, or an error naming the argument."""
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be finite and >= 0 (0: no cap), got {softcap}")
+    softcap = check_softcap(softcap)  # as flashattn.attention checks it
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
@@ -121,7 +119,7 @@ def _check_mods(softcap, window_size):
     if left < -1 or right not in (-1, 0):
         raise ValueError(f"window_size is {tuple(window_size)}: left must be -1 (unbounded) or >= 0, and "
                          "right -1 or 0 (decode's queries are the newest tokens: no key comes after them)")
-    return dict(softcap=float(softcap), window=int(left))
+    return dict(softcap=softcap, window=int(left))
 
 
 def _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqlen,

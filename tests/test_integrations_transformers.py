@@ -232,7 +232,7 @@ def reference_bottom_right(q, k, v, lengths_q, lengths_k, left):
 @pytest.mark.parametrize("left, grad", [(-1, False), (2, True)])
 def test_bottom_right_masking_of_packed_sequences(left, grad):
     """Sequences whose keys outnumber their queries by different offsets (0, 3, 9, one without
-    queries): the windows that write bottom-right masking top-left, grouped by offset, or decode."""
+    queries): one varlen_attention call aligned bottom-right within each sequence, or decode."""
     lengths_q, lengths_k = [5, 1, 3, 0], [5, 4, 12, 6]
     torch.manual_seed(3)
     q = torch.randn(sum(lengths_q), 4, 16)
@@ -252,7 +252,7 @@ def test_bottom_right_masking_of_packed_sequences(left, grad):
 @pytest.mark.parametrize("left", [-1, 2])
 def test_bottom_right_masking_of_a_whole_batch(left):
     """No padding, 3 queries against 10 keys, with gradients (flashattn.attention and a window
-    written for the offset) and without (flashattn.decode)."""
+    aligned bottom-right) and without (flashattn.decode)."""
     torch.manual_seed(4)
     q = torch.randn(2, 4, 3, 16)
     k, v = (torch.randn(2, 2, 10, 16) for _ in range(2))

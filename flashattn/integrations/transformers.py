@@ -22,13 +22,11 @@ What the attention function does with what it gets:
 - a padding mask: the tokens are gathered into a packed batch (no padding), attended with
   ``varlen_attention`` and scattered back; padding rows of the output are 0;
 - a query shorter than its keys (a KV cache: generation, or a prompt fed in chunks): causal masking
-  must be aligned bottom-right, the last query seeing the last key, while flashattn's
-  ``attention`` and ``varlen_attention`` align it top-left. A sequence whose keys outnumber its
-  queries by ``off`` sees, with top-left positions, keys ``j <= i + off``: the window
-  ``(-1, off)`` without ``is_causal`` is exactly bottom-right causal masking (and a sliding window
-  of ``left`` keys becomes ``(left - off, off)`` once the keys no query sees are dropped). Sequences
-  with different offsets (a padded batch with a cache) are run in groups of equal offset. Without
-  gradients or dropout, ``flashattn.decode``, made for this case, runs instead.
+  and sliding windows are aligned bottom-right, the last query seeing the last key
+  (``causal_alignment="bottom_right"``; SDPA's ``is_causal`` and flashattn's default align them
+  top-left). In a packed batch the alignment holds within each sequence, so a padded batch with a
+  cache is one ``varlen_attention`` call. Without gradients or dropout, ``flashattn.decode``, made
+  for this case, runs instead.
 
 transformers' sliding windows count the query itself: ``sliding_window=w`` lets query ``i`` see
 keys ``i - w < j <= i``, which is FlashAttention's ``window_size=(w - 1, 0)``.
@@ -130,16 +128,6 @@ def window_of(sliding_window, causal):
     return (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
 
 
-def options_for(dropout, softcap):
-    """The keywords beyond the defaults that the model's dropout and softcap add to a call."""
-    options = {}
-    if dropout:
-        options["dropout_p"] = dropout
-    if softcap is not None:
-        options["softcap"] = float(softcap)
-    return options
-
-
 class Call:
     """One layer's call: the options every sequence shares, and the three ways to run it."""
 
@@ -147,87 +135,45 @@ class Call:
         self.scale, self.causal, self.window = scale, causal, window
         self.dropout, self.softcap, self.gqa = dropout, softcap, gqa
 
-    def masking(self, offset):
-        """``(is_causal, window_size)`` for a sequence whose keys outnumber its queries by
-        ``offset`` (after the keys before the window were dropped): bottom-right causal masking
-        written as a top-left window (see the module's docstring)."""
-        left, right = self.window
-        if not self.causal:
-            return False, (left, right)
-        if offset == 0:
-            return True, (left, 0) if left >= 0 else (-1, -1)
-        return False, (left - offset if left >= 0 else -1, offset)
-
-    def dropped(self, offset):
-        """How many of a causal sequence's first keys no query sees (before its window)."""
-        left = self.window[0]
-        return max(0, offset - left) if self.causal and left >= 0 else 0
-
     def may_decode(self, query, key, value, n_q):
-        """Whether ``flashattn.decode`` can compute this call: forward only, no dropout (softcap it
-        takes), and a window only for one query (whose window is a cache's last keys)."""
+        """Whether ``flashattn.decode`` can compute this call: causal, forward only, no dropout
+        (softcap and windows it takes, aligned bottom-right)."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return (self.causal and not grad and not self.dropout
-                and (self.window[0] < 0 or n_q == 1) and self.window[1] <= 0)
+        return self.causal and not grad and not self.dropout
+
+    def options(self):
+        """The keywords of a flashattn call beyond the defaults."""
+        options = dict(is_causal=self.causal, scale=self.scale, enable_gqa=self.gqa, window_size=self.window)
+        if self.causal:  # a KV cache's queries are the newest tokens (a no-op when N_q == N_k)
+            options["causal_alignment"] = "bottom_right"
+        if self.dropout:
+            options["dropout_p"] = self.dropout
+        if self.softcap is not None:
+            options["softcap"] = float(self.softcap)
+        return options
 
     def dense(self, query, key, value):
         """Every sequence of the batch is whole: ``(B, H, N, D)`` in and out."""
         n_q, n_k = query.shape[2], key.shape[2]
-        offset = n_k - n_q if self.causal else 0
-        start = self.dropped(offset)
-        key, value = key[:, :, start:], value[:, :, start:]
-        if offset > 0 and self.may_decode(query, key, value, n_q):
+        if n_k > n_q and self.may_decode(query, key, value, n_q):
             # The lengths on the host, where decode checks them without waiting for the GPU.
-            lengths = torch.full((query.shape[0],), n_k - start, dtype=torch.int32)
-            return flashattn.decode(query, key, value, lengths, scale=self.scale, softcap=self.softcap or 0.0)
-        is_causal, window = self.masking(offset - start)
-        options = options_for(self.dropout, self.softcap)
-        return flashattn.attention(query, key, value, is_causal=is_causal, scale=self.scale,
-                                   enable_gqa=self.gqa, window_size=window, **options)
+            lengths = torch.full((query.shape[0],), n_k, dtype=torch.int32)
+            return flashattn.decode(query, key, value, lengths, scale=self.scale, softcap=self.softcap or 0.0,
+                                    window_size=self.window)
+        return flashattn.attention(query, key, value, **self.options())
 
     def packed(self, q, k, v, lengths_q, lengths_k):
         """Packed sequences, ``(tokens, H, D)``, of the given lengths (lists of ints)."""
-        offsets = [nk - nq if self.causal else 0 for nq, nk in zip(lengths_q, lengths_k)]
-        if any(o < 0 for o, nq in zip(offsets, lengths_q) if nq):
+        if self.causal and any(nq > nk for nq, nk in zip(lengths_q, lengths_k)):
             raise ValueError("a causal sequence has more queries than keys: its own keys must be among them")
-        starts = [self.dropped(o) if nq else nk for o, nq, nk in zip(offsets, lengths_q, lengths_k)]
-        if any(starts):  # drop the keys before every window (and those of sequences without queries)
-            keep = key_ranks(lengths_k, k.device) >= torch.repeat_interleave(
-                torch.tensor(starts, device=k.device), torch.tensor(lengths_k, device=k.device))
-            k, v = k[keep], v[keep]
-            lengths_k = [nk - s for nk, s in zip(lengths_k, starts)]
-            offsets = [o - s if nq else 0 for o, s, nq in zip(offsets, starts, lengths_q)]
-        groups = sorted({o for o, nq in zip(offsets, lengths_q) if nq})
-        if not groups:
+        if not any(lengths_q):
             return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-        if groups != [0] and all(nq == max(lengths_q) for nq in lengths_q) and \
-                self.may_decode(q, k, v, lengths_q[0]):
+        if any(nk > nq for nq, nk in zip(lengths_q, lengths_k)) and \
+                all(nq == lengths_q[0] for nq in lengths_q) and self.may_decode(q, k, v, lengths_q[0]):
             return self.decode_packed(q, k, v, lengths_q[0], lengths_k)
-        if len(groups) == 1:
-            return self.varlen(q, k, v, lengths_q, lengths_k, groups[0])
-        # One call per offset: each sequence's masking is a window, and a window is per call.
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-        per_token = lambda lengths: torch.repeat_interleave(  # noqa: E731  (each token's offset)
-            torch.tensor(offsets, device=q.device), torch.tensor(lengths, device=q.device))
-        seq_q, seq_k = per_token(lengths_q), per_token(lengths_k)
-        for offset in groups:
-            rows = (seq_q == offset).nonzero().flatten()
-            cols = (seq_k == offset).nonzero().flatten()
-            members = [o == offset and nq > 0 for o, nq in zip(offsets, lengths_q)]
-            result = self.varlen(q[rows], k[cols], v[cols],
-                                 [n for n, m in zip(lengths_q, members) if m],
-                                 [n for n, m in zip(lengths_k, members) if m], offset)
-            out = out.index_copy(0, rows, result.to(out.dtype))
-        return out
-
-    def varlen(self, q, k, v, lengths_q, lengths_k, offset):
-        """One ``varlen_attention`` call over sequences that share ``offset``."""
-        is_causal, window = self.masking(offset)
-        options = options_for(self.dropout, self.softcap)
         return flashattn.varlen_attention(
             q, k, v, cumulative(lengths_q, q.device), cumulative(lengths_k, q.device),
-            max(lengths_q), max(lengths_k), is_causal=is_causal, scale=self.scale,
-            enable_gqa=self.gqa, window_size=window, **options)
+            max(lengths_q), max(lengths_k), **self.options())
 
     def decode_packed(self, q, k, v, n_q, lengths_k):
         """``flashattn.decode`` for packed sequences of ``n_q`` queries each: their keys are laid
@@ -238,7 +184,7 @@ class Call:
         k_cache, v_cache = (t[index].transpose(1, 2) for t in (k, v))   # (B, H_kv, longest, D)
         query = q.view(batch, n_q, q.shape[1], q.shape[2]).transpose(1, 2)
         out = flashattn.decode(query, k_cache, v_cache, torch.tensor(lengths_k, dtype=torch.int32),
-                               scale=self.scale, softcap=self.softcap or 0.0)
+                               scale=self.scale, softcap=self.softcap or 0.0, window_size=self.window)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])
 
 
@@ -300,11 +246,3 @@ def packed_lengths(kwargs, batch, n_q, n_k):
 def cumulative(lengths, device):
     """``cu_seqlens`` (int32) of sequences of the given lengths."""
     return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-
-
-def key_ranks(lengths, device):
-    """Each packed token's position within its sequence."""
-    total = sum(lengths)
-    first = torch.repeat_interleave(cumulative(lengths, device)[:-1].long(),
-                                    torch.tensor(lengths, device=device))
-    return torch.arange(total, device=device) - first

@@ -163,7 +163,7 @@ def test_greedy_generation_with_the_cache(family, side, monkeypatch):
 def test_a_prompt_in_two_chunks_with_gradients(family):
     """A left-padded prompt fed in two chunks through the cache, with gradients on: the second
     chunk's 4 queries see 12 keys, bottom-right, and each row's padding gives it its own offset
-    (varlen_attention, one call per offset; decode has no backward)."""
+    (one varlen_attention call aligned bottom-right within each sequence; decode has no backward)."""
     model = tiny(family)
     ids, mask = padded_batch("left")
     first, second = 8, 4

@@ -163,7 +163,7 @@ def test_gqa_backward_deterministic_on_gpu():
 def test_gpu_grouped_heads_take_the_gluon_forward(monkeypatch, heads_q, heads_kv, n_q, n_kv, is_causal,
                                                    head_dim, dtype):
     """On an H100/H200 the Gluon forward reads grouped K/V heads in place: it is the kernel that
-    runs, and its output, LSE and gradients (dK/dV from the Triton kernel) are within the rule."""
+    runs, and its output, LSE and gradients (dK/dV from the Gluon kernel at head dim 128) are within the rule."""
     from flashattn import hopper
 
     gluon = hopper.load("forward")
@@ -174,3 +174,29 @@ def test_gpu_grouped_heads_take_the_gluon_forward(monkeypatch, heads_q, heads_kv
     monkeypatch.setattr(gluon, "attention_forward", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     check_gqa(*make_qkv(heads_q, heads_kv, n_q, n_kv, head_dim, dtype, batch=2), is_causal=is_causal)
     assert calls, "the Gluon forward did not run"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads_q,heads_kv,n_q,n_kv,is_causal", [
+    (8, 2, 300, 300, True),      # groups of 4, ragged
+    (8, 1, 257, 1000, False),    # multi-query, more keys than queries
+    (6, 3, 1024, 1024, True),
+])
+def test_gpu_grouped_heads_take_the_gluon_dkdv(monkeypatch, heads_q, heads_kv, n_q, n_kv, is_causal, dtype):
+    """On an H100/H200 at head dim 128 the Gluon dK/dV kernel sums each group's shares itself: it
+    is the kernel that runs, once per backward, and the gradients are within the rule."""
+    from flashattn import hopper
+    from flashattn.ops import dispatch
+
+    gluon = hopper.load("backward")
+    if gluon is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on compute capability 9 only")
+    assert 128 in dispatch.GLUON_DKDV_HEAD_DIMS
+    calls = []
+    real = gluon.attention_backward_dkdv
+    monkeypatch.setattr(gluon, "attention_backward_dkdv",
+                        lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    check_gqa(*make_qkv(heads_q, heads_kv, n_q, n_kv, 128, dtype, batch=2), is_causal=is_causal)
+    assert calls and all(shape[1] == heads_kv for shape in calls), f"the Gluon dK/dV kernel did not run: {calls}"
+

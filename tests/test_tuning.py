@@ -121,11 +121,12 @@ def test_without_autotuning_the_default_runs_untimed(monkeypatch):
     assert all({k: v for k, v in kw.items() if k in expected} == expected for kw in launched)
 
 
+@pytest.mark.parametrize("heads_q", [1, 2], ids=["one-head", "grouped"])
 @pytest.mark.parametrize("head_dim, gluon", [(64, False), (128, True)])
-def test_gluon_dkdv_only_where_it_was_measured_faster(monkeypatch, head_dim, gluon):
+def test_gluon_dkdv_only_where_it_was_measured_faster(monkeypatch, head_dim, gluon, heads_q):
     """The backward asks for the Gluon dK/dV kernel only at dispatch.GLUON_DKDV_HEAD_DIMS (head dim
-    128: faster than the Triton kernel there on an H200, slower at 64). A fake Gluon module stands
-    in on the CPU; dQ always comes from the Triton kernel."""
+    128: faster than the Triton kernel there on an H200, slower at 64), grouped heads included. A
+    fake Gluon module stands in on the CPU; dQ always comes from the Triton kernel."""
     assert dispatch.GLUON_DKDV_HEAD_DIMS == (128,)
     asked, calls = [], []
 
@@ -141,8 +142,9 @@ def test_gluon_dkdv_only_where_it_was_measured_faster(monkeypatch, head_dim, glu
 
     monkeypatch.setattr(hopper, "load", lambda name: asked.append(name) or FakeGluon)
     g = torch.Generator().manual_seed(0)
-    q, k, v, o, do = (torch.randn(1, 1, 5, head_dim, generator=g) for _ in range(5))
-    lse2 = torch.randn(1, 1, 5, generator=g)
+    q, o, do = (torch.randn(1, heads_q, 5, head_dim, generator=g) for _ in range(3))
+    k, v = (torch.randn(1, 1, 5, head_dim, generator=g) for _ in range(2))
+    lse2 = torch.randn(1, heads_q, 5, generator=g)
     dq, dk, dv = dispatch.attention_backward(q, k, v, o, lse2, do, False, head_dim ** -0.5)
     assert (asked, calls) == ((["backward"], [head_dim]) if gluon else ([], []))
     assert dk.abs().max().item() == 0.0 if gluon else dk.abs().max().item() > 0.0

@@ -67,21 +67,24 @@ def launch_options(cfg):
 
 @gluon.jit
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                  ready, empty, batch, head, kv_start, q_lo, n_tiles,
+                  ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: each consumer's K and V once, then Q and dO tile by tile into the ring."""
+    """One warp: each consumer's K and V once, then Q and dO tile by tile into the ring, for each
+    of the ``n_group`` query heads that read this K/V head in turn."""
     for c in gl.static_range(2):
         mbarrier.expect(kv_ready.index(c), desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-        tma_load(desc_k, [batch, head, kv_start + c * BLOCK_N, 0],
+        tma_load(desc_k, [batch, kv_head, kv_start + c * BLOCK_N, 0],
                                         kv_ready.index(c), k_smem.index(c))
-        tma_load(desc_v, [batch, head, kv_start + c * BLOCK_N, 0],
+        tma_load(desc_v, [batch, kv_head, kv_start + c * BLOCK_N, 0],
                                         kv_ready.index(c), v_smem.index(c))
-    for j in range(n_tiles):
-        stage = j % STAGES
+    for t in range(n_group * n_tiles):  # tile j of query head g, heads one after the other
+        g = t // n_tiles
+        head = kv_head * n_group + g
+        stage = t % STAGES
         # The first round through the ring does not wait (see hopper._load_tile).
-        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), desc_q.block_type.nbytes + desc_do.block_type.nbytes)
-        q_start = q_lo + j * BLOCK_M
+        q_start = q_lo + (t - g * n_tiles) * BLOCK_M
         tma_load(desc_q, [batch, head, q_start, 0], ready.index(stage),
                                         q_smem.index(stage))
         tma_load(desc_do, [batch, head, q_start, 0], ready.index(stage),
@@ -90,11 +93,12 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
 
 @gluon.jit
 def _bwd_consumer(desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-                  LSE, Delta, batch, head, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
+                  LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``. Everything is
-    transposed (keys along rows, queries along columns), as in ``backward.dkdv_inner``."""
+    """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
+    the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
+    along columns), as in ``backward.dkdv_inner``."""
     s_layout: gl.constexpr = mma_layout(BLOCK_M)      # S^T, dP^T: BLOCK_N keys x BLOCK_M queries
     acc_layout: gl.constexpr = mma_layout(HEAD_DIM)   # dK, dV: BLOCK_N keys x head dim
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -110,13 +114,15 @@ def _bwd_consumer(desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, r
     k = k_smem.index(C).reshape([BLOCK_N, HEAD_DIM])
     v = v_smem.index(C).reshape([BLOCK_N, HEAD_DIM])
 
-    for j in range(n_tiles):
-        stage = j % STAGES
-        q_start = q_lo + j * BLOCK_M
+    for t in range(n_group * n_tiles):  # the producer's order: tile j of query head g
+        g = t // n_tiles
+        rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q  # that head's LSE, Delta
+        stage = t % STAGES
+        q_start = q_lo + (t - g * n_tiles) * BLOCK_M
         offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse = gl.load(LSE + offs_q, mask=offs_q < n_q, other=float("inf"))
-        delta = gl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
-        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        lse = gl.load(LSE + rows + offs_q, mask=offs_q < n_q, other=float("inf"))
+        delta = gl.load(Delta + rows + offs_q, mask=offs_q < n_q, other=0.0)
+        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
         sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -140,21 +146,21 @@ def _bwd_consumer(desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, r
     k.store((dk * scale).to(dtype))
     v.store(dv.to(dtype))
     fence_async_shared()
-    tma_store(desc_dk, [batch, head, kv_first, 0], k_smem.index(C))
-    tma_store(desc_dv, [batch, head, kv_first, 0], v_smem.index(C))
+    tma_store(desc_dk, [batch, kv_head, kv_first, 0], k_smem.index(C))
+    tma_store(desc_dv, [batch, kv_head, kv_first, 0], v_smem.index(C))
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["n_q", "n_kv"])
 def attn_bwd_dkdv_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, LSE, Delta,
-                        n_heads, n_q, n_kv, scale, qk_scale,
+                        n_heads, n_group, n_q, n_kv, scale, qk_scale,
                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    kv_block, head, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
+    # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
+    kv_block, kv_head, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     kv_start = kv_block * (2 * BLOCK_N)
-    LSE += (batch.to(gl.int64) * n_heads + head) * n_q
-    Delta += (batch.to(gl.int64) * n_heads + head) * n_q
     # The queries that see these keys: from the diagonal on if causal (BLOCK_M divides 2 BLOCK_N,
     # so kv_start is a tile boundary), else all of them.
     if IS_CAUSAL:
@@ -181,18 +187,22 @@ def attn_bwd_dkdv_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, LSE, D
     C1: gl.constexpr = 1
     gl.warp_specialize([
         (_bwd_consumer, (desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-                         LSE, Delta, batch, head, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
+                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
+                         scale, qk_scale,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
         (_bwd_consumer, (desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-                         LSE, Delta, batch, head, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
+                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
+                         scale, qk_scale,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                         ready, empty, batch, head, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+                         ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
+                         STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=None):
-    """``(dk, dv)`` for inputs ``hopper.supports`` accepts, like the Triton dK/dV kernel:
+    """``(dk, dv)`` for inputs ``hopper.supports`` accepts (grouped heads included), like the
+    Triton dK/dV kernel:
     ``lse2`` is the forward's base-2 LSE, ``delta`` is Delta (minus the LSE's gradient, if any),
     both float32 (B, H, N_q), contiguous. ``config`` overrides entries of ``CONFIGS[head_dim]``."""
     batch, heads, n_q, head_dim = q.shape
@@ -206,10 +216,10 @@ def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=N
     if (2 * bn) % bm:
         raise ValueError(f"BLOCK_M ({bm}) must divide 2 x BLOCK_N ({2 * bn}): the causal query "
                          "loop starts at the program's first key")
-    grid = (triton.cdiv(n_kv, 2 * bn), heads, batch)
+    grid = (triton.cdiv(n_kv, 2 * bn), k.shape[1], batch)
     run(attn_bwd_dkdv_sm90, grid, descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
         descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
-        lse2.contiguous(), delta.contiguous(), heads, n_q, n_kv, scale, qk_scale(scale),
+        lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
         IS_CAUSAL=bool(is_causal), **regs, **options)
     return dk, dv

@@ -252,7 +252,7 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None):
     regs, options = bwd.launch_options(cfg)
     q, kv = (_descriptor_type(bwd, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
     signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv,
-                     LSE="*fp32", Delta="*fp32", n_heads="i32", n_q="i32", n_kv="i32",
+                     LSE="*fp32", Delta="*fp32", n_heads="i32", n_group="i32", n_q="i32", n_kv="i32",
                      scale="fp32", qk_scale="fp32")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), **regs)

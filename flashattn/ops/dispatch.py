@@ -4,8 +4,8 @@ measured faster, the Triton kernels everywhere else.
 Both compute the same output and the same base-2 LSE in the same layout, so they mix within one
 call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``
 (grouped heads too, and sliding windows with as many queries as keys), and the backward takes its
-dK/dV from ``flashattn.hopper.backward`` at the head dims of :data:`GLUON_DKDV_HEAD_DIMS` without
-grouped heads or windows, its Delta and dQ from the Triton kernels. Packed sequences and a fixed
+dK/dV from ``flashattn.hopper.backward`` at the head dims of :data:`GLUON_DKDV_HEAD_DIMS` (grouped
+heads too; no windows), its Delta and dQ from the Triton kernels. Packed sequences and a fixed
 configuration take the Triton kernels; so does every call with ``FLASHATTN_GLUON=0``.
 
 So does every call with a score modification or dropout (``mods``: an attn_mask, a softcap,
@@ -54,9 +54,9 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
                        window_size=(-1, -1), sequences=None, mods=None):
     """``(dq, dk, dv)`` as :func:`flashattn.kernels.backward.attention_backward` computes them,
     dK/dV from the Gluon kernel where it applies (see the module's docstring)."""
-    plain, grouped, _ = _plain(q, k, is_causal, window_size, sequences, mods)
+    plain, _, _ = _plain(q, k, is_causal, window_size, sequences, mods)
     gluon = None
-    if plain and not grouped and (configs or {}).get("bwd_dkdv") is None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS:
+    if plain and (configs or {}).get("bwd_dkdv") is None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS:
         gluon = hopper.load("backward")
     dkdv = gluon.attention_backward_dkdv if gluon is not None and gluon.supports(q, k, v) else None
     return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,

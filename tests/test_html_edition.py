@@ -106,7 +106,7 @@ def test_html_edition(tmp_path, request):
         problems.append("index.html: its chapter blurbs show unrendered Markdown")
     assert not problems, "\n".join(problems)
 
-    # chapter 08 was executed on the H200 and its outputs recorded: the page carries them
+    # chapter 09 was executed on the H200 and its outputs recorded: the page carries them
     for record in sorted((ROOT / "docs" / "gpu-record").glob("*chapter-*-outputs*")):
         number = re.search(r"chapter-(\d+)-outputs", record.name).group(1)
         (page,) = out.glob(f"{number}_*.html")

@@ -236,7 +236,7 @@ def check_my_attention_forward(my_attention_forward):
     kernel = getattr(my_attention_forward, "__globals__", {}).get("my_attn_fwd")
     if kernel is not None and not is_stub(my_attention_forward) and is_stub(kernel):
         raise ExerciseError(f"{name} launches my_attn_fwd, which is not implemented yet: write the kernel "
-                            "(Exercise 8) first, then run this check again.")
+                            "(Exercise 3) first, then run this check again.")
     aligned_ok = strided_ok = False
     for n, (batch, heads, n_q, n_kv, d, causal, layout, scale) in enumerate(LAUNCHER_CASES):
         q, k, v = make_inputs(batch, heads, n_q, n_kv, d, layout, 470 + n)

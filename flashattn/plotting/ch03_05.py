@@ -1,6 +1,6 @@
 """Pictures of chapters 03-05: the tiles of S (full, masked, skipped), which pairs exist, the
 fraction of tiles computed, the launch order and its schedule (03), tables of indices and the
-error of a kernel against its reference (03-04)."""
+error of a kernel against its reference (04, 05)."""
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap, LogNorm

@@ -1,5 +1,5 @@
-"""Pictures of chapters 06-08: who sums what in the backward pass (05), the tiles of its two
-stages (06), and each case's error against the tolerance rule's bound (07)."""
+"""Pictures of chapters 06-08: who sums what in the backward pass (06), the tiles of its two
+stages (07), and each case's error against the tolerance rule's bound (08)."""
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap

@@ -1,5 +1,5 @@
-"""Checkers of chapters 06 and 08: the softmax and attention backward from the formulas (05), the
-tolerance rule and a find-the-bug kernel (07). Chapter 07's kernels are checked in ``ch07``.
+"""Checkers of chapters 06 and 08: the softmax and attention backward from the formulas (06), the
+tolerance rule and a find-the-bug kernel (08). Chapter 07's kernels are checked in ``ch07``.
 """
 import numpy as np
 import torch

@@ -9,8 +9,9 @@ edition is for reading without running. It executes each chapter top to bottom o
 a CPU, through Triton's interpreter, as CI does), converts it with nbconvert, figures embedded in
 the page, and adds what a CPU cannot show: where a chapter was also executed on a GPU and its
 outputs were recorded (``docs/gpu-record/*chapter-NN-outputs*``, found by the notebook named on
-their first line), those outputs, under the cells that printed them. The pages need no network either: the formulas are turned into MathML when
-the page is built (latex2mathml, which every browser draws), and no script is loaded from elsewhere.
+their first line), those outputs, under the cells that printed them. The pages need no network
+either: the formulas are turned into MathML when the page is built (latex2mathml, which every
+browser draws), and no script is loaded from elsewhere.
 """
 import argparse
 import html

@@ -92,7 +92,7 @@ def check_ring_slot(ring_slot):
 
 #: Shared memory the compiler gave the Gluon forward, for sm_90 (``compiled.gluon_report``), per
 #: (head dim, BLOCK_M, BLOCK_KV, STAGES, CONSUMERS, bytes per element): the tiles the program keeps
-#: there, plus under 1 KB of mbarriers and the compiler's own scratch. tests/test_exercises_ch11.py
+#: there, plus under 1 KB of mbarriers and the compiler's own scratch. tests/test_exercises_ch12.py
 #: compiles one of them again and checks its row.
 COMPILED_SMEM = {
     (128, 64, 128, 3, 2, 2): 229800,   # the default at head dim 128, causal

@@ -1,4 +1,4 @@
-"""Where does the time go? The GPU measurements behind docs/performance.md and chapter 08 (the
+"""Where does the time go? The GPU measurements behind docs/performance.md and chapter 09 (the
 full sweep against SDPA is `python -m flashattn.measure.bench`). Needs a CUDA GPU.
 
     python experiments/perf_probe.py [--settings bf16:128:1:8192 ...] [--tma]

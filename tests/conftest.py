@@ -41,7 +41,7 @@ def bare_venv(folder):
 @pytest.fixture(scope="session")
 def solutions():
     """``solutions(chapter, edits=(), stub=None)``: every solution cell of notebooks/<chapter>_*.ipynb
-    as one module (``flashattn.course.exercises.solutions.load``), e.g. ``solutions("04").fwd_inner``;
+    as one module (``flashattn.course.exercises.solutions.load``), e.g. ``solutions("05").fwd_inner``;
     ``edits`` writes a deliberate mistake into it, ``stub`` stubs one exercise (a grade_id)."""
     from flashattn.course.exercises.solutions import load
 

@@ -100,7 +100,7 @@ def check_exercises(compiled):
         (path,) = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
         return load(path, stub=stub)
 
-    ch04, ch06, ch07 = notebook("04"), notebook("06"), notebook("07")
+    ch04, ch05, ch07, ch08 = notebook("04"), notebook("05"), notebook("07"), notebook("08")
 
     def fwd(inner, d, causal, dtype, block_q, block_kv):  # as run_fwd_inner launches it
         pointers = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32")
@@ -143,29 +143,29 @@ def check_exercises(compiled):
          ladder(ch04.stream_kv_kernel, "QKVO", dict(BLOCK_Q=32, BLOCK_KV=16, D=16), ("qk_scale",))),
         ("block_shift_kernel stub", "not implemented", "block_shift_kernel",
          ladder(notebook("04", stub="ch04-block-shift").block_shift_kernel, "XY", dict(BLOCK=16))),
-        ("fwd_inner, fp32, D=32, not causal, 32x16", "compiles", "fwd_inner", fwd(ch04.fwd_inner, 32, False, "fp32", 32, 16)),
-        ("fwd_inner, fp32, D=16, causal, 16x32", "compiles", "fwd_inner", fwd(ch04.fwd_inner, 16, True, "fp32", 16, 32)),
-        ("fwd_inner, fp16, D=32, causal, 32x16", "compiles", "fwd_inner", fwd(ch04.fwd_inner, 32, True, "fp16", 32, 16)),
-        ("dq_inner, D=40 (padded to 64), causal", "compiles", "dq_inner", dq(ch06.dq_inner, 40, True)),
-        ("dq_inner, D=16, not causal", "compiles", "dq_inner", dq(ch06.dq_inner, 16, False)),
-        ("dkdv_inner, D=40 (padded to 64), causal", "compiles", "dkdv_inner", dkdv(ch06.dkdv_inner, 40, True)),
-        ("dkdv_inner, D=16, not causal, 16x16", "compiles", "dkdv_inner", dkdv(ch06.dkdv_inner, 16, False, 16, 16)),
-        ("delta_kernel, fp32, HEAD_DIM=40", "compiles", "delta_kernel", delta(ch06.delta_kernel, "fp32", 40, 16)),
-        ("delta_kernel, fp16, HEAD_DIM=64", "compiles", "delta_kernel", delta(ch06.delta_kernel, "fp16", 64, 16)),
-        ("row_lse_kernel", "compiles", "row_lse_kernel", row_lse(ch07.row_lse_kernel, 4, 16)),
+        ("fwd_inner, fp32, D=32, not causal, 32x16", "compiles", "fwd_inner", fwd(ch05.fwd_inner, 32, False, "fp32", 32, 16)),
+        ("fwd_inner, fp32, D=16, causal, 16x32", "compiles", "fwd_inner", fwd(ch05.fwd_inner, 16, True, "fp32", 16, 32)),
+        ("fwd_inner, fp16, D=32, causal, 32x16", "compiles", "fwd_inner", fwd(ch05.fwd_inner, 32, True, "fp16", 32, 16)),
+        ("dq_inner, D=40 (padded to 64), causal", "compiles", "dq_inner", dq(ch07.dq_inner, 40, True)),
+        ("dq_inner, D=16, not causal", "compiles", "dq_inner", dq(ch07.dq_inner, 16, False)),
+        ("dkdv_inner, D=40 (padded to 64), causal", "compiles", "dkdv_inner", dkdv(ch07.dkdv_inner, 40, True)),
+        ("dkdv_inner, D=16, not causal, 16x16", "compiles", "dkdv_inner", dkdv(ch07.dkdv_inner, 16, False, 16, 16)),
+        ("delta_kernel, fp32, HEAD_DIM=40", "compiles", "delta_kernel", delta(ch07.delta_kernel, "fp32", 40, 16)),
+        ("delta_kernel, fp16, HEAD_DIM=64", "compiles", "delta_kernel", delta(ch07.delta_kernel, "fp16", 64, 16)),
+        ("row_lse_kernel", "compiles", "row_lse_kernel", row_lse(ch08.row_lse_kernel, 4, 16)),
         # stubs, as the student versions have them: the learner's function is called by the
         # exercise's kernel, or is the kernel
         ("fwd_inner stub", "not implemented", "fwd_inner",
-         fwd(notebook("04", stub="ch04-fwd-inner").fwd_inner, 32, True, "fp32", 32, 16)),
-        ("dq_inner stub", "not implemented", "dq_inner", dq(notebook("06", stub="ch06-dq-inner").dq_inner, 32, True)),
+         fwd(notebook("05", stub="ch05-fwd-inner").fwd_inner, 32, True, "fp32", 32, 16)),
+        ("dq_inner stub", "not implemented", "dq_inner", dq(notebook("07", stub="ch07-dq-inner").dq_inner, 32, True)),
         ("dkdv_inner stub", "not implemented", "dkdv_inner",
-         dkdv(notebook("06", stub="ch06-dkdv-inner").dkdv_inner, 32, True)),
+         dkdv(notebook("07", stub="ch07-dkdv-inner").dkdv_inner, 32, True)),
         ("delta_kernel stub", "not implemented", "delta_kernel",
-         delta(notebook("06", stub="ch06-delta-kernel").delta_kernel, "fp32", 40, 16)),
+         delta(notebook("07", stub="ch07-delta-kernel").delta_kernel, "fp32", 40, 16)),
         ("row_lse_kernel stub", "not implemented", "row_lse_kernel",
-         row_lse(notebook("07", stub="ch07-row-lse-kernel").row_lse_kernel, 4, 16)),
+         row_lse(notebook("08", stub="ch08-row-lse-kernel").row_lse_kernel, 4, 16)),
         # a compile error that is not a stub (tl.arange needs a power of two) must not be called one
-        ("row_lse_kernel, BLOCK_COLS=24", "fails", "row_lse_kernel", row_lse(ch07.row_lse_kernel, 4, 24)),
+        ("row_lse_kernel, BLOCK_COLS=24", "fails", "row_lse_kernel", row_lse(ch08.row_lse_kernel, 4, 24)),
     ]
     problems = []
     for what, expected, name, (kernel, pointers, constexprs, floats) in cases:

@@ -1,115 +1,87 @@
 """The checkers of chapter 09 fail plausible mistakes (each one the solution with a named edit) with
-a message that names the mistake; the checkers' own model of the window's key range agrees with the
-pairs, tile by tile. (tests/test_exercise_checks.py runs every solution and stub.)"""
+a message that names the mistake. (tests/test_exercise_checks.py runs every solution and stub.)"""
 import re
 
-import numpy as np
 import pytest
 
 from flashattn.course import exercises as ex
-from flashattn import plotting
-from flashattn.course.exercises import ch09
 
 from exercise_cases import mistakes  # tests/exercise_cases.py
 
-# --- Exercise 1: the KV head of each query head -----------------------------------------------------
+# --- Exercise 1: FLOPs and minimal bytes ------------------------------------------------------------
 
-GROUPS = "return torch.arange(n_q_heads) // group"
-
-
-@mistakes(
-    ("round-robin", [(GROUPS, "return torch.arange(n_q_heads) % n_kv_heads")], "dealt out round-robin"),
-    ("divided by H_kv", [(GROUPS, "return torch.arange(n_q_heads) // n_kv_heads")], "divided by H_kv"),
-    ("float division", [(GROUPS, "return torch.arange(n_q_heads) / group")], "head indices are integers"),
-    ("no ValueError", [("if n_q_heads % n_kv_heads != 0:", "if False:")], "raise ValueError when H_q % H_kv"),
-    ("a list of one", [(GROUPS, "return torch.arange(n_q_heads)[:1] // group")], "one KV head per query head"),
-)
-def test_kv_head_map_mistakes(solutions, edits, message):
-    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_kv_head_map(solutions("09", edits).kv_head_map)
-
-
-def test_kv_head_map_refuses_flashattn(solutions):
-    edits = [(GROUPS, "return torch.tensor(flashattn.course.exercises.ch09._kv_heads(n_q_heads, n_kv_heads))")]
-    with pytest.raises(ex.ExerciseError, match="not to call the course's own code"):
-        ex.check_kv_head_map(solutions("09", edits).kv_head_map)
-
-
-# --- Exercise 2: the key range of a query block under a window ---------------------------------------
-
-LO = "lo = 0 if left < 0 else max(first - left, 0)"
-REACH = "reach = n_kv if right < 0 else right"
-HI = "hi = min(last + reach + 1, n_kv)"
+COST = "return flops, batch * heads * (tensor_bytes + 4 * n_q)"
 
 
 @mistakes(
-    ("left edge off by one", [(LO, "lo = 0 if left < 0 else max(first - left + 1, 0)")], "left edge is off by one"),
-    ("hi one short", [(HI, "hi = min(last + reach, n_kv)")], "hi is one key short"),
-    ("lo from the last query", [(LO, "lo = 0 if left < 0 else max(last - left, 0)")],
-     "lo is computed from the LAST query"),
-    ("hi from the first query", [(HI, "hi = min(first + reach + 1, n_kv)")], "hi is computed from the FIRST query"),
-    ("causal forgotten", [("reach = min(reach, 0)", "reach = reach")], "the causal mask is forgotten"),
-    ("left and right swapped", [("left, right = window_size", "right, left = window_size")],
-     "left and right are swapped"),
-    ("-1 as a number", [(LO, "lo = max(first - left, 0)"), (REACH, "reach = right")], "-1 is taken as a number"),
-    ("-1 as a number, left only", [(LO, "lo = max(first - left, 0)")], "-1 is taken as a number for left"),
-    ("lo not on a tile", [("return lo // block_kv * block_kv, hi", "return lo, hi")],
-     "lo is not the start of a key block"),
-    ("not clamped", [(LO, "lo = 0 if left < 0 else first - left"), (HI, "hi = last + reach + 1")],
-     "clamp lo at 0 and hi at n_kv"),
-    ("always from key 0", [("return lo // block_kv * block_kv, hi", "return 0, hi")], "should be skipped"),
-    ("an empty block visits a tile", [("        return lo, hi  ", "        return lo // block_kv * block_kv, hi  ")],
-     "nothing should be visited"),
+    ("causal not halved", [("flops *= 0.5", "flops *= 1")], "WITHOUT the causal halving"),
+    ("backward not 2.5x", [("flops *= 2.5", "flops *= 1")], "2.5x the forward"),
+    ("a multiply-add as 1 FLOP", [("flops = 4 * batch", "flops = 2 * batch")], "each multiply-add is 2 FLOPs"),
+    ("causal bytes halved", [(COST, COST + " / (2 if causal else 1)")], "halves the FLOPs, not the bytes"),
+    ("4 bytes per element", [("e = torch.empty((), dtype=dtype).element_size()", "e = 4")],
+     "assumes 4 bytes per element"),
+    ("no LSE", [("(tensor_bytes + 4 * n_q)", "(tensor_bytes)")], "the LSE is missing"),
+    ("backward as forward", [("tensor_bytes = (4 * n_q + 4 * n_kv)", "tensor_bytes = (2 * n_q + 2 * n_kv)")],
+     "forward's traffic"),
+    ("not a tuple", [(COST, "return 1.0")], "should return a tuple"),
+    ("hard-coded", [(COST, "return 2.2e12, 1.07e9")], "FLOPs"),  # the reference setting only
 )
-def test_window_kv_range_mistakes(solutions, edits, message):
+def test_attention_cost_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_window_kv_range(solutions("09", edits).window_kv_range)
+        ex.check_attention_cost(solutions("09", edits).attention_cost)
 
 
-def test_window_model_is_the_tile_map():
-    """The checker's right answer visits exactly the key blocks the pairs make visible, for every case
-    it draws: a contiguous run from lo's block to hi's, and nothing when no pair exists."""
-    for case in ch09._window_cases():
-        q_start, block_q, block_kv, n_kv, window, causal = case
-        kinds = plotting.window_tile_kinds(q_start + block_q, n_kv, block_q, block_kv, window, causal)[-1]
-        visible = np.nonzero(kinds)[0]
-        lo, hi = ch09._window_range(*case)
-        if len(visible) == 0:
-            assert hi <= lo, case
-        else:
-            assert lo % block_kv == 0 and hi <= n_kv, case
-            assert list(range(lo // block_kv, -(-hi // block_kv))) == visible.tolist(), case
+# --- Exercise 2: the resources of a configuration ---------------------------------------------------
+
+def test_estimate_resources_names_what_does_not_fit(solutions, capsys):
+    ex.check_estimate_resources(solutions("09").estimate_resources)
+    assert "over the register limit" in capsys.readouterr().out
 
 
-# --- Exercise 3: the program table of a packed batch ------------------------------------------------
-
-LOOP = "for q0 in range(start, end, block_q):"
-APPEND = "rows.append((b, q0))"
+RESOURCES = "return values / (num_warps * 32), smem"
 
 
 @mistakes(
-    ("blocks cross sequences", [
-        ("    for b in range(len(cu_seqlens) - 1):\n"
-         "        start, end = int(cu_seqlens[b]), int(cu_seqlens[b + 1])   # sequence b's packed rows\n"
-         "        for q0 in range(start, end, block_q):                     # cdiv(end - start, block_q) blocks\n"
-         "            rows.append((b, q0))",
-         "    for q0 in range(0, int(cu_seqlens[-1]), block_q):\n"
-         "        rows.append((int((cu_seqlens <= q0).nonzero().max()), q0))")],
-     "a block crosses from one sequence into the next"),
-    ("ragged block missing", [(LOOP, "for q0 in range(start, end - (end - start) % block_q, block_q):")],
-     "ragged last block"),
-    ("empty sequence gets a program", [(LOOP, "for q0 in (range(start, end, block_q) or [start]):")],
-     "an empty sequence (length 0) got a program"),
-    ("padded grid", [(LOOP, "for q0 in range(start, start + int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), block_q):")],
-     "that is the padded grid"),
-    ("offsets within the sequence", [(APPEND, "rows.append((b, q0 - start))")],
-     "count from the start of each sequence"),
-    ("starts at the next sequence", [(APPEND, "rows.append((b, q0 - start + end))")], "not cu_seqlens[b + 1]"),
-    ("int64", [("dtype=torch.int32", "dtype=torch.int64")], "the table is int32"),
-    ("out of order", [("return torch.tensor(rows,", "return torch.tensor(rows[::-1],")], "out of order"),
-    ("not a tensor", [("return torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)", "return rows")],
-     "should return a torch.Tensor"),
+    ("head dim not padded", [("block_d = max(16, 1 << (head_dim - 1).bit_length())", "block_d = head_dim")],
+     "the kernels pad the head dim"),
+    ("dK/dV resident swapped", [("resident, streamed = block_kv, block_q", "resident, streamed = block_q, block_kv")],
+     "the KEY tile is resident"),
+    ("one accumulator", [('"bwd_dkdv": (2, 2), "bwd_dq": (1, 2)', '"bwd_dkdv": (1, 1), "bwd_dq": (1, 1)')],
+     "accumulates two tiles"),
+    ("per warp", [(RESOURCES, "return values / num_warps, smem")], "that is per warp"),
+    ("one tile per stage", [("num_stages * 2 * streamed", "num_stages * streamed")], "TWO streamed tiles"),
+    ("float32 tiles", [("* block_d * element_size", "* block_d * 4")], "stored in the input dtype"),
+    ("hard-coded", [(RESOURCES, "return 96.0, 131072")], "expected"),  # the tuned forward at D 128, bf16
 )
-def test_varlen_programs_mistakes(solutions, edits, message):
+def test_estimate_resources_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_varlen_programs(solutions("09", edits).varlen_programs)
+        ex.check_estimate_resources(solutions("09", edits).estimate_resources)
+
+
+# --- Exercise 3: choosing a configuration -----------------------------------------------------------
+
+def test_choose_config_picks_the_measured_winner(solutions):
+    # For 16-bit inputs at head dim 128 the rule picks the forward's measured winner on the H200.
+    choose_config = solutions("09").choose_config
+    assert choose_config("fwd", 128, 2) == dict(BLOCK_Q=128, BLOCK_KV=64, num_warps=8, num_stages=3)
+
+
+def fixed(config):
+    """choose_config returning ``config`` (source text) whatever it is asked."""
+    return [("return best[1]", f"return {config}")]
+
+
+@mistakes(
+    ("too much shared memory", fixed("dict(BLOCK_Q=128, BLOCK_KV=64, num_warps=8, num_stages=3)"), "shared memory"),
+    ("too many registers", fixed("dict(BLOCK_Q=128, BLOCK_KV=128, num_warps=4, num_stages=1)"), "registers"),
+    ("too small", fixed("dict(BLOCK_Q=16, BLOCK_KV=16, num_warps=4, num_stages=2)"), "only 16 x 16"),
+    ("dK/dV steps do not fit", fixed('dict(BLOCK_Q=128, BLOCK_KV=64, num_warps=4, num_stages=2) '
+                                     'if kernel == "bwd_dkdv" else best[1]'), "BLOCK_Q must divide BLOCK_KV"),
+    ("not a power of two", fixed("dict(BLOCK_Q=100, BLOCK_KV=64, num_warps=4, num_stages=2)"), "powers of two"),
+    ("6 warps", fixed("dict(BLOCK_Q=64, BLOCK_KV=64, num_warps=6, num_stages=2)"), "num_warps must be 4 or 8"),
+    ("keys missing", fixed("dict(BLOCK_Q=64, BLOCK_KV=64)"), "missing"),
+    ("a tuple", fixed("(64, 64, 4, 2)"), "should return a dict"),
+)
+def test_choose_config_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_choose_config(solutions("09", edits).choose_config)

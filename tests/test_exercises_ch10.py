@@ -1,32 +1,115 @@
-"""The checker of chapter 10 fails plausible mistakes (each one the solution with a named edit) with
-a message that names the mistake. (tests/test_exercise_checks.py runs the solution and the stub.)"""
+"""The checkers of chapter 10 fail plausible mistakes (each one the solution with a named edit) with
+a message that names the mistake; the checkers' own model of the window's key range agrees with the
+pairs, tile by tile. (tests/test_exercise_checks.py runs every solution and stub.)"""
 import re
 
+import numpy as np
 import pytest
 
 from flashattn.course import exercises as ex
+from flashattn import plotting
+from flashattn.course.exercises import ch10
 
-WEIGHTS = "w = torch.exp2(lse_parts - m)"
-WEIGHED_SUM = "(w[..., None] * o_parts).sum(dim=-2)"
-LSE = "(m + torch.log2(l))"
+from exercise_cases import mistakes  # tests/exercise_cases.py
+
+# --- Exercise 1: the KV head of each query head -----------------------------------------------------
+
+GROUPS = "return torch.arange(n_q_heads) // group"
 
 
-@pytest.mark.parametrize("edits, message", [pytest.param(edits, message, id=name) for name, edits, message in [
-    ("no rescaling: a plain mean", [(WEIGHED_SUM + " / torch.where(l > 0, l, torch.ones_like(l))",
-                                     "o_parts.mean(dim=-2)")], "must be weighed by that split's share"),
-    ("natural exponentials", [(WEIGHTS, "w = torch.exp(lse_parts - m)")], "The LSE_s are in base 2"),
-    ("natural log for the LSE", [(LSE, "(m + torch.log(l))")], "LSE is in natural log"),
-    ("the LSE without its max", [(LSE, "torch.log2(l)")], "LSE is missing the max"),
-    ("dividing twice", [(WEIGHED_SUM, "(w[..., None] / l[..., None] * o_parts).sum(dim=-2)")],
-     "divided by the sum twice"),
-    ("empty rows: -inf - (-inf)", [('m = torch.where(m == float("-inf"), torch.zeros_like(m), m)', "m = m")],
-     "-inf - (-inf) = NaN"),
-    ("empty rows: 0 / 0", [("/ torch.where(l > 0, l, torch.ones_like(l))", "/ l")], "-inf - (-inf) = NaN"),
-    ("no max subtracted", [(WEIGHTS, "w = torch.exp2(lse_parts)"), (LSE, "torch.log2(l)")],
-     "overflows float32"),
-    ("the split dim kept", [(LSE + ".squeeze(-1)", LSE)], "the split dim S is merged away"),
-    ("not a tuple", [("return o, " + LSE + ".squeeze(-1)", "return o")], "should return a tuple (o, lse)"),
-]])
-def test_mistakes_are_named(solutions, edits, message):
+@mistakes(
+    ("round-robin", [(GROUPS, "return torch.arange(n_q_heads) % n_kv_heads")], "dealt out round-robin"),
+    ("divided by H_kv", [(GROUPS, "return torch.arange(n_q_heads) // n_kv_heads")], "divided by H_kv"),
+    ("float division", [(GROUPS, "return torch.arange(n_q_heads) / group")], "head indices are integers"),
+    ("no ValueError", [("if n_q_heads % n_kv_heads != 0:", "if False:")], "raise ValueError when H_q % H_kv"),
+    ("a list of one", [(GROUPS, "return torch.arange(n_q_heads)[:1] // group")], "one KV head per query head"),
+)
+def test_kv_head_map_mistakes(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_merge_split_partials(solutions("10", edits).merge_split_partials)
+        ex.check_kv_head_map(solutions("10", edits).kv_head_map)
+
+
+def test_kv_head_map_refuses_flashattn(solutions):
+    edits = [(GROUPS, "return torch.tensor(flashattn.course.exercises.ch10._kv_heads(n_q_heads, n_kv_heads))")]
+    with pytest.raises(ex.ExerciseError, match="not to call the course's own code"):
+        ex.check_kv_head_map(solutions("10", edits).kv_head_map)
+
+
+# --- Exercise 2: the key range of a query block under a window ---------------------------------------
+
+LO = "lo = 0 if left < 0 else max(first - left, 0)"
+REACH = "reach = n_kv if right < 0 else right"
+HI = "hi = min(last + reach + 1, n_kv)"
+
+
+@mistakes(
+    ("left edge off by one", [(LO, "lo = 0 if left < 0 else max(first - left + 1, 0)")], "left edge is off by one"),
+    ("hi one short", [(HI, "hi = min(last + reach, n_kv)")], "hi is one key short"),
+    ("lo from the last query", [(LO, "lo = 0 if left < 0 else max(last - left, 0)")],
+     "lo is computed from the LAST query"),
+    ("hi from the first query", [(HI, "hi = min(first + reach + 1, n_kv)")], "hi is computed from the FIRST query"),
+    ("causal forgotten", [("reach = min(reach, 0)", "reach = reach")], "the causal mask is forgotten"),
+    ("left and right swapped", [("left, right = window_size", "right, left = window_size")],
+     "left and right are swapped"),
+    ("-1 as a number", [(LO, "lo = max(first - left, 0)"), (REACH, "reach = right")], "-1 is taken as a number"),
+    ("-1 as a number, left only", [(LO, "lo = max(first - left, 0)")], "-1 is taken as a number for left"),
+    ("lo not on a tile", [("return lo // block_kv * block_kv, hi", "return lo, hi")],
+     "lo is not the start of a key block"),
+    ("not clamped", [(LO, "lo = 0 if left < 0 else first - left"), (HI, "hi = last + reach + 1")],
+     "clamp lo at 0 and hi at n_kv"),
+    ("always from key 0", [("return lo // block_kv * block_kv, hi", "return 0, hi")], "should be skipped"),
+    ("an empty block visits a tile", [("        return lo, hi  ", "        return lo // block_kv * block_kv, hi  ")],
+     "nothing should be visited"),
+)
+def test_window_kv_range_mistakes(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_window_kv_range(solutions("10", edits).window_kv_range)
+
+
+def test_window_model_is_the_tile_map():
+    """The checker's right answer visits exactly the key blocks the pairs make visible, for every case
+    it draws: a contiguous run from lo's block to hi's, and nothing when no pair exists."""
+    for case in ch10._window_cases():
+        q_start, block_q, block_kv, n_kv, window, causal = case
+        kinds = plotting.window_tile_kinds(q_start + block_q, n_kv, block_q, block_kv, window, causal)[-1]
+        visible = np.nonzero(kinds)[0]
+        lo, hi = ch10._window_range(*case)
+        if len(visible) == 0:
+            assert hi <= lo, case
+        else:
+            assert lo % block_kv == 0 and hi <= n_kv, case
+            assert list(range(lo // block_kv, -(-hi // block_kv))) == visible.tolist(), case
+
+
+# --- Exercise 3: the program table of a packed batch ------------------------------------------------
+
+LOOP = "for q0 in range(start, end, block_q):"
+APPEND = "rows.append((b, q0))"
+
+
+@mistakes(
+    ("blocks cross sequences", [
+        ("    for b in range(len(cu_seqlens) - 1):\n"
+         "        start, end = int(cu_seqlens[b]), int(cu_seqlens[b + 1])   # sequence b's packed rows\n"
+         "        for q0 in range(start, end, block_q):                     # cdiv(end - start, block_q) blocks\n"
+         "            rows.append((b, q0))",
+         "    for q0 in range(0, int(cu_seqlens[-1]), block_q):\n"
+         "        rows.append((int((cu_seqlens <= q0).nonzero().max()), q0))")],
+     "a block crosses from one sequence into the next"),
+    ("ragged block missing", [(LOOP, "for q0 in range(start, end - (end - start) % block_q, block_q):")],
+     "ragged last block"),
+    ("empty sequence gets a program", [(LOOP, "for q0 in (range(start, end, block_q) or [start]):")],
+     "an empty sequence (length 0) got a program"),
+    ("padded grid", [(LOOP, "for q0 in range(start, start + int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), block_q):")],
+     "that is the padded grid"),
+    ("offsets within the sequence", [(APPEND, "rows.append((b, q0 - start))")],
+     "count from the start of each sequence"),
+    ("starts at the next sequence", [(APPEND, "rows.append((b, q0 - start + end))")], "not cu_seqlens[b + 1]"),
+    ("int64", [("dtype=torch.int32", "dtype=torch.int64")], "the table is int32"),
+    ("out of order", [("return torch.tensor(rows,", "return torch.tensor(rows[::-1],")], "out of order"),
+    ("not a tensor", [("return torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)", "return rows")],
+     "should return a torch.Tensor"),
+)
+def test_varlen_programs_mistakes(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_varlen_programs(solutions("10", edits).varlen_programs)

@@ -6,59 +6,27 @@ import pytest
 
 from flashattn.course import exercises as ex
 
+WEIGHTS = "w = torch.exp2(lse_parts - m)"
+WEIGHED_SUM = "(w[..., None] * o_parts).sum(dim=-2)"
+LSE = "(m + torch.log2(l))"
 
-RETURN = "return j % stages, ready_parity, ready_parity ^ 1"
 
-
-@pytest.mark.parametrize("edits, message", [
-    pytest.param([(RETURN, "return j % stages, ready_parity, ready_parity")], "deadlock", id="producer waits for parity 0"),
-    pytest.param([("ready_parity = rounds & 1", "ready_parity = j & 1")], "before the tile had landed",
-                 id="parity flips every tile"),
-    pytest.param([(RETURN, "return j % stages, ready_parity ^ 1, ready_parity")], "before the tile had landed",
-                 id="parities swapped"),
-    pytest.param([(RETURN, "return rounds % stages, ready_parity, ready_parity ^ 1")], "consecutive slots",
-                 id="slot by round"),
-    pytest.param([(RETURN, "return j % stages, ready_parity")], "should return a tuple", id="two values"),
-])
-def test_ring_slot_catches(solutions, edits, message):
+@pytest.mark.parametrize("edits, message", [pytest.param(edits, message, id=name) for name, edits, message in [
+    ("no rescaling: a plain mean", [(WEIGHED_SUM + " / torch.where(l > 0, l, torch.ones_like(l))",
+                                     "o_parts.mean(dim=-2)")], "must be weighed by that split's share"),
+    ("natural exponentials", [(WEIGHTS, "w = torch.exp(lse_parts - m)")], "The LSE_s are in base 2"),
+    ("natural log for the LSE", [(LSE, "(m + torch.log(l))")], "LSE is in natural log"),
+    ("the LSE without its max", [(LSE, "torch.log2(l)")], "LSE is missing the max"),
+    ("dividing twice", [(WEIGHED_SUM, "(w[..., None] / l[..., None] * o_parts).sum(dim=-2)")],
+     "divided by the sum twice"),
+    ("empty rows: -inf - (-inf)", [('m = torch.where(m == float("-inf"), torch.zeros_like(m), m)', "m = m")],
+     "-inf - (-inf) = NaN"),
+    ("empty rows: 0 / 0", [("/ torch.where(l > 0, l, torch.ones_like(l))", "/ l")], "-inf - (-inf) = NaN"),
+    ("no max subtracted", [(WEIGHTS, "w = torch.exp2(lse_parts)"), (LSE, "torch.log2(l)")],
+     "overflows float32"),
+    ("the split dim kept", [(LSE + ".squeeze(-1)", LSE)], "the split dim S is merged away"),
+    ("not a tuple", [("return o, " + LSE + ".squeeze(-1)", "return o")], "should return a tuple (o, lse)"),
+]])
+def test_mistakes_are_named(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_ring_slot(solutions("11", edits).ring_slot)
-
-
-Q_TILES = "q_tiles = consumers * block_m * head_dim"
-KV_RINGS = "kv_rings = 2 * stages * block_kv * head_dim"
-TOTAL = "return (q_tiles + kv_rings) * elem_bytes"
-
-
-@pytest.mark.parametrize("edits, message", [
-    pytest.param([(TOTAL, "return q_tiles + kv_rings")], "elements, not bytes", id="elements"),
-    pytest.param([(KV_RINGS, "kv_rings = stages * block_kv * head_dim")], "one ring each", id="one ring for K and V"),
-    pytest.param([(Q_TILES, "q_tiles = block_m * head_dim")], "each consumer has its own", id="one Q tile"),
-    pytest.param([(TOTAL, "return kv_rings * elem_bytes")], "left out the Q tiles", id="no Q"),
-    pytest.param([(TOTAL, "return (2 * q_tiles + kv_rings) * elem_bytes")], "a buffer for O", id="an O buffer"),
-    pytest.param([(KV_RINGS, "kv_rings = 2 * (stages + 1) * block_kv * head_dim")], "stages + 1",
-                 id="one tile too many per ring"),
-    pytest.param([(TOTAL, "return (q_tiles + kv_rings) * elem_bytes + 4096")], "expected", id="anything else"),
-])
-def test_smem_bytes_catches(solutions, edits, message):
-    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_smem_bytes(solutions("11", edits).smem_bytes)
-
-
-@pytest.mark.slow
-def test_the_compiled_shared_memory_the_checker_holds_is_the_compilers():
-    """The checker's table of compiled shared memory against this Triton's compiler: the tiles,
-    plus under 1 KB."""
-    from flashattn.course.exercises.ch11 import COMPILED_SMEM, _tile_bytes
-    from flashattn.measure import compiled
-
-    picked = [(128, 64, 128, 3, 2, 2), (128, 64, 128, 2, 3, 2)]
-    configs = [{"STAGES": 3}, {"STAGES": 2, "CONSUMERS": 3}]
-    try:
-        rows = compiled.in_child("flashattn.measure.compiled:gluon_report", kernel="fwd", head_dims=[128],
-                                 dtypes=["fp16"], causal=[True], configs=configs)
-    except compiled.CannotCompile as reason:
-        pytest.skip(str(reason))
-    for key, row in zip(picked, rows):
-        assert _tile_bytes(*key) <= row["smem"] < _tile_bytes(*key) + 1024, (key, row["smem"])
-        assert _tile_bytes(*key) <= COMPILED_SMEM[key] < _tile_bytes(*key) + 1024
+        ex.check_merge_split_partials(solutions("11", edits).merge_split_partials)

@@ -1,62 +1,64 @@
-"""The checkers of chapter 12 fail plausible mistakes (each one the solution with a named edit) with
+"""The checker of chapter 12 fails plausible mistakes (each one the solution with a named edit) with
 a message that names the mistake. (tests/test_exercise_checks.py runs the solution and the stub.)"""
 import re
 
 import pytest
 
-from exercise_cases import mistakes
 from flashattn.course import exercises as ex
 
-MIRROR = "first, second = rank, 2 * world - 1 - rank"
-CHUNKS = """    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
-                      torch.arange(second * chunk, (second + 1) * chunk)])"""
+
+RETURN = "return j % stages, ready_parity, ready_parity ^ 1"
 
 
-@mistakes(
-    ("the mirror chunk off by one", [(MIRROR, "first, second = rank, 2 * world - rank")], "one too far"),
-    ("the contiguous layout", [(CHUNKS, "    return torch.arange(rank * (n // world), (rank + 1) * (n // world))")],
-     "positions of the contiguous layout"),
-    ("chunks of n / world", [("chunk = n // (2 * world)", "chunk = n // world")], "the chunks are too long"),
-    ("the later chunk first", [(CHUNKS, """    return torch.cat([torch.arange(second * chunk, (second + 1) * chunk),
-                      torch.arange(first * chunk, (first + 1) * chunk)])""")], "in the wrong order"),
-    ("one chunk only", [(CHUNKS, "    return torch.arange(first * chunk, (first + 1) * chunk)")], "only chunk r"),
-    ("a number, not positions", [(CHUNKS, "    return chunk")], "should return a 1-D tensor or a list of ints"),
-    ("positions off by one",
-     [(CHUNKS, CHUNKS.replace("torch.arange(first * chunk,", "torch.arange(first * chunk + 1,"))],
-     "returned 3 positions: each of the 1 rank(s) holds n / world = 4"),
-)
-def test_zigzag_positions_mistakes_are_named(solutions, edits, message):
+@pytest.mark.parametrize("edits, message", [
+    pytest.param([(RETURN, "return j % stages, ready_parity, ready_parity")], "deadlock", id="producer waits for parity 0"),
+    pytest.param([("ready_parity = rounds & 1", "ready_parity = j & 1")], "before the tile had landed",
+                 id="parity flips every tile"),
+    pytest.param([(RETURN, "return j % stages, ready_parity ^ 1, ready_parity")], "before the tile had landed",
+                 id="parities swapped"),
+    pytest.param([(RETURN, "return rounds % stages, ready_parity, ready_parity ^ 1")], "consecutive slots",
+                 id="slot by round"),
+    pytest.param([(RETURN, "return j % stages, ready_parity")], "should return a tuple", id="two values"),
+])
+def test_ring_slot_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_zigzag_positions(solutions("12", edits).zigzag_positions)
+        ex.check_ring_slot(solutions("12", edits).ring_slot)
 
 
-OWN = "return [((0, 2), (0, 2), True)]"
-BEFORE = "return [((0, 2), (0, 1), False)]"
-AFTER = "return [((1, 2), (0, 2), False)]"
+Q_TILES = "q_tiles = consumers * block_m * head_dim"
+KV_RINGS = "kv_rings = 2 * stages * block_kv * head_dim"
+TOTAL = "return (q_tiles + kv_rings) * elem_bytes"
 
 
-@mistakes(
-    ("step 0 without the mask", [(OWN, "return [((0, 2), (0, 2), False)]")],
-     "computes a score the causal mask hides: query position 0 against key position 1 (with chunks of 3 "
-     "positions: query 0 of the rank's shard, key 1 of the held one). At step 0 (source == rank)"),
-    ("the two cases swapped", [(BEFORE, AFTER + "  # swapped"),
-                               (AFTER + "   # both", BEFORE + "   # both")],
-     "computes a score the causal mask hides: query position 0 against key position 3"),
-    ("every key when the source comes first", [(BEFORE, "return [((0, 2), (0, 2), False)]")],
-     "computes a score the causal mask hides"),
-    ("every query when the source comes later", [(AFTER, "return [((0, 2), (0, 2), False)]")],
-     "When the source comes later (source > rank)"),
-    ("half the keys when the source comes later", [(AFTER, "return [((1, 2), (0, 1), False)]")],
-     "never computes a score the query sees"),
-    ("skipping later sources, as contiguous", [(AFTER, "return []")], "never computes a score the query sees"),
-    ("a block twice", [(AFTER, "return [((1, 2), (0, 2), False), ((1, 2), (1, 2), False)]")],
-     "computes a score twice"),
-    ("causal on a block that needs none", [(BEFORE, "return [((0, 2), (0, 1), True)]")],
-     "never computes a score the query sees"),
-    ("chunk indices past the shard", [(AFTER, "return [((2, 4), (0, 2), False)]")],
-     "returned the block ((2, 4), (0, 2), False)"),
-    ("not a list of triples", [(OWN, "return (0, 2)")], "should return a list of (q_chunks, kv_chunks, causal)"),
-)
-def test_zigzag_blocks_mistakes_are_named(solutions, edits, message):
+@pytest.mark.parametrize("edits, message", [
+    pytest.param([(TOTAL, "return q_tiles + kv_rings")], "elements, not bytes", id="elements"),
+    pytest.param([(KV_RINGS, "kv_rings = stages * block_kv * head_dim")], "one ring each", id="one ring for K and V"),
+    pytest.param([(Q_TILES, "q_tiles = block_m * head_dim")], "each consumer has its own", id="one Q tile"),
+    pytest.param([(TOTAL, "return kv_rings * elem_bytes")], "left out the Q tiles", id="no Q"),
+    pytest.param([(TOTAL, "return (2 * q_tiles + kv_rings) * elem_bytes")], "a buffer for O", id="an O buffer"),
+    pytest.param([(KV_RINGS, "kv_rings = 2 * (stages + 1) * block_kv * head_dim")], "stages + 1",
+                 id="one tile too many per ring"),
+    pytest.param([(TOTAL, "return (q_tiles + kv_rings) * elem_bytes + 4096")], "expected", id="anything else"),
+])
+def test_smem_bytes_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_zigzag_blocks(solutions("12", edits).zigzag_blocks)
+        ex.check_smem_bytes(solutions("12", edits).smem_bytes)
+
+
+@pytest.mark.slow
+def test_the_compiled_shared_memory_the_checker_holds_is_the_compilers():
+    """The checker's table of compiled shared memory against this Triton's compiler: the tiles,
+    plus under 1 KB."""
+    from flashattn.course.exercises.ch12 import COMPILED_SMEM, _tile_bytes
+    from flashattn.measure import compiled
+
+    picked = [(128, 64, 128, 3, 2, 2), (128, 64, 128, 2, 3, 2)]
+    configs = [{"STAGES": 3}, {"STAGES": 2, "CONSUMERS": 3}]
+    try:
+        rows = compiled.in_child("flashattn.measure.compiled:gluon_report", kernel="fwd", head_dims=[128],
+                                 dtypes=["fp16"], causal=[True], configs=configs)
+    except compiled.CannotCompile as reason:
+        pytest.skip(str(reason))
+    for key, row in zip(picked, rows):
+        assert _tile_bytes(*key) <= row["smem"] < _tile_bytes(*key) + 1024, (key, row["smem"])
+        assert _tile_bytes(*key) <= COMPILED_SMEM[key] < _tile_bytes(*key) + 1024

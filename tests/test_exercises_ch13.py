@@ -7,71 +7,56 @@ import pytest
 from exercise_cases import mistakes
 from flashattn.course import exercises as ex
 
-TANH = "t = 1.0 - 2.0 / (tl.exp(2.0 * (s / softcap)) + 1.0)"
-CAPPED = "capped = softcap * t"
-DCAP = "dcap = 1.0 - t * t"
+MIRROR = "first, second = rank, 2 * world - 1 - rank"
+CHUNKS = """    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])"""
 
 
 @mistakes(
-    ("tanh of the unscaled score", [("tl.exp(2.0 * (s / softcap))", "tl.exp(2.0 * s)")],
-     "tanh of the unscaled score"),
-    ("no outer multiply", [(CAPPED, "capped = t")], "the outer multiply by softcap is missing"),
-    ("multiplied inside", [("tl.exp(2.0 * (s / softcap))", "tl.exp(2.0 * (s * softcap))")],
-     "s is multiplied by softcap inside the tanh"),
-    ("the scores unchanged", [(CAPPED, "capped = s")], "the scores came back unchanged"),
-    ("another wrong cap", [(CAPPED, "capped = softcap * t + 1.0")],
-     "the capped score at s ="),
-    ("a tanh that overflows", [(TANH, "e = tl.exp(s / softcap)\n    t = (e - 1.0 / e) / (e + 1.0 / e)")],
-     "gives NaN at s = -2000"),
-    ("derivative 1 - tanh", [(DCAP, "dcap = 1.0 - t")], "the factor is 1 - tanh, not 1 - tanh**2"),
-    ("derivative tanh squared", [(DCAP, "dcap = t * t")], "tanh**2 alone"),
-    ("derivative of the capped score squared", [(DCAP, "dcap = 1.0 - capped * capped")],
-     "squares the capped score"),
-    ("derivative times softcap", [(DCAP, "dcap = softcap * (1.0 - t * t)")], "an extra factor softcap"),
-    ("derivative over softcap", [(DCAP, "dcap = (1.0 - t * t) / softcap")], "an extra factor 1 / softcap"),
-    ("derivative 1", [(DCAP, "dcap = 1.0 + 0.0 * t")], "the factor is 1: that is the derivative without a softcap"),
-    ("another wrong derivative", [(DCAP, "dcap = 0.5 - t * t")], "the derivative factor at s ="),
+    ("the mirror chunk off by one", [(MIRROR, "first, second = rank, 2 * world - rank")], "one too far"),
+    ("the contiguous layout", [(CHUNKS, "    return torch.arange(rank * (n // world), (rank + 1) * (n // world))")],
+     "positions of the contiguous layout"),
+    ("chunks of n / world", [("chunk = n // (2 * world)", "chunk = n // world")], "the chunks are too long"),
+    ("the later chunk first", [(CHUNKS, """    return torch.cat([torch.arange(second * chunk, (second + 1) * chunk),
+                      torch.arange(first * chunk, (first + 1) * chunk)])""")], "in the wrong order"),
+    ("one chunk only", [(CHUNKS, "    return torch.arange(first * chunk, (first + 1) * chunk)")], "only chunk r"),
+    ("a number, not positions", [(CHUNKS, "    return chunk")], "should return a 1-D tensor or a list of ints"),
+    ("positions off by one",
+     [(CHUNKS, CHUNKS.replace("torch.arange(first * chunk,", "torch.arange(first * chunk + 1,"))],
+     "returned 3 positions: each of the 1 rank(s) holds n / world = 4"),
 )
-def test_softcap_piece_mistakes_are_named(solutions, edits, message):
+def test_zigzag_positions_mistakes_are_named(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_softcap_piece(solutions("13", edits).my_softcap)
+        ex.check_zigzag_positions(solutions("13", edits).zigzag_positions)
 
 
-SHIFT = 'shift = n_kv - n_q if alignment == "bottom_right" else 0'
-BIAS = "return -slope * abs(i + shift - j)"
+OWN = "return [((0, 2), (0, 2), True)]"
+BEFORE = "return [((0, 2), (0, 1), False)]"
+AFTER = "return [((1, 2), (0, 2), False)]"
 
 
 @mistakes(
-    ("the sign", [(BIAS, "return slope * abs(i + shift - j)")], "the sign: ALiBi subtracts slope * distance"),
-    ("no shift", [(SHIFT, "shift = 0")], "bottom-right alignment must shift the query's position by n_kv - n_q"),
-    ("the shift backwards", [(SHIFT, SHIFT.replace("n_kv - n_q", "n_q - n_kv"))], "the shift is backwards"),
-    ("the shift under both alignments", [(SHIFT, "shift = n_kv - n_q")], "the shift applies under both alignments"),
-    ("no absolute value", [(BIAS, "return -slope * (i + shift - j)")], "the distance must be absolute"),
-    ("no slope", [(BIAS, "return -abs(i + shift - j)")], "the slope is missing"),
-    ("not a number", [(BIAS, "return None")], "should return a number, got NoneType"),
-    ("another wrong bias", [(BIAS, "return -slope * abs(i + shift - j) - 1")], "returned -1, expected 0"),
+    ("step 0 without the mask", [(OWN, "return [((0, 2), (0, 2), False)]")],
+     "computes a score the causal mask hides: query position 0 against key position 1 (with chunks of 3 "
+     "positions: query 0 of the rank's shard, key 1 of the held one). At step 0 (source == rank)"),
+    ("the two cases swapped", [(BEFORE, AFTER + "  # swapped"),
+                               (AFTER + "   # both", BEFORE + "   # both")],
+     "computes a score the causal mask hides: query position 0 against key position 3"),
+    ("every key when the source comes first", [(BEFORE, "return [((0, 2), (0, 2), False)]")],
+     "computes a score the causal mask hides"),
+    ("every query when the source comes later", [(AFTER, "return [((0, 2), (0, 2), False)]")],
+     "When the source comes later (source > rank)"),
+    ("half the keys when the source comes later", [(AFTER, "return [((1, 2), (0, 1), False)]")],
+     "never computes a score the query sees"),
+    ("skipping later sources, as contiguous", [(AFTER, "return []")], "never computes a score the query sees"),
+    ("a block twice", [(AFTER, "return [((1, 2), (0, 2), False), ((1, 2), (1, 2), False)]")],
+     "computes a score twice"),
+    ("causal on a block that needs none", [(BEFORE, "return [((0, 2), (0, 1), True)]")],
+     "never computes a score the query sees"),
+    ("chunk indices past the shard", [(AFTER, "return [((2, 4), (0, 2), False)]")],
+     "returned the block ((2, 4), (0, 2), False)"),
+    ("not a list of triples", [(OWN, "return (0, 2)")], "should return a list of (q_chunks, kv_chunks, causal)"),
 )
-def test_alibi_bias_mistakes_are_named(solutions, edits, message):
+def test_zigzag_blocks_mistakes_are_named(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_alibi_bias(solutions("13", edits).alibi_bias)
-
-
-TOKENS = "tokens = torch.arange(n_kv)[None, :] < torch.tensor(lengths)[:, None]"
-RETURN = "return tokens[:, None, None, :]"
-
-
-@mistakes(
-    ("inverted", [(RETURN, "return ~tokens[:, None, None, :]")], "is inverted: True marks a key that is seen"),
-    ("2-D", [(RETURN, "return tokens")], "has shape (2, 5): attn_mask is 4-D"),
-    ("a row per query", [(RETURN, "return tokens[:, None, None, :].expand(-1, 1, n_kv, -1)")],
-     "has shape (2, 1, 5, 5): the mask is the same for every head and every query"),
-    ("float", [(RETURN, "return tokens[:, None, None, :].float()")], "has dtype torch.float32"),
-    ("one key too many", [(TOKENS, TOKENS.replace("] < torch", "] <= torch"))], "one key too many"),
-    ("padded on the left", [(TOKENS, "tokens = torch.arange(n_kv)[None, :] >= n_kv - torch.tensor(lengths)[:, None]")],
-     "pads on the left"),
-    ("not a tensor", [(RETURN, "return tokens.tolist()")], "should return a tensor, got list"),
-    ("another shape", [(RETURN, "return tokens[None]")], "has shape (1, 2, 5), expected (2, 1, 1, 5)"),
-)
-def test_key_padding_mask_mistakes_are_named(solutions, edits, message):
-    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
-        ex.check_key_padding_mask(solutions("13", edits).key_padding_mask)
+        ex.check_zigzag_blocks(solutions("13", edits).zigzag_blocks)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 EXERCISES = ROOT / "exercises"
 TOOL = ROOT / "tools" / "make_student.py"
-CHAPTERS = 9                # 00 to 08
+CHAPTERS = 10               # 00 to 09
 MIN_EXERCISES = 12          # across the course
 
 
@@ -274,5 +274,5 @@ def test_enough_exercises(request):
     summary = (f"student notebooks: {total} exercises in {len(counts)} chapter notebooks ("
                + ", ".join(f"{name.split('_', 1)[0]}: {n}" for name, n in counts.items()) + ")")
     report(request, summary)
-    assert len(counts) >= CHAPTERS, f"{summary}: expected chapters 00 to 08"
+    assert len(counts) >= CHAPTERS, f"{summary}: expected chapters 00 to 09"
     assert total >= MIN_EXERCISES, f"{summary}: the course needs at least {MIN_EXERCISES}"

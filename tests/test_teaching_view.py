@@ -120,9 +120,9 @@ def test_the_pruned_forward_kernel_runs_to_the_same_output(tmp_path, monkeypatch
 
 
 def test_show_source_says_what_it_hid(capsys):
-    notebook.show_source(forward.fwd_inner, only={"WINDOW": False}, note="windows: chapter 09")
+    notebook.show_source(forward.fwd_inner, only={"WINDOW": False}, note="windows: chapter 10")
     shown = capsys.readouterr().out
-    assert shown.startswith("# teaching view: ") and "WINDOW=False hidden; windows: chapter 09" in shown
+    assert shown.startswith("# teaching view: ") and "WINDOW=False hidden; windows: chapter 10" in shown
     assert "if WINDOW" not in shown and "if MASKED and" not in shown and "if MASKED:" in shown
     html = notebook.source_html(forward.fwd_inner, only={"WINDOW": False})
     assert "teaching view" in html and "flashattn/kernels/forward.py" in html

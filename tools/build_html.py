@@ -8,9 +8,10 @@ The committed notebooks carry no outputs (clean diffs), so a repository page sho
 edition is for reading without running. It executes each chapter top to bottom on this machine (on
 a CPU, through Triton's interpreter, as CI does), converts it with nbconvert, figures embedded in
 the page, and adds what a CPU cannot show: where a chapter was also executed on a GPU and its
-outputs were recorded (``docs/gpu-record/*chapter-NN-outputs*``), those outputs, under the cells
-that printed them. The pages need no network either: the formulas are turned into MathML when
-the page is built (latex2mathml, which every browser draws), and no script is loaded from elsewhere.
+outputs were recorded (``docs/gpu-record/*chapter-NN-outputs*``, found by the notebook named on
+their first line), those outputs, under the cells that printed them. The pages need no network
+either: the formulas are turned into MathML when the page is built (latex2mathml, which every
+browser draws), and no script is loaded from elsewhere.
 """
 import argparse
 import html
@@ -65,11 +66,20 @@ def executed(paths, reuse=None, workers=2):
 
 # --- The recorded GPU outputs -------------------------------------------------------------------------
 
+def recorded_name(record):
+    """The name (without its number) of the chapter a record of outputs was taken from, read off its
+    first line ("# notebooks/NN_name.ipynb executed on ..."): chapters keep their names when they
+    are renumbered, so a record found by name stays with its chapter."""
+    first = record.read_text(encoding="utf8").split("\n", 1)[0]
+    match = re.search(r"notebooks/\d+_(\w+)\.ipynb", first)
+    return match.group(1) if match else None
+
+
 def record_of(path):
     """(file, its header, {cell index: (execution number, text)}) of the chapter's recorded GPU
     outputs, or None. The record lists each code cell as ``## cell N (execution K)``."""
-    number = path.stem.split("_", 1)[0]
-    files = sorted(RECORD.glob(f"*chapter-{number}-outputs*"))
+    files = [record for record in sorted(RECORD.glob("*chapter-*-outputs*"))
+             if recorded_name(record) == path.stem.split("_", 1)[1]]
     if not files:
         return None
     text = files[-1].read_text(encoding="utf8")

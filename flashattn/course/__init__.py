@@ -2,7 +2,7 @@
 
 ``notebook`` has ``show_source`` and ``pick(cpu=..., gpu=...)``; ``exercises`` the checkers, one
 module per group of chapters; ``site`` names the course's repository once (the chapters' first
-cell, the Colab links, the recorded data files); ``ring_runs`` what the ranks of chapter 12 run in
+cell, the Colab links, the recorded data files); ``ring_runs`` what the ranks of chapter 13 run in
 their processes, and how the chapter checks it.
 """
 

@@ -45,10 +45,10 @@ def source_html(obj, only=None, note=None) -> str:
             f'<pre style="{pre}">{code}</pre></div>')
 
 
-#: The constexpr flags of what the first chapters leave for later, switched off: chapter 09's windows
+#: The constexpr flags of what the first chapters leave for later, switched off: chapter 10's windows
 #: and packed sequences (EMPTY_ROWS: rows that see no key, which only they make), and the score
 #: modifications (masks, softcap, ALiBi, dropout, the bottom-right alignment). ``show_source(kernel,
-#: only=LATER)`` shows a kernel as chapters 04-08 teach it.
+#: only=LATER)`` shows a kernel as chapters 05-09 teach it.
 LATER = {"WINDOW": False, "VARLEN": False, "EMPTY_ROWS": False, "SOFTCAP": False, "ALIBI": False,
          "MASK_KIND": 0, "DROPOUT": False, "BOTTOM_RIGHT": False}
 
@@ -73,7 +73,7 @@ def show_source(obj, only=None, note=None):
     ``only``, a dict of constexpr flags and values (``{"WINDOW": False, "VARLEN": False}``), shows
     the teaching view: the branches those values switch off are removed, as the compiler removes
     them (``flashattn.course.teaching_view``), and the title says how many lines were hidden;
-    ``note`` adds where they are taught ("windows and packed sequences: chapter 09").
+    ``note`` adds where they are taught ("windows and packed sequences: chapter 10").
     """
     try:
         from IPython import get_ipython

@@ -1,4 +1,4 @@
-"""What the ranks of chapter 12 run, and how the chapter checks what they return.
+"""What the ranks of chapter 13 run, and how the chapter checks what they return.
 
 Each rank is a process that ``flashattn.distributed.launch`` starts, so what it runs must be a
 function of a module (a notebook cell's function cannot be imported by another process): here.

@@ -9,7 +9,7 @@ causal mask, in chunks of positions, a key chunk before a query chunk is seen wh
 same chunk is the causal diagonal, and a later one is not seen at all (skipped).
 
 The ring itself (``flashattn.distributed.ring``) runs these calls; the pictures and the counts of
-chapter 12 come from the same functions.
+chapter 13 come from the same functions.
 """
 from dataclasses import dataclass
 

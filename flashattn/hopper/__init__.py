@@ -1,5 +1,5 @@
 """The Gluon kernels for H100/H200 (sm_90): the forward (``forward``) and the dK/dV kernel
-(``backward``), FlashAttention-3's structure written by hand (chapter 11).
+(``backward``), FlashAttention-3's structure written by hand (chapter 12).
 
 They compute what the Triton kernels of ``flashattn.kernels`` compute, in the same layout, so the
 two mix freely (``flashattn.ops.dispatch`` picks per call). Gluon has no interpreter, so nothing

@@ -1,6 +1,6 @@
 """The FlashAttention backward kernels and their launcher.
 
-Chapter 05 derives, for one (batch, head), with ``S = scale * Q K^T``, ``P = softmax(S)``,
+Chapter 06 derives, for one (batch, head), with ``S = scale * Q K^T``, ``P = softmax(S)``,
 ``O = P V`` and the upstream gradient ``dO``:
 
     dV = P^T dO        dP = dO V^T        dS = P * (dP - Delta)        Delta_i = sum_d dO_id O_id

@@ -9,16 +9,16 @@ group of chapters; every picture is available from here (``plotting.tile_map(...
 from . import alt
 from .animation import as_html, dkdv_walk, dq_walk, forward_walk
 from .ch00_02 import capacity_ladder, exp_range, matrix_panels, memory_curve, partial_outputs, softmax_trace
-from .ch03_04 import (TILE_COLORS, TILE_NAMES, error_heatmap, error_heatmaps, gantt, int_table, launch_strips,
+from .ch03_05 import (TILE_COLORS, TILE_NAMES, error_heatmap, error_heatmaps, gantt, int_table, launch_strips,
                       tile_kinds_map, tile_map, visibility_map, work_fraction_curve)
-from .ch05_07 import backward_ownership, backward_tile_maps, rule_ratios
-from .ch08 import config_bars, ladder_bars, roofline, tflops_curves
-from .ch09 import (measured_bars, padded_blocks, tiles_against_n, varlen_programs, window_tile_kinds,
+from .ch06_08 import backward_ownership, backward_tile_maps, rule_ratios
+from .ch09 import config_bars, ladder_bars, roofline, tflops_curves
+from .ch10 import (measured_bars, padded_blocks, tiles_against_n, varlen_programs, window_tile_kinds,
                    window_tile_map, window_times)
-from .ch10 import decode_bandwidth, place_programs, sm_map, tile_rows
-from .ch11 import pipeline_schedule, pipeline_timeline, provider_bars
-from .ch12 import computed_blocks, memory_per_gpu, overlap_timeline, rank_tile_bars, ring_holdings, ring_schedule
-from .ch13 import score_tile, score_tiles
+from .ch11 import decode_bandwidth, place_programs, sm_map, tile_rows
+from .ch12 import pipeline_schedule, pipeline_timeline, provider_bars
+from .ch13 import computed_blocks, memory_per_gpu, overlap_timeline, rank_tile_bars, ring_holdings, ring_schedule
+from .ch14 import score_tile, score_tiles
 
 __all__ = [
     "matrix_panels", "capacity_ladder", "memory_curve", "softmax_trace", "partial_outputs", "exp_range",

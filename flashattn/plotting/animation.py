@@ -1,5 +1,5 @@
-"""Animations of one program walking its tiles: the forward kernel's online softmax (chapter 04) and
-the two loops of the backward pass, dK/dV walking query tiles and dQ walking key tiles (chapter 06).
+"""Animations of one program walking its tiles: the forward kernel's online softmax (chapter 05) and
+the two loops of the backward pass, dK/dV walking query tiles and dQ walking key tiles (chapter 07).
 
 Each function computes, in float64 and in the kernel's order, what one program holds after each
 tile it visits, and returns a matplotlib ``FuncAnimation`` with one frame per tile: on the left the
@@ -19,7 +19,7 @@ from matplotlib.animation import FuncAnimation
 from matplotlib.patches import Rectangle
 
 from ..kernels import traversal
-from .ch03_04 import TILE_COLORS
+from .ch03_05 import TILE_COLORS
 from .common import to_numpy
 
 FRAME_MS = 900  # how long each frame stays, in milliseconds
@@ -155,7 +155,7 @@ def forward_walk(q, k, v, block_q=16, block_kv=16, q_block=0, is_causal=False, s
 
 
 def _backward_state(q, k, v, do, is_causal, scale):
-    """P, dP, dS of every (query, key) pair in float64 (the backward of chapter 05), for the walks."""
+    """P, dP, dS of every (query, key) pair in float64 (the backward of chapter 06), for the walks."""
     s = q @ k.T * scale
     if is_causal:
         s = s.masked_fill(torch.arange(k.shape[0])[None, :] > torch.arange(q.shape[0])[:, None], float("-inf"))

@@ -1,151 +1,110 @@
-"""Pictures of chapter 09: which pairs a sliding window keeps and the tile map it gives, the
-programs of a packed variable-length batch against the padded grid, and the H200's measurements of
-the three variants."""
-import matplotlib.pyplot as plt
+"""Pictures of chapter 09: the roofline, TFLOPS against sequence length, the ladder of
+improvements, and timings per tile configuration."""
 import numpy as np
-from matplotlib.colors import ListedColormap
-from matplotlib.patches import Patch
 
-from ..kernels import traversal
-from ..testing import reference
-from .ch03_04 import tile_kinds_map
 from .common import axes_for
 
 
-def window_tile_kinds(n_q, n_kv, block_q, block_kv, window_size=(-1, -1), is_causal=False):
-    """The tile map of a window, from the pairs themselves (``reference.window_mask``): ``FULL`` when every pair of the tile
-    exists, ``SKIPPED`` when none does, ``MASKED`` otherwise. Rows past n_q count (a block computes
-    all its rows, chapter 03); keys past n_kv do not exist."""
-    rows = traversal.cdiv(n_q, block_q) * block_q
-    seen = np.zeros((rows, traversal.cdiv(n_kv, block_kv) * block_kv), bool)
-    seen[:, :n_kv] = reference.window_mask(rows, n_kv, window_size, is_causal).numpy()
-    tiles = seen.reshape(rows // block_q, block_q, -1, block_kv)
-    every, some = tiles.all(axis=(1, 3)), tiles.any(axis=(1, 3))
-    return np.where(every, traversal.FULL, np.where(some, traversal.MASKED, traversal.SKIPPED)).astype(np.int8)
+def roofline(ceilings, points=(), ax=None, intensity=(1.0, 2e4), title="Roofline"):
+    """Attainable TFLOPS against arithmetic intensity (FLOP per byte of HBM traffic), log-log.
 
-
-def _window_name(window_size, is_causal):
-    return f"window_size={tuple(window_size)}{', causal' if is_causal else ''}"
-
-
-def window_tile_map(n_q, n_kv, block_q, block_kv, window_size=(-1, -1), is_causal=False, ax=None, title=None,
-                    show_pairs=True, legend=True):
-    """The tiles a window leaves (full, masked, skipped), with the window's pairs shaded over them
-    and the fraction of tiles visited in the title."""
-    kinds = window_tile_kinds(n_q, n_kv, block_q, block_kv, window_size, is_causal)
-    visited = (kinds != traversal.SKIPPED).sum()
-    ax = tile_kinds_map(kinds, n_q, n_kv, block_q, block_kv, False, ax=ax, legend=legend, title=title or (
-        f"{_window_name(window_size, is_causal)}\n{visited} of {kinds.size} tiles visited"))
-    if show_pairs:
-        seen = reference.window_mask(n_q, n_kv, window_size, is_causal).numpy()
-        shade = np.ma.masked_where(~seen, np.ones(seen.shape))
-        ax.imshow(shade, cmap=ListedColormap(["#1f4e79"]), vmin=0, vmax=1, alpha=0.45, extent=(0, n_kv, n_q, 0),
-                  interpolation="nearest", aspect="equal", zorder=3)
-        ax.set_xlim(0, n_kv)
-        ax.set_ylim(n_q, 0)
+    ``ceilings`` maps a label to ``(peak TFLOPS, bandwidth in TB/s)``; each draws its roof
+    ``min(peak, intensity x bandwidth)`` (FLOP/byte x TB/s = TFLOP/s) and marks its ridge point,
+    ``peak / bandwidth``. ``points`` is a list of dicts with ``x`` (FLOP/byte), ``y`` (TFLOPS),
+    ``label`` and optional matplotlib keywords under ``style``; points sharing a label share one
+    legend entry. Vertical lines can be added with dicts holding only ``x`` and ``label``."""
+    ax = axes_for(ax, (7.5, 4.8))
+    xs = np.logspace(np.log10(intensity[0]), np.log10(intensity[1]), 400)
+    for i, (label, (peak, bandwidth)) in enumerate(ceilings.items()):
+        style = dict(color="black", ls="-" if i == 0 else "--", lw=1.8 if i == 0 else 1.3)
+        ax.loglog(xs, np.minimum(peak, xs * bandwidth), label=f"{label}: ridge at {peak / bandwidth:.0f} FLOP/B",
+                  **style)
+        ax.plot([peak / bandwidth], [peak], "o", color="black", ms=4)
+    seen = set()
+    for p in points:
+        style = dict(p.get("style", {}))
+        if "y" not in p:  # a vertical marker (an intensity of interest)
+            ax.axvline(p["x"], label=None if p["label"] in seen else p["label"], **style)
+        else:
+            style.setdefault("marker", "o")
+            style.setdefault("ls", "none")
+            ax.plot([p["x"]], [p["y"]], label=None if p["label"] in seen else p["label"], **style)
+        seen.add(p["label"])
+    ax.set_xlim(*intensity)
+    ax.set_xlabel("arithmetic intensity (FLOP per byte moved to or from HBM)")
+    ax.set_ylabel("TFLOPS (log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7.5, loc="lower right", framealpha=0.95)
     return ax
 
 
-def tiles_against_n(seq_lens, series, ax=None, title="Tiles visited against N"):
-    """How many tiles a (batch, head) visits against N, one line per label of ``series``, on log-log
-    axes with dotted guides of slope 1 and 2 (visits growing like N and like N^2)."""
+def tflops_curves(rows, ax=None, title=None):
+    """TFLOPS against sequence length, one line per provider. ``rows`` are dicts (or CSV rows)
+    with at least ``provider``, ``seq_len`` and ``tflops`` for one setting."""
     ax = axes_for(ax, (6, 4))
-    for label, counts in series.items():
-        ax.plot(seq_lens, counts, marker="o", ms=3, label=label)
-    first = min(c[0] for c in series.values())
-    n = np.asarray(seq_lens, float)
-    ax.plot(n, first * n / n[0], color="gray", ls=":", lw=1, label="slope 1 (~N)")
-    ax.plot(n, first * (n / n[0]) ** 2, color="black", ls=":", lw=1, label="slope 2 (~N^2)")
+    providers = sorted({r["provider"] for r in rows}, key=lambda p: (p != "flashattn", p))
+    for provider in providers:
+        pts = sorted((int(r["seq_len"]), float(r["tflops"])) for r in rows if r["provider"] == provider)
+        x, y = zip(*pts)
+        ax.plot(x, y, marker="o", lw=2.5 if provider == "flashattn" else 1.2, label=provider)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("sequence length N (N_q = N_kv)")
-    ax.set_ylabel("tiles visited")
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("TFLOPS")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return ax
 
 
-def _sequence_colors(n):
-    cmap = plt.get_cmap("tab10")
-    return [cmap(b % 10) for b in range(n)]
-
-
-def varlen_programs(cu_seqlens, table, block_q, ax=None, title=None):
-    """The packed rows of a variable-length batch (one colour per sequence) and the programs of
-    ``table`` (rows ``(sequence, first packed row)``) drawn over them as boxes, each labelled with
-    its program index: no box crosses from one sequence into the next."""
-    cu = [int(x) for x in cu_seqlens]
-    colors = _sequence_colors(len(cu) - 1)
-    ax = axes_for(ax, (11, 2.2))
-    for b, (lo, hi) in enumerate(zip(cu, cu[1:])):
-        if hi > lo:
-            ax.barh(1, hi - lo, left=lo, height=0.8, color=colors[b], alpha=0.45, edgecolor="black", lw=0.5)
-            ax.text((lo + hi) / 2, 1, f"seq {b}\n{hi - lo} rows", ha="center", va="center", fontsize=7)
-    for p, (b, start) in enumerate(np.asarray(table).tolist()):
-        end = min(start + block_q, cu[b + 1])
-        ax.barh(0, end - start, left=start, height=0.8, color=colors[b], edgecolor="black", lw=0.8)
-        ax.text((start + end) / 2, 0, str(p), ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks([0, 1], ["programs", "sequences"])
-    ax.set_xlim(0, max(cu[-1], 1))
-    ax.set_ylim(-0.6, 1.6)
-    ax.set_xlabel("packed row (token) index, 0 .. total - 1")
-    ax.set_title(title or f"{len(table)} programs of BLOCK_Q = {block_q} rows over {cu[-1]} packed tokens",
-                 fontsize=10)
-    return ax
-
-
-def padded_blocks(lengths, block_q, ax=None, title=None):
-    """The padded batch's query blocks, one row per sequence and one column per block of the
-    longest sequence: the blocks holding real tokens, and those holding only padding, which a
-    padded launch computes all the same."""
-    n_blocks = traversal.cdiv(max(lengths), block_q)
-    real = np.array([[k * block_q < n for k in range(n_blocks)] for n in lengths])
-    ax = axes_for(ax, (0.25 * n_blocks + 2, 0.3 * len(lengths) + 1.2))
-    ax.imshow(real, cmap=ListedColormap(["#d9d9d9", "#3a9e5f"]), vmin=0, vmax=1, aspect="auto",
-              interpolation="nearest")
-    ax.set_xlabel(f"query block (BLOCK_Q = {block_q})")
-    ax.set_ylabel("sequence")
-    ax.set_yticks(range(len(lengths)))
-    ax.legend(handles=[Patch(color="#3a9e5f", label="real tokens"), Patch(color="#d9d9d9", label="padding only")],
-              loc="lower right", fontsize=8, framealpha=0.9)
-    ax.set_title(title or f"padded to {max(lengths)} tokens: {real.sum()} of {real.size} query blocks hold tokens",
-                 fontsize=10)
-    return ax
-
-
-def measured_bars(rows, labels, value="ms", ax=None, title=None, unit="ms"):
-    """Bars of one column of recorded benchmark rows: ``labels`` maps a bar's label to the row it
-    shows; the value is written on each bar."""
-    ax = axes_for(ax, (6, 3))
-    names = list(labels)
-    values = [float(labels[name][value]) for name in names]
-    bars = ax.barh(range(len(names)), values, color=plt.get_cmap("tab10")(np.arange(len(names)) % 10))
-    for bar, v in zip(bars, values):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:.3g}", va="center", fontsize=8)
-    ax.set_yticks(range(len(names)), names, fontsize=8)
+def ladder_bars(steps, values, ax=None, title=None, xlabel="TFLOPS (log scale)", log=True):
+    """Horizontal bars, one group per step (top to bottom in the order given) and one bar per
+    series: ``values`` maps a series label (e.g. "forward") to one number per step. Each bar is
+    labelled with its value."""
+    series = list(values)
+    ax = axes_for(ax, (9, 0.55 * len(steps) * max(len(series), 1) + 1.2))
+    height = 0.8 / len(series)
+    y = np.arange(len(steps))
+    for s, label in enumerate(series):
+        pos = y + (s - (len(series) - 1) / 2) * height
+        bars = ax.barh(pos, values[label], height=height * 0.95, label=label)
+        for rect, v in zip(bars, values[label]):
+            ax.text(rect.get_width() * (1.03 if log else 1.0) + (0 if log else 2), rect.get_y() + rect.get_height() / 2,
+                    f"{v:.1f}", va="center", fontsize=7.5)
+    ax.set_yticks(y, steps, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel(unit)
-    ax.set_xlim(0, max(values) * 1.2)
-    ax.set_title(title or value, fontsize=10)
+    if log:
+        ax.set_xscale("log")
+        ax.set_xlim(right=ax.get_xlim()[1] * 2)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="x", which="both", alpha=0.25)
+    ax.legend(fontsize=8, loc="lower right")
     return ax
 
 
-def window_times(rows, mode="fwd", ax=None, title=None):
-    """The recorded times of the window benchmark against N (provider ``flashattn-window``), with
-    causal and full attention where they were measured, on log-log axes."""
-    ax = axes_for(ax, (6, 4))
-    for provider, style in [("flashattn-window", dict(marker="o")), ("flashattn-causal", dict(marker="s", ls="")),
-                            ("flashattn-full", dict(marker="^", ls="")), ("sdpa-causal", dict(marker="x", ls=""))]:
-        mine = sorted((int(r["setting"].rsplit("N ", 1)[1]), float(r["ms"])) for r in rows
-                      if r["provider"] == provider and r["mode"] == mode)
-        if mine:
-            ax.plot(*zip(*mine), label=provider, **style)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length N")
-    ax.set_ylabel(f"{mode} time (ms)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title or f"{mode} time against N", fontsize=10)
+def config_bars(rows, ax=None, title=None, notes=None):
+    """Measured time per tile configuration, fastest on top: ``rows`` are dicts (or CSV rows) with
+    ``BLOCK_Q``, ``BLOCK_KV``, ``num_warps``, ``num_stages`` and ``ms``. The fastest is green; each
+    other bar says how much slower it is; ``notes`` (a function of a row) may add text to its label."""
+    rows = sorted(rows, key=lambda r: float(r["ms"]))
+    ax = axes_for(ax, (6, 0.4 * len(rows) + 1.2))
+    best = float(rows[0]["ms"])
+    labels, times = [], []
+    for r in rows:
+        bkv = f"x{r['BLOCK_KV']}" if str(r.get("BLOCK_KV", "")) not in ("", "None") else ""
+        label = f"{r['BLOCK_Q']}{bkv}, {r['num_warps']} warps, {r['num_stages']} st."
+        labels.append(label + (f"\n{notes(r)}" if notes else ""))
+        times.append(float(r["ms"]))
+    colors = ["#3a9e5f" if i == 0 else "#7fa7c9" for i in range(len(rows))]
+    bars = ax.barh(range(len(rows)), times, color=colors)
+    for rect, t in zip(bars, times):
+        ax.text(rect.get_width(), rect.get_y() + rect.get_height() / 2,
+                " fastest" if t == best else f" +{(t / best - 1) * 100:.0f}%", va="center", fontsize=7.5)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7.5)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(times) * 1.2)
+    ax.set_xlabel("time (ms, median of do_bench); green: the fastest")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, axis="x", alpha=0.25)
     return ax

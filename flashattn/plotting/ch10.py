@@ -1,115 +1,151 @@
-"""Pictures of chapter 10: programs placed on the SMs of a GPU, the rows of a decode query tile
-(grouped heads packed together), and the bandwidth a decoding step reaches."""
+"""Pictures of chapter 10: which pairs a sliding window keeps and the tile map it gives, the
+programs of a packed variable-length batch against the padded grid, and the H200's measurements of
+the three variants."""
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
 
+from ..kernels import traversal
+from ..testing import reference
+from .ch03_05 import tile_kinds_map
 from .common import axes_for
 
 
-def place_programs(n_programs, n_sm):
-    """Where ``n_programs`` equal programs run on ``n_sm`` SMs: program ``i`` on SM ``i % n_sm``,
-    in wave ``i // n_sm`` (the first wave fills the SMs in launch order; with equal work every
-    later program takes the SM that the program one wave earlier frees). A list of (SM, wave)."""
-    return [(i % n_sm, i // n_sm) for i in range(n_programs)]
+def window_tile_kinds(n_q, n_kv, block_q, block_kv, window_size=(-1, -1), is_causal=False):
+    """The tile map of a window, from the pairs themselves (``reference.window_mask``): ``FULL`` when every pair of the tile
+    exists, ``SKIPPED`` when none does, ``MASKED`` otherwise. Rows past n_q count (a block computes
+    all its rows, chapter 03); keys past n_kv do not exist."""
+    rows = traversal.cdiv(n_q, block_q) * block_q
+    seen = np.zeros((rows, traversal.cdiv(n_kv, block_kv) * block_kv), bool)
+    seen[:, :n_kv] = reference.window_mask(rows, n_kv, window_size, is_causal).numpy()
+    tiles = seen.reshape(rows // block_q, block_q, -1, block_kv)
+    every, some = tiles.all(axis=(1, 3)), tiles.any(axis=(1, 3))
+    return np.where(every, traversal.FULL, np.where(some, traversal.MASKED, traversal.SKIPPED)).astype(np.int8)
 
 
-def sm_map(n_sm, owners, ax=None, cols=12, title=None, owner_name="sequence and KV head"):
-    """The SMs of a GPU as a grid of squares, each holding the programs it runs, one bar per wave
-    (:func:`place_programs`). ``owners`` has one entry per program in launch order, the index of
-    what it works on (e.g. its (batch, KV head)); programs with the same owner share a colour, so
-    the splits of one head show where they went. Idle SMs are left empty and counted in the
-    title."""
-    owners = list(owners)
-    rows = -(-n_sm // cols)
-    ax = axes_for(ax, (0.55 * cols + 1, 0.55 * rows + 1))
-    placed = place_programs(len(owners), n_sm)
-    waves = max((wave for _, wave in placed), default=-1) + 1
-    cmap = plt.get_cmap("tab20")
-    for sm in range(n_sm):
-        x, y = sm % cols, sm // cols
-        ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, fill=False, ec="#9e9e9e", lw=0.8))
-    for owner, (sm, wave) in zip(owners, placed):
-        x, y = sm % cols, sm // cols
-        height = 0.84 / waves
-        ax.add_patch(Rectangle((x + 0.1, y + 0.08 + wave * height), 0.8, height * 0.9,
-                               color=cmap(owner % 20), lw=0))
-    busy = len({sm for sm, _ in placed})
-    ax.set_xlim(0, cols)
-    ax.set_ylim(rows, 0)
-    ax.set_aspect("equal")
-    ax.axis("off")
-    summary = (f"{len(owners)} programs on {n_sm} SMs: {busy} busy, {n_sm - busy} idle"
-               + (f", up to {waves} programs per SM" if waves > 1 else ""))
-    ax.set_title(f"{title}\n{summary}" if title else summary, fontsize=9)
-    ax.text(0, rows + 0.3, f"colour: the {owner_name} a program works on; one bar per program an SM runs",
-            fontsize=7, va="top", color="#555555")
+def _window_name(window_size, is_causal):
+    return f"window_size={tuple(window_size)}{', causal' if is_causal else ''}"
+
+
+def window_tile_map(n_q, n_kv, block_q, block_kv, window_size=(-1, -1), is_causal=False, ax=None, title=None,
+                    show_pairs=True, legend=True):
+    """The tiles a window leaves (full, masked, skipped), with the window's pairs shaded over them
+    and the fraction of tiles visited in the title."""
+    kinds = window_tile_kinds(n_q, n_kv, block_q, block_kv, window_size, is_causal)
+    visited = (kinds != traversal.SKIPPED).sum()
+    ax = tile_kinds_map(kinds, n_q, n_kv, block_q, block_kv, False, ax=ax, legend=legend, title=title or (
+        f"{_window_name(window_size, is_causal)}\n{visited} of {kinds.size} tiles visited"))
+    if show_pairs:
+        seen = reference.window_mask(n_q, n_kv, window_size, is_causal).numpy()
+        shade = np.ma.masked_where(~seen, np.ones(seen.shape))
+        ax.imshow(shade, cmap=ListedColormap(["#1f4e79"]), vmin=0, vmax=1, alpha=0.45, extent=(0, n_kv, n_q, 0),
+                  interpolation="nearest", aspect="equal", zorder=3)
+        ax.set_xlim(0, n_kv)
+        ax.set_ylim(n_q, 0)
     return ax
 
 
-def tile_rows(group, n_q, block_r, kv_head=0, ax=None, title=None):
-    """The rows of the decode kernel's query tile for one KV head: row ``r`` holds new token
-    ``r % n_q`` of query head ``kv_head * group + r // n_q``, as ``flashattn.decode`` packs them;
-    rows past ``group * n_q`` are padding (masked). With more rows than ``block_r``, the tiles
-    are drawn side by side. Every row is multiplied by the same tiles of K and V."""
-    n_rows = group * n_q
-    n_tiles = -(-n_rows // block_r)
-    ax = axes_for(ax, (2.6 * n_tiles + 2.2, 0.28 * block_r + 1.2))
+def tiles_against_n(seq_lens, series, ax=None, title="Tiles visited against N"):
+    """How many tiles a (batch, head) visits against N, one line per label of ``series``, on log-log
+    axes with dotted guides of slope 1 and 2 (visits growing like N and like N^2)."""
+    ax = axes_for(ax, (6, 4))
+    for label, counts in series.items():
+        ax.plot(seq_lens, counts, marker="o", ms=3, label=label)
+    first = min(c[0] for c in series.values())
+    n = np.asarray(seq_lens, float)
+    ax.plot(n, first * n / n[0], color="gray", ls=":", lw=1, label="slope 1 (~N)")
+    ax.plot(n, first * (n / n[0]) ** 2, color="black", ls=":", lw=1, label="slope 2 (~N^2)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length N (N_q = N_kv)")
+    ax.set_ylabel("tiles visited")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def _sequence_colors(n):
     cmap = plt.get_cmap("tab10")
-    for tile in range(n_tiles):
-        x = tile * 3.2
-        for i in range(block_r):
-            r = tile * block_r + i
-            if r < n_rows:
-                head, token = kv_head * group + r // n_q, r % n_q
-                color, text = cmap(head % 10), f"q head {head}, token {token}"
-            else:
-                color, text = "#e0e0e0", "padding (masked)"
-            ax.add_patch(Rectangle((x, i), 2.6, 0.92, color=color, alpha=0.85 if r < n_rows else 1.0, lw=0))
-            ax.text(x + 0.08, i + 0.46, f"r={r:<3d} {text}", fontsize=7, va="center",
-                    color="white" if r < n_rows else "#616161")
-        ax.text(x + 1.3, -0.4, f"query tile {tile} (BLOCK_R = {block_r})", ha="center", fontsize=8)
-    right = n_tiles * 3.2 - 0.6
-    ax.annotate(f"x the same K and V tiles\nof KV head {kv_head}:\nread once for all\n{n_rows} rows",
-                xy=(right, block_r / 2), xytext=(right + 0.3, block_r / 2), fontsize=8, va="center")
-    ax.set_xlim(-0.1, right + 2.6)
-    ax.set_ylim(block_r + 0.1, -0.9)
-    ax.axis("off")
-    ax.set_title(title or f"{group} query heads per KV head x {n_q} new token(s) = {n_rows} rows",
+    return [cmap(b % 10) for b in range(n)]
+
+
+def varlen_programs(cu_seqlens, table, block_q, ax=None, title=None):
+    """The packed rows of a variable-length batch (one colour per sequence) and the programs of
+    ``table`` (rows ``(sequence, first packed row)``) drawn over them as boxes, each labelled with
+    its program index: no box crosses from one sequence into the next."""
+    cu = [int(x) for x in cu_seqlens]
+    colors = _sequence_colors(len(cu) - 1)
+    ax = axes_for(ax, (11, 2.2))
+    for b, (lo, hi) in enumerate(zip(cu, cu[1:])):
+        if hi > lo:
+            ax.barh(1, hi - lo, left=lo, height=0.8, color=colors[b], alpha=0.45, edgecolor="black", lw=0.5)
+            ax.text((lo + hi) / 2, 1, f"seq {b}\n{hi - lo} rows", ha="center", va="center", fontsize=7)
+    for p, (b, start) in enumerate(np.asarray(table).tolist()):
+        end = min(start + block_q, cu[b + 1])
+        ax.barh(0, end - start, left=start, height=0.8, color=colors[b], edgecolor="black", lw=0.8)
+        ax.text((start + end) / 2, 0, str(p), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks([0, 1], ["programs", "sequences"])
+    ax.set_xlim(0, max(cu[-1], 1))
+    ax.set_ylim(-0.6, 1.6)
+    ax.set_xlabel("packed row (token) index, 0 .. total - 1")
+    ax.set_title(title or f"{len(table)} programs of BLOCK_Q = {block_q} rows over {cu[-1]} packed tokens",
                  fontsize=10)
     return ax
 
 
-def decode_bandwidth(rows, ax=None, title=None, providers=("decode", "sdpa-gqa", "attention-repeated")):
-    """The cache read per second (TB/s) of a decoding step against the cache length, one bar per
-    provider, and the measured copy bandwidth as a line. ``rows`` are rows of the decode
-    benchmark's CSV (``python -m flashattn.measure.bench_decode``): ``provider``, ``cache_len``,
-    ``cache_tbps`` and ``of_copy`` (the fraction of the copy bandwidth)."""
-    ax = axes_for(ax, (7, 4))
-    lengths = sorted({int(r["cache_len"]) for r in rows})
-    shown = [p for p in providers if any(r["provider"] == p for r in rows)]
-    width = 0.8 / max(len(shown), 1)
-    for i, provider in enumerate(shown):
-        values = [next((float(r["cache_tbps"]) for r in rows
-                        if r["provider"] == provider and int(r["cache_len"]) == n), np.nan) for n in lengths]
-        bars = ax.bar(np.arange(len(lengths)) + (i - (len(shown) - 1) / 2) * width, values, width * 0.95,
-                      label=provider)
-        for rect, v in zip(bars, values):
-            if np.isfinite(v):
-                ax.text(rect.get_x() + rect.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-    copies = [float(r["cache_tbps"]) / float(r["of_copy"]) for r in rows if float(r["of_copy"]) > 0]
-    top = max(float(r["cache_tbps"]) for r in rows)
-    if copies:
-        copy = float(np.median(copies))
-        top = max(top, copy)
-        ax.axhline(copy, color="black", ls="--", lw=1.2)
-        ax.text(-0.45, copy * 0.98, f"copy bandwidth {copy:.2f} TB/s", va="top", ha="left", fontsize=8)
-    ax.set_ylim(0, top * 1.3)
-    ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
-    ax.set_xlabel("cache length N_kv (tokens)")
-    ax.set_ylabel("K/V cache read per second (TB/s)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(handles=[Patch(color=f"C{i}", label=p) for i, p in enumerate(shown)], fontsize=8, loc="upper left",
-              ncol=len(shown))
+def padded_blocks(lengths, block_q, ax=None, title=None):
+    """The padded batch's query blocks, one row per sequence and one column per block of the
+    longest sequence: the blocks holding real tokens, and those holding only padding, which a
+    padded launch computes all the same."""
+    n_blocks = traversal.cdiv(max(lengths), block_q)
+    real = np.array([[k * block_q < n for k in range(n_blocks)] for n in lengths])
+    ax = axes_for(ax, (0.25 * n_blocks + 2, 0.3 * len(lengths) + 1.2))
+    ax.imshow(real, cmap=ListedColormap(["#d9d9d9", "#3a9e5f"]), vmin=0, vmax=1, aspect="auto",
+              interpolation="nearest")
+    ax.set_xlabel(f"query block (BLOCK_Q = {block_q})")
+    ax.set_ylabel("sequence")
+    ax.set_yticks(range(len(lengths)))
+    ax.legend(handles=[Patch(color="#3a9e5f", label="real tokens"), Patch(color="#d9d9d9", label="padding only")],
+              loc="lower right", fontsize=8, framealpha=0.9)
+    ax.set_title(title or f"padded to {max(lengths)} tokens: {real.sum()} of {real.size} query blocks hold tokens",
+                 fontsize=10)
+    return ax
+
+
+def measured_bars(rows, labels, value="ms", ax=None, title=None, unit="ms"):
+    """Bars of one column of recorded benchmark rows: ``labels`` maps a bar's label to the row it
+    shows; the value is written on each bar."""
+    ax = axes_for(ax, (6, 3))
+    names = list(labels)
+    values = [float(labels[name][value]) for name in names]
+    bars = ax.barh(range(len(names)), values, color=plt.get_cmap("tab10")(np.arange(len(names)) % 10))
+    for bar, v in zip(bars, values):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:.3g}", va="center", fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.set_xlim(0, max(values) * 1.2)
+    ax.set_title(title or value, fontsize=10)
+    return ax
+
+
+def window_times(rows, mode="fwd", ax=None, title=None):
+    """The recorded times of the window benchmark against N (provider ``flashattn-window``), with
+    causal and full attention where they were measured, on log-log axes."""
+    ax = axes_for(ax, (6, 4))
+    for provider, style in [("flashattn-window", dict(marker="o")), ("flashattn-causal", dict(marker="s", ls="")),
+                            ("flashattn-full", dict(marker="^", ls="")), ("sdpa-causal", dict(marker="x", ls=""))]:
+        mine = sorted((int(r["setting"].rsplit("N ", 1)[1]), float(r["ms"])) for r in rows
+                      if r["provider"] == provider and r["mode"] == mode)
+        if mine:
+            ax.plot(*zip(*mine), label=provider, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel(f"{mode} time (ms)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or f"{mode} time against N", fontsize=10)
     return ax

@@ -1,190 +1,115 @@
-"""Pictures of chapter 11: the Gluon forward against the Triton forward and SDPA's default, and its
-variants (ping-pong on and off)."""
+"""Pictures of chapter 11: programs placed on the SMs of a GPU, the rows of a decode query tile
+(grouped heads packed together), and the bandwidth a decoding step reaches."""
+import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import Patch, Rectangle
 
 from .common import axes_for
 
 
-def provider_bars(tflops, providers, ax=None, title=None, ylabel="TFLOPS"):
-    """Grouped bars: ``tflops`` maps a setting label to ``{provider: TFLOPS}``; one group per
-    setting, one bar per provider (in the order of ``providers``), the value written on top."""
-    ax = axes_for(ax, (9, 3.8))
-    settings = list(tflops)
-    width = 0.8 / len(providers)
-    x = np.arange(len(settings))
-    for i, provider in enumerate(providers):
-        values = [tflops[s].get(provider, np.nan) for s in settings]
-        bars = ax.bar(x + (i - (len(providers) - 1) / 2) * width, values, width, label=provider)
-        for bar, value in zip(bars, values):
-            if np.isfinite(value):
-                ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom",
-                        fontsize=6.5, rotation=90)
-    ax.set_xticks(x, settings, fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(0, 1.18 * max(v for row in tflops.values() for v in row.values()))
-    ax.legend(fontsize=8, ncol=len(providers), loc="lower center")
-    if title:
-        ax.set_title(title, fontsize=10)
-    ax.grid(True, axis="y", alpha=0.25)
+def place_programs(n_programs, n_sm):
+    """Where ``n_programs`` equal programs run on ``n_sm`` SMs: program ``i`` on SM ``i % n_sm``,
+    in wave ``i // n_sm`` (the first wave fills the SMs in launch order; with equal work every
+    later program takes the SM that the program one wave earlier frees). A list of (SM, wave)."""
+    return [(i % n_sm, i // n_sm) for i in range(n_programs)]
+
+
+def sm_map(n_sm, owners, ax=None, cols=12, title=None, owner_name="sequence and KV head"):
+    """The SMs of a GPU as a grid of squares, each holding the programs it runs, one bar per wave
+    (:func:`place_programs`). ``owners`` has one entry per program in launch order, the index of
+    what it works on (e.g. its (batch, KV head)); programs with the same owner share a colour, so
+    the splits of one head show where they went. Idle SMs are left empty and counted in the
+    title."""
+    owners = list(owners)
+    rows = -(-n_sm // cols)
+    ax = axes_for(ax, (0.55 * cols + 1, 0.55 * rows + 1))
+    placed = place_programs(len(owners), n_sm)
+    waves = max((wave for _, wave in placed), default=-1) + 1
+    cmap = plt.get_cmap("tab20")
+    for sm in range(n_sm):
+        x, y = sm % cols, sm // cols
+        ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, fill=False, ec="#9e9e9e", lw=0.8))
+    for owner, (sm, wave) in zip(owners, placed):
+        x, y = sm % cols, sm // cols
+        height = 0.84 / waves
+        ax.add_patch(Rectangle((x + 0.1, y + 0.08 + wave * height), 0.8, height * 0.9,
+                               color=cmap(owner % 20), lw=0))
+    busy = len({sm for sm, _ in placed})
+    ax.set_xlim(0, cols)
+    ax.set_ylim(rows, 0)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    summary = (f"{len(owners)} programs on {n_sm} SMs: {busy} busy, {n_sm - busy} idle"
+               + (f", up to {waves} programs per SM" if waves > 1 else ""))
+    ax.set_title(f"{title}\n{summary}" if title else summary, fontsize=9)
+    ax.text(0, rows + 0.3, f"colour: the {owner_name} a program works on; one bar per program an SM runs",
+            fontsize=7, va="top", color="#555555")
     return ax
 
 
-# ---------------------------------------------------------------------------- the forward's pipeline
+def tile_rows(group, n_q, block_r, kv_head=0, ax=None, title=None):
+    """The rows of the decode kernel's query tile for one KV head: row ``r`` holds new token
+    ``r % n_q`` of query head ``kv_head * group + r // n_q``, as ``flashattn.decode`` packs them;
+    rows past ``group * n_q`` are padding (masked). With more rows than ``block_r``, the tiles
+    are drawn side by side. Every row is multiplied by the same tiles of K and V."""
+    n_rows = group * n_q
+    n_tiles = -(-n_rows // block_r)
+    ax = axes_for(ax, (2.6 * n_tiles + 2.2, 0.28 * block_r + 1.2))
+    cmap = plt.get_cmap("tab10")
+    for tile in range(n_tiles):
+        x = tile * 3.2
+        for i in range(block_r):
+            r = tile * block_r + i
+            if r < n_rows:
+                head, token = kv_head * group + r // n_q, r % n_q
+                color, text = cmap(head % 10), f"q head {head}, token {token}"
+            else:
+                color, text = "#e0e0e0", "padding (masked)"
+            ax.add_patch(Rectangle((x, i), 2.6, 0.92, color=color, alpha=0.85 if r < n_rows else 1.0, lw=0))
+            ax.text(x + 0.08, i + 0.46, f"r={r:<3d} {text}", fontsize=7, va="center",
+                    color="white" if r < n_rows else "#616161")
+        ax.text(x + 1.3, -0.4, f"query tile {tile} (BLOCK_R = {block_r})", ha="center", fontsize=8)
+    right = n_tiles * 3.2 - 0.6
+    ax.annotate(f"x the same K and V tiles\nof KV head {kv_head}:\nread once for all\n{n_rows} rows",
+                xy=(right, block_r / 2), xytext=(right + 0.3, block_r / 2), fontsize=8, va="center")
+    ax.set_xlim(-0.1, right + 2.6)
+    ax.set_ylim(block_r + 0.1, -0.9)
+    ax.axis("off")
+    ax.set_title(title or f"{group} query heads per KV head x {n_q} new token(s) = {n_rows} rows",
+                 fontsize=10)
+    return ax
 
 
-def pipeline_schedule(n_tiles, stages, consumers=2, pingpong=True, mm_clocks=512.0, softmax_clocks=512.0,
-                      load_clocks=512.0):
-    """When each partition of the Gluon forward (``flashattn.hopper.forward``) does what, for one
-    program streaming ``n_tiles`` K/V tiles through a ring of ``stages`` buffers: a small event
-    simulation that follows the kernel's own order of operations and its mbarrier waits.
-
-    The producer copies Q (one tile per consumer), then K_0, then K_j with V_{j-1}, then V_{n-1},
-    each into slot ``j % stages`` once every consumer has released the tile that held it; the copy
-    engine does one copy at a time (``load_clocks`` each, Q tiles ``load_clocks / 2``). Consumer c,
-    in step j, waits for K_j and V_{j-1} (and, with ``pingpong``, for its turn), issues S_j = Q K_j^T
-    and P_{j-1} V_{j-1} to the tensor cores (shared by the consumers, one matmul at a time,
-    ``mm_clocks`` each), waits for S_j, releases K_j, computes the softmax of tile j
-    (``softmax_clocks``, on its own warps), waits for P V and releases V_{j-1}.
-
-    Returns a dict: ``boxes``, a list of (lane, start, end, label, kind) with lanes "copy engine",
-    "tensor cores", "consumer c"; ``stalls``, a list of (lane, start, end, what) for every wait on
-    an mbarrier that was not yet complete ("ready" for a tile not landed, "empty" for a slot not
-    released, "turn" for ping-pong); and ``end``, the clock at which the last consumer is done."""
-    half = load_clocks / 2
-    # the producer's copies, in its order: (kind, tile, consumer for Q)
-    copies = [("Q", c, c) for c in range(consumers)] + [("K", 0, None)]
-    for j in range(1, n_tiles):
-        copies += [("K", j, None), ("V", j - 1, None)]
-    copies.append(("V", n_tiles - 1, None))
-    landed, released = {}, {}           # (kind, tile) -> clock; (kind, tile, consumer) -> clock
-    boxes, stalls = [], []
-    state = dict(copy=0, producer=0.0, engine=0.0, tc=0.0)
-    step = [0] * consumers              # the next step of each consumer (0 .. n_tiles)
-    free = [0.0] * consumers            # when each consumer is ready for its next step
-    issued = {}                         # (consumer, step) -> clock it issued its matmuls
-
-    def producer_next():
-        if state["copy"] == len(copies):
-            return None
-        kind, j, _ = copies[state["copy"]]
-        if kind != "Q" and j >= stages:
-            keys = [(kind, j - stages, c) for c in range(consumers)]
-            if not all(k in released for k in keys):
-                return None
-            return max(state["producer"], max(released[k] for k in keys))
-        return state["producer"]
-
-    def producer_run(t):
-        kind, j, c = copies[state["copy"]]
-        if t > state["producer"]:
-            stalls.append(("copy engine", state["producer"], t, "empty"))
-        start = max(t, state["engine"])
-        end = start + (half if kind == "Q" else load_clocks)
-        label = f"Q{c}" if kind == "Q" else f"{kind}{j}"
-        boxes.append(("copy engine", start, end, label, kind if kind == "Q" else f"slot {j % stages}"))
-        landed[("Q", c) if kind == "Q" else (kind, j)] = end
-        state.update(producer=t, engine=end, copy=state["copy"] + 1)
-
-    def needs(c, s):
-        need = [("Q", c)] if s == 0 else []
-        if s < n_tiles:
-            need.append(("K", s))
-        if s >= 1:
-            need.append(("V", s - 1))
-        return need
-
-    def turn_after(c, s):
-        return (c - 1, s) if c > 0 else ((consumers - 1, s - 1) if s > 0 else None)
-
-    def consumer_next(c):
-        s = step[c]
-        if s > n_tiles or not all(k in landed for k in needs(c, s)):
-            return None
-        t = max([free[c]] + [landed[k] for k in needs(c, s)])
-        before = turn_after(c, s) if pingpong else None
-        if before is not None:
-            if before not in issued:
-                return None
-            t = max(t, issued[before])
-        return t
-
-    def consumer_run(c, t):
-        s = step[c]
-        lane = f"consumer {c}"
-        data = max([free[c]] + [landed[k] for k in needs(c, s)])
-        if data > free[c]:
-            stalls.append((lane, free[c], data, "ready"))
-        if t > data:
-            stalls.append((lane, data, t, "turn"))
-        issued[(c, s)] = t
-        done = t
-        if s < n_tiles:                                   # S_s = Q K_s^T
-            start = max(t, state["tc"])
-            s_end = start + mm_clocks
-            state["tc"] = s_end
-            boxes.append(("tensor cores", start, s_end, f"S{s}", f"consumer {c}"))
-            released[("K", s, c)] = s_end
-            boxes.append((lane, s_end, s_end + softmax_clocks, f"softmax {s}", "softmax"))
-            done = s_end + softmax_clocks
-        if s >= 1:                                        # O += P_{s-1} V_{s-1}
-            start = max(t, state["tc"])
-            pv_end = start + mm_clocks
-            state["tc"] = pv_end
-            boxes.append(("tensor cores", start, pv_end, f"PV{s - 1}", f"consumer {c}"))
-            done = max(done, pv_end)
-            released[("V", s - 1, c)] = done
-        free[c], step[c] = done, s + 1
-
-    while state["copy"] < len(copies) or any(s <= n_tiles for s in step):
-        options = []
-        t = producer_next()
-        if t is not None:
-            options.append((t, 0, -1))
-        for c in range(consumers):
-            t = consumer_next(c)
-            if t is not None:
-                options.append((t, 1, c))
-        if not options:
-            raise RuntimeError("the pipeline deadlocked")  # cannot happen with the kernel's order
-        t, _, who = min(options)
-        producer_run(t) if who < 0 else consumer_run(who, t)
-    return dict(boxes=boxes, stalls=stalls, end=max(free))
-
-
-def pipeline_timeline(schedule, ax=None, title=None):
-    """Draw a :func:`pipeline_schedule`: one lane per partition (the copy engine the producer
-    drives, the tensor cores, each consumer's own warps), a box per copy, matmul and softmax, the
-    copies coloured by the ring's slot, the matmuls by consumer; hatched spans are waits on an
-    mbarrier not yet complete (red: a tile not landed, or a slot not released; grey: ping-pong's
-    turn)."""
-    import matplotlib.pyplot as plt
-
-    lanes = ["copy engine", "tensor cores"] + sorted({b[0] for b in schedule["boxes"] if b[0].startswith("consumer")})
-    ax = axes_for(ax, (12, 0.8 + 0.7 * len(lanes)))
-    kinds = sorted({b[4] for b in schedule["boxes"]})
-    palette = dict(zip([k for k in kinds if k.startswith("slot")], plt.get_cmap("Pastel1").colors))
-    palette.update(zip([k for k in kinds if k.startswith("consumer")], ["#9ecae1", "#fdae6b", "#a1d99b"]))
-    palette.update(Q="#dddddd", softmax="#c7b9e0")
-    for lane, start, end, label, kind in schedule["boxes"]:
-        y = lanes.index(lane)
-        ax.barh(y, end - start, left=start, height=0.6, color=palette.get(kind, "#cccccc"), edgecolor="black", lw=0.5)
-        ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=6.5)
-    for lane, start, end, what in schedule["stalls"]:
-        y = lanes.index(lane)
-        color = "#bbbbbb" if what == "turn" else "#e34a33"
-        ax.barh(y + 0.3, end - start, left=start, height=0.18, color="none", edgecolor=color, hatch="////", lw=0.8)
-    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("clock cycles of one SM (model)")
-    ax.set_xlim(0, schedule["end"] * 1.01)
-    names = [k for k in palette if k.startswith(("slot", "consumer")) or k == "softmax"]
-    handles = [plt.Rectangle((0, 0), 1, 1, color=palette[k]) for k in names]
-    names = [f"copy into {k}" if k.startswith("slot") else f"matmul of {k}" if k.startswith("consumer") else k
-             for k in names]
-    handles += [plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="#e34a33", hatch="////"),
-                plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="#bbbbbb", hatch="////")]
-    names += ["wait: tile not landed / slot not free", "wait: ping-pong turn"]
-    ax.legend(handles, names, fontsize=7, ncol=min(len(names), 5), loc="upper center", bbox_to_anchor=(0.5, -0.3))
-    if title:
-        ax.set_title(title, fontsize=10)
+def decode_bandwidth(rows, ax=None, title=None, providers=("decode", "sdpa-gqa", "attention-repeated")):
+    """The cache read per second (TB/s) of a decoding step against the cache length, one bar per
+    provider, and the measured copy bandwidth as a line. ``rows`` are rows of the decode
+    benchmark's CSV (``python -m flashattn.measure.bench_decode``): ``provider``, ``cache_len``,
+    ``cache_tbps`` and ``of_copy`` (the fraction of the copy bandwidth)."""
+    ax = axes_for(ax, (7, 4))
+    lengths = sorted({int(r["cache_len"]) for r in rows})
+    shown = [p for p in providers if any(r["provider"] == p for r in rows)]
+    width = 0.8 / max(len(shown), 1)
+    for i, provider in enumerate(shown):
+        values = [next((float(r["cache_tbps"]) for r in rows
+                        if r["provider"] == provider and int(r["cache_len"]) == n), np.nan) for n in lengths]
+        bars = ax.bar(np.arange(len(lengths)) + (i - (len(shown) - 1) / 2) * width, values, width * 0.95,
+                      label=provider)
+        for rect, v in zip(bars, values):
+            if np.isfinite(v):
+                ax.text(rect.get_x() + rect.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    copies = [float(r["cache_tbps"]) / float(r["of_copy"]) for r in rows if float(r["of_copy"]) > 0]
+    top = max(float(r["cache_tbps"]) for r in rows)
+    if copies:
+        copy = float(np.median(copies))
+        top = max(top, copy)
+        ax.axhline(copy, color="black", ls="--", lw=1.2)
+        ax.text(-0.45, copy * 0.98, f"copy bandwidth {copy:.2f} TB/s", va="top", ha="left", fontsize=8)
+    ax.set_ylim(0, top * 1.3)
+    ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+    ax.set_xlabel("cache length N_kv (tokens)")
+    ax.set_ylabel("K/V cache read per second (TB/s)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(handles=[Patch(color=f"C{i}", label=p) for i, p in enumerate(shown)], fontsize=8, loc="upper left",
+              ncol=len(shown))
     return ax

@@ -1,169 +1,190 @@
-"""Pictures of chapter 12: the ring's schedule (which K/V block each rank holds at each step, and
-which blocks of the attention matrix it computes then, the causal mask's skipped ones blank), the
-tiles each rank computes in the two layouts, a step's transfer against its compute, and the memory
-per GPU against the sequence length."""
-import matplotlib.pyplot as plt
+"""Pictures of chapter 12: the Gluon forward against the Triton forward and SDPA's default, and its
+variants (ping-pong on and off)."""
 import numpy as np
-from matplotlib.patches import Patch, Rectangle
 
-from ..distributed.layout import chunks_per_rank, rank_chunks
-from ..distributed.schedule import ring_blocks, source_rank
 from .common import axes_for
 
-RANK_CMAP = "tab10"
 
-
-def computed_blocks(world, layout="zigzag", is_causal=True):
-    """Every block of the whole attention matrix the ring computes, as a list of
-    ``(rank, step, query chunk, key chunk, diagonal)``, in ``2 * world`` chunks of positions
-    whatever the layout (a contiguous rank's one chunk is two of them), ``diagonal`` where the
-    causal mask applies inside the block."""
-    split = 2 // chunks_per_rank(layout)  # the layout's chunk, in chunks of N / (2 world)
-    found = []
-    for rank in range(world):
-        mine = rank_chunks(rank, world, layout)
-        for step in range(world):
-            source = source_rank(rank, step, world)
-            theirs = rank_chunks(source, world, layout)
-            for block in ring_blocks(rank, source, world, layout, is_causal):
-                for i in range(*block.q):
-                    for j in range(*block.kv):
-                        for a in range(split):
-                            for b in range(split):
-                                qc, kc = mine[i] * split + a, theirs[j] * split + b
-                                if block.causal and kc > qc:
-                                    continue  # above the diagonal of a causal call: masked away
-                                found.append((rank, step, qc, kc, block.causal and kc == qc))
-    return found
-
-
-def ring_holdings(world, ax=None, title=None):
-    """The ring as a table: row = rank, column = step, each cell the K/V shard the rank holds then
-    (the rank it started on), coloured by it. Each step every rank passes its shard to the next."""
-    ax = axes_for(ax, (1.0 * world + 1.6, 0.55 * world + 1.2))
-    cmap = plt.get_cmap(RANK_CMAP)
-    for rank in range(world):
-        for step in range(world):
-            source = source_rank(rank, step, world)
-            ax.add_patch(Rectangle((step, rank), 0.94, 0.9, color=cmap(source % 10), alpha=0.75, lw=0))
-            ax.text(step + 0.47, rank + 0.45, f"K/V {source}", ha="center", va="center", fontsize=8)
-    ax.set_xlim(0, world)
-    ax.set_ylim(world, 0)
-    ax.set_xticks(np.arange(world) + 0.47, [f"step {t}" for t in range(world)], fontsize=8)
-    ax.set_yticks(np.arange(world) + 0.45, [f"rank {r}" for r in range(world)], fontsize=8)
-    ax.tick_params(length=0)
-    for side in ax.spines.values():
-        side.set_visible(False)
-    ax.set_title(title or f"which K/V shard each rank holds\n(rank r passes its shard to rank r+1 after each step)",
-                 fontsize=9)
-    return ax
-
-
-def ring_schedule(world, layout="zigzag", is_causal=True, ax=None, title=None):
-    """The whole attention matrix (queries down, keys across), cut into ``2 * world`` chunks of
-    positions for either layout: each block the ring computes is coloured by the rank that
-    computes it and labelled with the step at which it does; the causal diagonal's blocks are
-    hatched (the mask applies inside them) and the blocks the mask hides are left blank. Rows are
-    in order of position, so a rank's two zigzag chunks are two bands far apart."""
-    n_chunks = 2 * world
-    ax = axes_for(ax, (4.2, 4.2))
-    cmap = plt.get_cmap(RANK_CMAP)
-    size = 1.0 / n_chunks
-    for i in range(n_chunks):
-        for j in range(n_chunks):
-            ax.add_patch(Rectangle((j * size, i * size), size, size, fill=False, ec="#d0d0d0", lw=0.5))
-    busiest = {}
-    for rank, step, qc, kc, diagonal in computed_blocks(world, layout, is_causal):
-        ax.add_patch(Rectangle((kc * size, qc * size), size, size, color=cmap(rank % 10), alpha=0.8, lw=0,
-                               hatch="///" if diagonal else None))
-        ax.text((kc + 0.5) * size, (qc + 0.5) * size, str(step), ha="center", va="center",
-                fontsize=max(5, 11 - n_chunks // 2), color="black")
-        busiest[rank] = busiest.get(rank, 0) + (0.5 if diagonal else 1.0)
-    ax.set_xlim(0, 1)
-    ax.set_ylim(1, 0)
-    ax.set_aspect("equal")
-    ticks = (np.arange(n_chunks) + 0.5) * size
-    ax.set_xticks(ticks, [str(c) for c in range(n_chunks)], fontsize=7)
-    ax.set_yticks(ticks, [str(c) for c in range(n_chunks)], fontsize=7)
-    ax.set_xlabel("key chunk", fontsize=8)
-    ax.set_ylabel("query chunk", fontsize=8)
-    work = ", ".join(f"{busiest.get(r, 0):g}" for r in range(world))
-    ax.set_title(title or f"{layout}, {'causal' if is_causal else 'no mask'}, {world} ranks\n"
-                          f"blocks per rank (a hatched one counts 1/2): {work}", fontsize=9)
-    handles = [Patch(color=cmap(r % 10), alpha=0.8, label=f"rank {r}") for r in range(world)]
-    ax.legend(handles=handles, fontsize=7, loc="upper right", bbox_to_anchor=(1.32, 1.0), frameon=False)
-    return ax
-
-
-def rank_tile_bars(counts, ax=None, title=None):
-    """Bars of the tiles each rank computes, one group per rank and one bar per layout:
-    ``counts`` maps a layout's name to its list of counts, rank by rank. The dashed line of each
-    layout is its busiest rank, which sets the ring's time."""
-    names = list(counts)
-    world = len(next(iter(counts.values())))
-    ax = axes_for(ax, (1.0 * world + 2.5, 3.2))
-    width = 0.8 / len(names)
-    colors = ["#c0392b", "#2e86c1", "#7d3c98", "#229954"]
-    for i, name in enumerate(names):
-        xs = np.arange(world) + (i - (len(names) - 1) / 2) * width
-        ax.bar(xs, counts[name], width * 0.95, color=colors[i % 4], label=name)
-        ax.axhline(max(counts[name]), color=colors[i % 4], ls="--", lw=1)
-    ax.set_xticks(np.arange(world), [f"rank {r}" for r in range(world)], fontsize=8)
-    ax.set_ylabel("tiles computed", fontsize=8)
-    ax.legend(fontsize=8, frameon=False)
-    ax.set_title(title or "tiles each rank computes (dashed: the busiest rank, which the ring waits for)",
-                 fontsize=9)
-    return ax
-
-
-def overlap_timeline(compute_ms, transfer_ms, steps, ax=None, title=None):
-    """Two timelines of a ring of ``steps`` steps where each block computes in ``compute_ms`` and
-    each transfer takes ``transfer_ms``: one after the other (above), and with each step's transfer
-    posted before its compute (below). Returns the Axes; the total times are in the labels."""
-    ax = axes_for(ax, (9, 2.4))
-    serial, overlapped = 0.0, 0.0
-    for step in range(steps):
-        ax.add_patch(Rectangle((serial, 1.1), compute_ms, 0.35, fc="#2e86c1", ec="white", lw=1))
-        serial += compute_ms
-        if step + 1 < steps:
-            ax.add_patch(Rectangle((serial, 1.1), transfer_ms, 0.35, color="#e67e22"))
-            serial += transfer_ms
-        ax.add_patch(Rectangle((overlapped, 0.1), compute_ms, 0.35, fc="#2e86c1", ec="white", lw=1))
-        if step + 1 < steps:
-            ax.add_patch(Rectangle((overlapped, 0.5), transfer_ms, 0.25, color="#e67e22"))
-            overlapped += max(compute_ms, transfer_ms)
-        else:
-            overlapped += compute_ms
-    ax.set_xlim(0, max(serial, overlapped) * 1.02)
-    ax.set_ylim(0, 2.0)
-    ax.set_yticks([0.35, 1.27], [f"overlapped: {overlapped:.2f} ms", f"one after the other: {serial:.2f} ms"],
-                  fontsize=8)
-    ax.set_xlabel("ms", fontsize=8)
-    ax.legend(handles=[Patch(color="#2e86c1", label="a block's kernels"),
-                       Patch(color="#e67e22", label="the next K/V shard's transfer")],
-              fontsize=8, frameon=False, loc="upper right", ncol=2)
+def provider_bars(tflops, providers, ax=None, title=None, ylabel="TFLOPS"):
+    """Grouped bars: ``tflops`` maps a setting label to ``{provider: TFLOPS}``; one group per
+    setting, one bar per provider (in the order of ``providers``), the value written on top."""
+    ax = axes_for(ax, (9, 3.8))
+    settings = list(tflops)
+    width = 0.8 / len(providers)
+    x = np.arange(len(settings))
+    for i, provider in enumerate(providers):
+        values = [tflops[s].get(provider, np.nan) for s in settings]
+        bars = ax.bar(x + (i - (len(providers) - 1) / 2) * width, values, width, label=provider)
+        for bar, value in zip(bars, values):
+            if np.isfinite(value):
+                ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom",
+                        fontsize=6.5, rotation=90)
+    ax.set_xticks(x, settings, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.18 * max(v for row in tflops.values() for v in row.values()))
+    ax.legend(fontsize=8, ncol=len(providers), loc="lower center")
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.25)
     return ax
 
 
-def memory_per_gpu(seq_lens, bytes_per_token, worlds, capacity=None, ax=None, title=None):
-    """GB per GPU against the sequence length when ``bytes_per_token`` bytes of each token live on
-    the GPU that holds it, for each world size in ``worlds`` (log-log), with the GPU's ``capacity``
-    in GB as a line."""
-    ax = axes_for(ax, (6, 3.6))
-    seq_lens = np.asarray(seq_lens, dtype=float)
-    for world in worlds:
-        ax.plot(seq_lens, seq_lens * bytes_per_token / world / 1e9, marker="o", ms=3,
-                label=f"{world} GPU" + ("s" if world > 1 else ""))
-    if capacity is not None:
-        ax.axhline(capacity, color="black", ls="--", lw=1, label=f"one GPU's memory, {capacity:g} GB")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length N (tokens)", fontsize=8)
-    ax.set_ylabel("GB per GPU", fontsize=8)
-    ax.legend(fontsize=8, frameon=False)
-    ax.grid(True, which="major", alpha=0.3)
+# ---------------------------------------------------------------------------- the forward's pipeline
+
+
+def pipeline_schedule(n_tiles, stages, consumers=2, pingpong=True, mm_clocks=512.0, softmax_clocks=512.0,
+                      load_clocks=512.0):
+    """When each partition of the Gluon forward (``flashattn.hopper.forward``) does what, for one
+    program streaming ``n_tiles`` K/V tiles through a ring of ``stages`` buffers: a small event
+    simulation that follows the kernel's own order of operations and its mbarrier waits.
+
+    The producer copies Q (one tile per consumer), then K_0, then K_j with V_{j-1}, then V_{n-1},
+    each into slot ``j % stages`` once every consumer has released the tile that held it; the copy
+    engine does one copy at a time (``load_clocks`` each, Q tiles ``load_clocks / 2``). Consumer c,
+    in step j, waits for K_j and V_{j-1} (and, with ``pingpong``, for its turn), issues S_j = Q K_j^T
+    and P_{j-1} V_{j-1} to the tensor cores (shared by the consumers, one matmul at a time,
+    ``mm_clocks`` each), waits for S_j, releases K_j, computes the softmax of tile j
+    (``softmax_clocks``, on its own warps), waits for P V and releases V_{j-1}.
+
+    Returns a dict: ``boxes``, a list of (lane, start, end, label, kind) with lanes "copy engine",
+    "tensor cores", "consumer c"; ``stalls``, a list of (lane, start, end, what) for every wait on
+    an mbarrier that was not yet complete ("ready" for a tile not landed, "empty" for a slot not
+    released, "turn" for ping-pong); and ``end``, the clock at which the last consumer is done."""
+    half = load_clocks / 2
+    # the producer's copies, in its order: (kind, tile, consumer for Q)
+    copies = [("Q", c, c) for c in range(consumers)] + [("K", 0, None)]
+    for j in range(1, n_tiles):
+        copies += [("K", j, None), ("V", j - 1, None)]
+    copies.append(("V", n_tiles - 1, None))
+    landed, released = {}, {}           # (kind, tile) -> clock; (kind, tile, consumer) -> clock
+    boxes, stalls = [], []
+    state = dict(copy=0, producer=0.0, engine=0.0, tc=0.0)
+    step = [0] * consumers              # the next step of each consumer (0 .. n_tiles)
+    free = [0.0] * consumers            # when each consumer is ready for its next step
+    issued = {}                         # (consumer, step) -> clock it issued its matmuls
+
+    def producer_next():
+        if state["copy"] == len(copies):
+            return None
+        kind, j, _ = copies[state["copy"]]
+        if kind != "Q" and j >= stages:
+            keys = [(kind, j - stages, c) for c in range(consumers)]
+            if not all(k in released for k in keys):
+                return None
+            return max(state["producer"], max(released[k] for k in keys))
+        return state["producer"]
+
+    def producer_run(t):
+        kind, j, c = copies[state["copy"]]
+        if t > state["producer"]:
+            stalls.append(("copy engine", state["producer"], t, "empty"))
+        start = max(t, state["engine"])
+        end = start + (half if kind == "Q" else load_clocks)
+        label = f"Q{c}" if kind == "Q" else f"{kind}{j}"
+        boxes.append(("copy engine", start, end, label, kind if kind == "Q" else f"slot {j % stages}"))
+        landed[("Q", c) if kind == "Q" else (kind, j)] = end
+        state.update(producer=t, engine=end, copy=state["copy"] + 1)
+
+    def needs(c, s):
+        need = [("Q", c)] if s == 0 else []
+        if s < n_tiles:
+            need.append(("K", s))
+        if s >= 1:
+            need.append(("V", s - 1))
+        return need
+
+    def turn_after(c, s):
+        return (c - 1, s) if c > 0 else ((consumers - 1, s - 1) if s > 0 else None)
+
+    def consumer_next(c):
+        s = step[c]
+        if s > n_tiles or not all(k in landed for k in needs(c, s)):
+            return None
+        t = max([free[c]] + [landed[k] for k in needs(c, s)])
+        before = turn_after(c, s) if pingpong else None
+        if before is not None:
+            if before not in issued:
+                return None
+            t = max(t, issued[before])
+        return t
+
+    def consumer_run(c, t):
+        s = step[c]
+        lane = f"consumer {c}"
+        data = max([free[c]] + [landed[k] for k in needs(c, s)])
+        if data > free[c]:
+            stalls.append((lane, free[c], data, "ready"))
+        if t > data:
+            stalls.append((lane, data, t, "turn"))
+        issued[(c, s)] = t
+        done = t
+        if s < n_tiles:                                   # S_s = Q K_s^T
+            start = max(t, state["tc"])
+            s_end = start + mm_clocks
+            state["tc"] = s_end
+            boxes.append(("tensor cores", start, s_end, f"S{s}", f"consumer {c}"))
+            released[("K", s, c)] = s_end
+            boxes.append((lane, s_end, s_end + softmax_clocks, f"softmax {s}", "softmax"))
+            done = s_end + softmax_clocks
+        if s >= 1:                                        # O += P_{s-1} V_{s-1}
+            start = max(t, state["tc"])
+            pv_end = start + mm_clocks
+            state["tc"] = pv_end
+            boxes.append(("tensor cores", start, pv_end, f"PV{s - 1}", f"consumer {c}"))
+            done = max(done, pv_end)
+            released[("V", s - 1, c)] = done
+        free[c], step[c] = done, s + 1
+
+    while state["copy"] < len(copies) or any(s <= n_tiles for s in step):
+        options = []
+        t = producer_next()
+        if t is not None:
+            options.append((t, 0, -1))
+        for c in range(consumers):
+            t = consumer_next(c)
+            if t is not None:
+                options.append((t, 1, c))
+        if not options:
+            raise RuntimeError("the pipeline deadlocked")  # cannot happen with the kernel's order
+        t, _, who = min(options)
+        producer_run(t) if who < 0 else consumer_run(who, t)
+    return dict(boxes=boxes, stalls=stalls, end=max(free))
+
+
+def pipeline_timeline(schedule, ax=None, title=None):
+    """Draw a :func:`pipeline_schedule`: one lane per partition (the copy engine the producer
+    drives, the tensor cores, each consumer's own warps), a box per copy, matmul and softmax, the
+    copies coloured by the ring's slot, the matmuls by consumer; hatched spans are waits on an
+    mbarrier not yet complete (red: a tile not landed, or a slot not released; grey: ping-pong's
+    turn)."""
+    import matplotlib.pyplot as plt
+
+    lanes = ["copy engine", "tensor cores"] + sorted({b[0] for b in schedule["boxes"] if b[0].startswith("consumer")})
+    ax = axes_for(ax, (12, 0.8 + 0.7 * len(lanes)))
+    kinds = sorted({b[4] for b in schedule["boxes"]})
+    palette = dict(zip([k for k in kinds if k.startswith("slot")], plt.get_cmap("Pastel1").colors))
+    palette.update(zip([k for k in kinds if k.startswith("consumer")], ["#9ecae1", "#fdae6b", "#a1d99b"]))
+    palette.update(Q="#dddddd", softmax="#c7b9e0")
+    for lane, start, end, label, kind in schedule["boxes"]:
+        y = lanes.index(lane)
+        ax.barh(y, end - start, left=start, height=0.6, color=palette.get(kind, "#cccccc"), edgecolor="black", lw=0.5)
+        ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=6.5)
+    for lane, start, end, what in schedule["stalls"]:
+        y = lanes.index(lane)
+        color = "#bbbbbb" if what == "turn" else "#e34a33"
+        ax.barh(y + 0.3, end - start, left=start, height=0.18, color="none", edgecolor=color, hatch="////", lw=0.8)
+    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("clock cycles of one SM (model)")
+    ax.set_xlim(0, schedule["end"] * 1.01)
+    names = [k for k in palette if k.startswith(("slot", "consumer")) or k == "softmax"]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=palette[k]) for k in names]
+    names = [f"copy into {k}" if k.startswith("slot") else f"matmul of {k}" if k.startswith("consumer") else k
+             for k in names]
+    handles += [plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="#e34a33", hatch="////"),
+                plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="#bbbbbb", hatch="////")]
+    names += ["wait: tile not landed / slot not free", "wait: ping-pong turn"]
+    ax.legend(handles, names, fontsize=7, ncol=min(len(names), 5), loc="upper center", bbox_to_anchor=(0.5, -0.3))
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=10)
     return ax

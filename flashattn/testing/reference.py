@@ -148,7 +148,7 @@ def tiled_forward(q, k, v, is_causal=False, scale=None, block_q=32, block_kv=16)
 
 
 def attention_backward(q, k, v, o, do, lse, is_causal=False, scale=None):
-    """dQ, dK, dV written from the formulas of chapter 05, with P rebuilt from the LSE:
+    """dQ, dK, dV written from the formulas of chapter 06, with P rebuilt from the LSE:
 
     ``P = exp(S - LSE)``, ``dV = P^T dO``, ``dP = dO V^T``, ``Delta = rowsum(dO * O)``,
     ``dS = P * (dP - Delta)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.

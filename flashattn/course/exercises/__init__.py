@@ -3,30 +3,31 @@
     from flashattn.course import exercises
     exercises.check_online_softmax(online_softmax)   # prints "PASSED: ..." or raises ExerciseError
 
-One module per group of chapters (``ch00_02``, ``ch03_04`` with chapter 04's Triton ladder in
-``ch04_ladder`` and its whole kernel in ``ch04_kernel``, ``ch05_07``, ``ch06``, ``ch08``, ``ch09``, ``ch10``, ``ch11``, ``ch12``, ``ch13``), and
+One module per group of chapters (``ch00_02``; ``ch03_05``, chapter 03 and the first two exercises of
+chapter 05; ``ch04_ladder``, chapter 04's Triton ladder; ``ch05_kernel``, chapter 05's whole kernel and
+its launcher; ``ch06_08``, ``ch07``, ``ch09``, ``ch10``, ``ch11``, ``ch12``, ``ch13``, ``ch14``), and
 ``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
 are available from here.
 """
 from .ch00_02 import (check_block_alphas, check_lse_from_state, check_merge_softmax_states,
                       check_naive_causal_attention, check_online_softmax, check_online_softmax_weighted_sum,
                       check_score_bytes, check_softmax_exp2)
-from .ch03_04 import (FORWARD_MISTAKES, check_causal_tiles, check_classify_tiles, check_fwd_inner,
+from .ch03_05 import (FORWARD_MISTAKES, check_causal_tiles, check_classify_tiles, check_fwd_inner,
                       check_kv_stage_bounds, check_tiled_attention, fwd_exercise_kernel, run_fwd_inner,
                       tiled_forward_with_mistake)
-from .ch04_kernel import check_my_attention_forward, check_my_attn_fwd, launch_my_attn_fwd
+from .ch05_kernel import check_my_attention_forward, check_my_attn_fwd, launch_my_attn_fwd
 from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_matmul_kernel,
                           check_row_softmax_kernel, check_stream_kv_kernel)
-from .ch05_07 import (check_attention_backward, check_my_attention, check_row_lse_kernel, check_rule_test,
+from .ch06_08 import (check_attention_backward, check_my_attention, check_row_lse_kernel, check_rule_test,
                       check_slip_factors, check_softmax_backward)
-from .ch06 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, check_my_attention_backward,
+from .ch07 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, check_my_attention_backward,
                    dkdv_exercise_kernel, dq_exercise_kernel, run_dkdv_inner, run_dq_inner)
-from .ch08 import check_attention_cost, check_choose_config, check_estimate_resources
-from .ch09 import check_kv_head_map, check_varlen_programs, check_window_kv_range
-from .ch10 import check_merge_split_partials
-from .ch11 import check_ring_slot, check_smem_bytes
-from .ch12 import check_zigzag_blocks, check_zigzag_positions
-from .ch13 import check_alibi_bias, check_key_padding_mask, check_softcap_piece, run_softcap_piece
+from .ch09 import check_attention_cost, check_choose_config, check_estimate_resources
+from .ch10 import check_kv_head_map, check_varlen_programs, check_window_kv_range
+from .ch11 import check_merge_split_partials
+from .ch12 import check_ring_slot, check_smem_bytes
+from .ch13 import check_zigzag_blocks, check_zigzag_positions
+from .ch14 import check_alibi_bias, check_key_padding_mask, check_softcap_piece, run_softcap_piece
 from .common import ExerciseError, attempt, expect_close
 
 __all__ = [
@@ -35,30 +36,30 @@ __all__ = [
     "check_naive_causal_attention", "check_score_bytes", "check_online_softmax", "check_block_alphas",
     "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_lse_from_state",
     "check_softmax_exp2",
-    # chapters 03-04
+    # chapters 03 and 05 (the tiles; the stage bounds and the inner loop)
     "check_classify_tiles", "check_causal_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
     "fwd_exercise_kernel", "run_fwd_inner", "tiled_forward_with_mistake", "FORWARD_MISTAKES",
     # chapter 04's Triton ladder
     "check_block_shift_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",
     "check_stream_kv_kernel", "check_matmul_kernel",
-    # chapter 04's whole forward kernel and its launcher
+    # chapter 05's whole forward kernel and its launcher
     "check_my_attn_fwd", "check_my_attention_forward", "launch_my_attn_fwd",
-    # chapters 05-07
+    # chapters 06-08
     "check_softmax_backward", "check_attention_backward", "check_slip_factors", "check_delta_kernel",
     "check_dkdv_inner",
     "dkdv_exercise_kernel", "run_dkdv_inner", "check_dq_inner", "dq_exercise_kernel", "run_dq_inner",
     "check_my_attention_backward",
     "check_rule_test", "check_row_lse_kernel", "check_my_attention",
-    # chapter 08
-    "check_attention_cost", "check_estimate_resources", "check_choose_config",
     # chapter 09
-    "check_kv_head_map", "check_window_kv_range", "check_varlen_programs",
+    "check_attention_cost", "check_estimate_resources", "check_choose_config",
     # chapter 10
-    "check_merge_split_partials",
+    "check_kv_head_map", "check_window_kv_range", "check_varlen_programs",
     # chapter 11
-    "check_ring_slot", "check_smem_bytes",
+    "check_merge_split_partials",
     # chapter 12
-    "check_zigzag_positions", "check_zigzag_blocks",
+    "check_ring_slot", "check_smem_bytes",
     # chapter 13
+    "check_zigzag_positions", "check_zigzag_blocks",
+    # chapter 14
     "check_softcap_piece", "run_softcap_piece", "check_alibi_bias", "check_key_padding_mask",
 ]

@@ -17,7 +17,7 @@ from ..notebook import pick
 from ...gpu.runtime import DEVICE
 from ...testing.rule import round_to_tf32
 from ...kernels.tiles import LN2, LOG2E
-from .ch03_04 import name_forward_mistake, tiled_forward_with_mistake
+from .ch03_05 import name_forward_mistake, tiled_forward_with_mistake
 from .common import ExerciseError, close, expect_close, launch_learner_kernel, passed
 
 SOFTMAX = ("flashattn", "softmax")  # what none of these kernels may call

@@ -1,302 +1,317 @@
-"""Checkers of chapter 09: the grouped-query index map, the key range of a query block under a
-sliding window, and the program table of a packed variable-length batch.
-
-Each draws its own cases, compares with the definition, and when an answer is wrong names the slip
-it matches on every case (a model of each slip is computed here), or says where it first differs.
+"""Checkers of chapter 09: counting an attention's FLOPs and minimal bytes, the registers and shared
+memory a tile configuration needs (the rule of ``flashattn.gpu.configs.fits``, spelled out), and
+choosing a configuration for an H100/H200.
 """
-import torch
+import math
 
+import torch
+import triton
+
+from ...gpu import archs, configs
+from ...measure.bench import attention_flops
 from .common import ExerciseError, attempt, passed
 
-# --- Exercise 1: which KV head a query head reads --------------------------------------------------
+VALUES_PER_THREAD = 160      # fp32 values a thread holds before the compiler spills (configs.fits)
+SMEM_PER_BLOCK = 227 * 1024  # shared memory one block may use on an H100/H200 (configs.fits)
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 
 
-def _kv_heads(n_q_heads, n_kv_heads, slip=None):
-    h = torch.arange(n_q_heads)
-    if slip == "modulo":
-        return h % n_kv_heads
-    if slip == "by kv heads":
-        return h // n_kv_heads
-    return h // (n_q_heads // n_kv_heads)
+def _dtype_size(dtype):
+    return torch.empty((), dtype=dtype).element_size()
 
 
-KV_MAP_SLIPS = {
-    "modulo": "query heads are dealt out round-robin (h % H_kv), but a group is G = H_q / H_kv "
-              "CONSECUTIVE query heads, as repeat_interleave and SDPA's enable_gqa lay them out",
-    "by kv heads": "divided by H_kv, the number of KV heads; divide by the group size G = H_q / H_kv",
-}
+def minimal_bytes(batch, heads, n_q, n_kv, head_dim, mode, element_size, lse_size=4, count_lse=True):
+    """The fewest bytes attention can move to or from HBM: every input read once and every output
+    written once. Forward: Q, K, V read and O written (``element_size`` bytes each), the LSE written
+    (float32, one per query row). Backward: Q, K, V, O, dO and the LSE read; dQ, dK, dV written.
+    Intermediates of one implementation (Delta) are not counted."""
+    bh = batch * heads
+    rows = 2 * n_q + 2 * n_kv if mode == "fwd" else 4 * n_q + 4 * n_kv
+    return bh * rows * head_dim * element_size + (lse_size * bh * n_q if count_lse else 0)
 
 
-def check_kv_head_map(kv_head_map):
-    """``kv_head_map(n_q_heads, n_kv_heads)`` must return an integer tensor of length ``n_q_heads``
-    whose entry h is the KV head that query head h reads, h // (n_q_heads // n_kv_heads), and raise
-    ValueError when n_kv_heads does not divide n_q_heads."""
-    name = getattr(kv_head_map, "__name__", "kv_head_map")
-    cases = [(8, 8), (32, 8), (8, 1), (12, 4), (6, 2), (1, 1), (16, 2)]
-    for n_q, n_kv in cases:
-        out = attempt(kv_head_map, n_q, n_kv, name=name, forbid=("flashattn",))
-        try:
-            got = torch.as_tensor(out)
-        except Exception:
-            raise ExerciseError(f"{name}({n_q}, {n_kv}) returned {type(out).__name__}, not a tensor of "
-                                "integers") from None
-        if got.dtype.is_floating_point or got.dtype == torch.bool:
-            raise ExerciseError(f"{name}({n_q}, {n_kv}) returned {got.dtype} values: head indices are "
-                                "integers (torch.long), usable with index_select")
-        if tuple(got.shape) != (n_q,):
-            raise ExerciseError(f"{name}({n_q}, {n_kv}) returned shape {tuple(got.shape)}; expected ({n_q},): "
-                                "one KV head per query head")
-        want = _kv_heads(n_q, n_kv)
-        if torch.equal(got.long(), want):
-            continue
-        for slip, hint in KV_MAP_SLIPS.items():
-            wrong = _kv_heads(n_q, n_kv, slip)
-            if torch.equal(got.long(), wrong):
-                raise ExerciseError(f"{name}({n_q}, {n_kv}) is wrong: {hint}.")
-        h = int((got.long() != want).nonzero()[0])
-        raise ExerciseError(f"{name}({n_q}, {n_kv}): query head {h} gets KV head {int(got[h])}, which is not "
-                            f"the KV head of its group of {n_q // n_kv} consecutive query heads.")
-    for n_q, n_kv in [(6, 4), (8, 3), (4, 8)]:
-        try:
-            out = kv_head_map(n_q, n_kv)
-        except ValueError:
-            continue
-        except NotImplementedError:
-            raise ExerciseError(f"{name} is not implemented yet") from None
-        except Exception as error:
-            raise ExerciseError(f"{name}({n_q}, {n_kv}) raised {type(error).__name__}: raise ValueError "
-                                "(naming the head counts) when H_kv does not divide H_q") from None
-        raise ExerciseError(f"{name}({n_q}, {n_kv}) returned a map: with {n_kv} KV heads for {n_q} query "
-                            "heads the groups cannot be equal; raise ValueError when H_q % H_kv != 0.")
-    passed(f"{name} maps query head h to KV head h // (H_q / H_kv) for {len(cases)} head counts, and "
-           "refuses head counts that do not divide")
+def _number(value, what):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ExerciseError(f"{what} should be a number, got {type(value).__name__}") from None
 
 
-# --- Exercise 2: the key range of a query block under a sliding window -----------------------------
+def check_attention_cost(attention_cost):
+    """Chapter 09: ``attention_cost(batch, heads, n_q, n_kv, head_dim, causal, mode, dtype)`` must
+    return ``(flops, bytes)``: the conventional FLOP count (``flashattn.measure.bench.attention_flops``) and
+    the minimal HBM bytes (every input read once, every output written once; the LSE in float32)."""
+    name = getattr(attention_cost, "__name__", "attention_cost")
+    cases = [(1, 1, 64, 64, 64, False, "fwd", torch.bfloat16),
+             (1, 128, 8192, 8192, 128, True, "fwd", torch.bfloat16),
+             (2, 16, 4096, 4096, 128, True, "bwd", torch.float16),
+             (4, 8, 1000, 3000, 80, False, "bwd", torch.float32),
+             (3, 5, 777, 129, 96, True, "fwd", torch.float32),
+             (2, 4, 17, 300, 40, True, "bwd", torch.float16),
+             (1, 32, 16384, 16384, 64, False, "fwd", torch.float16),
+             (5, 3, 2048, 512, 256, False, "bwd", torch.bfloat16)]
+    for b, h, n_q, n_kv, d, causal, mode, dtype in cases:
+        call = (f"{name}({b}, {h}, {n_q}, {n_kv}, {d}, causal={causal}, mode={mode!r}, "
+                f"dtype={dtype})")
+        out = attempt(attention_cost, b, h, n_q, n_kv, d, causal, mode, dtype, name=name)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ExerciseError(f"{call} should return a tuple (flops, bytes), got {type(out).__name__}"
+                                + (f" of {len(out)} items" if isinstance(out, (tuple, list)) else ""))
+        flops, n_bytes = _number(out[0], f"{call}[0] (the FLOPs)"), _number(out[1], f"{call}[1] (the bytes)")
+        e = _dtype_size(dtype)
 
-WINDOW_SLIPS = {
-    "left off by one": "the left edge is off by one: query i sees key i - left itself "
-                       "(j >= i - left, inclusive)",
-    "right off by one": "hi is one key short: the last query of the block, q_start + block_q - 1, "
-                        "sees key q_start + block_q - 1 + right itself, so hi is one past it",
-    "lo from last query": "lo is computed from the LAST query of the block; the FIRST one, q_start, "
-                          "reaches furthest to the left",
-    "hi from first query": "hi is computed from the FIRST query of the block; the LAST one, "
-                           "q_start + block_q - 1, reaches furthest to the right",
-    "no causal": "the causal mask is forgotten: with is_causal no query sees a key after itself, so "
-                 "hi is at most q_start + block_q, whatever the window's right edge",
-    "swapped": "left and right are swapped: window_size = (left, right), left bounds the keys BEFORE "
-               "the query (j >= i - left), right those AFTER it (j <= i + right)",
-    "minus one": "-1 is taken as a number: window_size -1 means no bound on that side",
-    "minus one left": "-1 is taken as a number for left: window_size -1 means no bound on that side",
-    "minus one right": "-1 is taken as a number for right: window_size -1 means no bound on that side",
-    "not aligned": "lo is not the start of a key block: round it down to a multiple of block_kv "
-                   "(the kernel loads whole tiles and masks the keys outside the window)",
-    "not clamped": "the range runs outside the keys: clamp lo at 0 and hi at n_kv",
-}
+        want = attention_flops(b, h, n_q, n_kv, d, causal, mode)
+        if not math.isclose(flops, want, rel_tol=1e-9):
+            full = attention_flops(b, h, n_q, n_kv, d, False, mode)
+            fwd = attention_flops(b, h, n_q, n_kv, d, causal, "fwd")
+            hints = [
+                (causal, full, "that is the count WITHOUT the causal halving: causal attention is "
+                               "credited half the work (x0.5), since about half of the (i, j) pairs are hidden"),
+                (mode == "bwd", fwd, "that is the forward's count: the backward is credited 2.5x the "
+                                     "forward (5 matrix products against 2)"),
+                (mode == "bwd", fwd * 2, "the backward does 5 matrix products (S again, dV, dP, dQ, dK), "
+                                         "2.5x the forward's 2, not 2x"),
+                (mode == "bwd", fwd * 3.5, "that counts 7 products per tile pair, which is what flashattn's "
+                                           "deterministic backward really does; the convention credits 5 "
+                                           "(2.5x the forward) whatever the implementation"),
+                (True, want / 2, "each multiply-add is 2 FLOPs: one product of (N_q x D) by (D x N_kv) "
+                                 "costs 2 * N_q * N_kv * D"),
+                (n_q != n_kv, want * n_q / n_kv, "use N_q * N_kv, not N_q squared"),
+                (n_q != n_kv, want * n_kv / n_q, "use N_q * N_kv, not N_kv squared"),
+                (b > 1, want / b, "multiply by the batch size too"),
+                (h > 1, want / h, "multiply by the number of heads too"),
+            ]
+            hint = "; or else, ".join(dict.fromkeys(text for applies, value, text in hints
+                                                    if applies and math.isclose(flops, value, rel_tol=1e-9)))
+            raise ExerciseError(f"{call}: FLOPs {flops:.6g}, expected {want:.6g}"
+                                + (f": {hint}" if hint else " (4 * B * H * N_q * N_kv * D, x0.5 if causal, "
+                                   "x2.5 for the backward)"))
+
+        want_b = minimal_bytes(b, h, n_q, n_kv, d, mode, e)
+        if n_bytes != want_b:
+            bh = b * h
+            hints = [
+                (causal, want_b / 2, "the causal mask halves the FLOPs, not the bytes: every row of K and V "
+                                     "is still read by some query, every row of Q and O still exists"),
+                (causal, (want_b - 4 * bh * n_q) / 2 + 4 * bh * n_q,
+                 "the causal mask halves the FLOPs, not the bytes: every row of K and V is still read"),
+                (True, want_b - 4 * bh * n_q, "the LSE is missing: one float32 per query row, written by the "
+                                              "forward and read by the backward"),
+                (e != 4, want_b - 4 * bh * n_q + e * bh * n_q, "the LSE is float32 (4 bytes per row) "
+                                                               "whatever the dtype of Q, K, V"),
+                (e != 4, minimal_bytes(b, h, n_q, n_kv, d, mode, 4), f"that assumes 4 bytes per element; {dtype} "
+                                                                   f"has {e} (torch.empty((), dtype=dtype).element_size())"),
+                (True, want_b * 8, "that is bits; count bytes"),
+                (mode == "bwd", minimal_bytes(b, h, n_q, n_kv, d, "fwd", e),
+                 "that is the forward's traffic: the backward reads Q, K, V, O, dO and the LSE and writes "
+                 "dQ, dK and dV"),
+                (mode == "bwd", want_b + 4 * bh * n_q, "Delta is an intermediate of one implementation (it "
+                                                       "could be computed on the fly); count only inputs and outputs"),
+                (mode == "bwd", want_b + 8 * bh * n_q, "Delta is an intermediate of one implementation (it "
+                                                       "could be computed on the fly); count only inputs and outputs"),
+                (n_q != n_kv, minimal_bytes(b, h, n_kv, n_q, d, mode, e), "N_q and N_kv are swapped: Q, O (and "
+                                                                        "dQ, dO) have N_q rows, K and V N_kv"),
+            ]
+            hint = "; or else, ".join(dict.fromkeys(text for applies, value, text in hints
+                                                    if applies and n_bytes == value))
+            raise ExerciseError(f"{call}: bytes {n_bytes:,.0f}, expected {want_b:,}"
+                                + (f": {hint}" if hint else
+                                   " (count each tensor read or written once: e bytes per element, float32 LSE)"))
+    passed(f"{name} gives the FLOPs and the minimal bytes on {len(cases)} settings (forward and backward, "
+           "causal or not, N_q != N_kv, fp16/bf16/fp32, head dims 40 to 256)")
 
 
-def _window_range(q_start, block_q, block_kv, n_kv, window_size, is_causal, slip=None):
-    """(lo, hi) keys, as the definition gives them (``slip`` None) or as a slip computes them."""
-    left, right = window_size
-    if slip == "swapped":
-        left, right = right, left
-    first, last = q_start, q_start + block_q - 1
-    if slip == "lo from last query":
-        first = last
-    if slip == "hi from first query":
-        last = first
-    lo = 0 if (left < 0 and slip not in ("minus one", "minus one left")) else first - left + (slip == "left off by one")
-    reach = n_kv if (right < 0 and slip not in ("minus one", "minus one right")) else right
-    if is_causal and slip != "no causal":
-        reach = min(reach, 0)
-    hi = last + reach + 1 - (slip == "right off by one")
-    if slip != "not clamped":
-        lo, hi = max(lo, 0), min(hi, n_kv)
-    if lo >= hi:
-        return lo, hi  # no query of the block sees a key: nothing to visit
-    if slip != "not aligned":
-        lo = lo // block_kv * block_kv
-    return lo, hi
+def resources(kernel, block_q, block_kv, head_dim, num_warps, num_stages, element_size,
+                    pad=True, accumulators=None, dkdv_resident_kv=True, kv_per_stage=2,
+                    resident_tiles=None):
+    """The two numbers flashattn.gpu.configs.fits judges a configuration by: fp32 values per thread
+    held in registers, and shared-memory bytes. The keywords reproduce known mistakes."""
+    bd = configs.block_d(head_dim) if pad else head_dim
+    resident, streamed = ((block_kv, block_q) if kernel == "bwd_dkdv" and dkdv_resident_kv
+                          else (block_q, block_kv))
+    acc, scores = accumulators or {"fwd": (1, 1), "bwd_dkdv": (2, 2), "bwd_dq": (1, 2)}[kernel]
+    values = (acc * resident * bd + scores * resident * streamed) / (num_warps * 32)
+    if resident_tiles is None:
+        resident_tiles = 1 if kernel == "fwd" else 2
+    smem = (resident_tiles * resident + num_stages * kv_per_stage * streamed) * bd * element_size
+    return values, smem
 
 
-def _window_cases():
+def rule_fits(kernel, block_q, block_kv, head_dim, num_warps, num_stages, element_size):
+    values, smem = resources(kernel, block_q, block_kv, head_dim, num_warps, num_stages, element_size)
+    divides = kernel != "bwd_dkdv" or configs.dkdv_steps_fit(block_q, block_kv)
+    return values <= VALUES_PER_THREAD and smem <= SMEM_PER_BLOCK and divides
+
+
+def resource_cases():
+    """(kernel, BLOCK_Q, BLOCK_KV, head_dim, num_warps, num_stages, element_size): every candidate
+    of flashattn.gpu.configs (tensor-core and FMA lists) at several head dims and element sizes."""
     cases = []
-    windows = [(-1, -1), (-1, 0), (8, 0), (20, 0), (0, 0), (16, 16), (5, 30), (30, 5), (0, -1), (-1, 7),
-               (100, 3), (33, 0)]
-    for n_q, n_kv in [(64, 64), (100, 100), (37, 90), (90, 37)]:
-        for block_q, block_kv in [(16, 16), (32, 16), (16, 32), (64, 16)]:
-            for window in windows:
-                for causal in (False, True):
-                    for q_start in range(0, n_q, block_q):
-                        cases.append((q_start, block_q, block_kv, n_kv, window, causal))
+    for kernel in KERNELS:
+        candidates = configs.GPU_CONFIGS[kernel] + configs.FMA_CONFIGS[kernel]
+        for head_dim in (16, 40, 64, 80, 128, 192, 256):
+            for element_size in (2, 4):
+                for c in candidates:
+                    cases.append((kernel, c.kwargs["BLOCK_Q"], c.kwargs["BLOCK_KV"], head_dim,
+                                  c.num_warps, c.num_stages, element_size))
     return cases
 
 
-def _blocks(lo, hi, block_kv):
-    """The key blocks a loop ``for start in range(lo, hi, block_kv)`` visits, as (first, end)."""
-    return None if hi <= lo else (lo // block_kv, -(-hi // block_kv))
-
-
-def _describe(case):
-    q_start, block_q, block_kv, n_kv, window, causal = case
-    return (f"q_start={q_start}, block_q={block_q}, block_kv={block_kv}, n_kv={n_kv}, window_size={window}, "
-            f"is_causal={causal}")
-
-
-def check_window_kv_range(window_kv_range):
-    """``window_kv_range(q_start, block_q, block_kv, n_kv, window_size, is_causal)`` must return the
-    keys ``(lo, hi)`` the program of the query block starting at ``q_start`` loops over: lo the
-    first key of the first key block holding a key some query of the block sees, hi one past the
-    last such key (or any point in the last visited block, not past n_kv); lo >= hi when the block
-    sees no key. Every query of the block counts, padding rows included (chapter 03)."""
-    name = getattr(window_kv_range, "__name__", "window_kv_range")
-    cases = _window_cases()
-    got = []
-    for case in cases:
-        out = attempt(window_kv_range, *case, name=name, forbid=("flashattn",))
+def check_estimate_resources(estimate_resources):
+    """Chapter 09: ``estimate_resources(kernel, block_q, block_kv, head_dim, num_warps, num_stages,
+    element_size)`` must return ``(values_per_thread, smem_bytes)`` as flashattn.gpu.configs.fits counts
+    them, for kernel "fwd", "bwd_dkdv" or "bwd_dq"."""
+    name = getattr(estimate_resources, "__name__", "estimate_resources")
+    cases = resource_cases()
+    over_registers = over_smem = 0
+    for kernel, bq, bkv, hd, warps, stages, e in cases:
+        call = f"{name}({kernel!r}, {bq}, {bkv}, head_dim={hd}, num_warps={warps}, num_stages={stages}, element_size={e})"
+        out = attempt(estimate_resources, kernel, bq, bkv, hd, warps, stages, e, name=name)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ExerciseError(f"{name} should return a pair (lo, hi), got {type(out).__name__} ({_describe(case)})")
-        try:
-            lo, hi = (int(x) for x in out)
-        except Exception:
-            raise ExerciseError(f"{name} should return two integers (lo, hi), got {out!r}") from None
-        got.append((lo, hi))
-    wrong = [n for n, (case, (lo, hi)) in enumerate(zip(cases, got))
-             if not _ok(lo, hi, case)]
-    if not wrong:
-        passed(f"{name} gives the tightest key range on {len(cases)} query blocks: windows bounded on one "
-               "side, both or neither, causal or not, ragged lengths, N_q != N_kv")
-        return
-    for slip, hint in WINDOW_SLIPS.items():
-        models = [_window_range(*case, slip=slip) for case in cases]
-        if all(_same(g, m, case) for g, m, case in zip(got, models, cases)) and \
-                any(not _ok(*m, case) for m, case in zip(models, cases)):
-            case = cases[wrong[0]]
-            raise ExerciseError(f"{name} is wrong: {hint} (e.g. {_describe(case)}: you return {got[wrong[0]]}).")
-    n = wrong[0]
-    case, (lo, hi) = cases[n], got[n]
-    want = _window_range(*case)
-    block_kv, n_kv = case[2], case[3]
-    if hi > lo and (lo < 0 or hi > n_kv):
-        raise ExerciseError(f"{name}: ({lo}, {hi}) runs outside the keys 0..{n_kv - 1} ({_describe(case)}).")
-    if hi > lo and lo % block_kv:
-        raise ExerciseError(f"{name}: lo = {lo} is not the start of a key block of {block_kv} "
-                            f"({_describe(case)}).")
-    if want[1] <= want[0]:
-        raise ExerciseError(f"{name}: no query of this block sees any key, so nothing should be visited "
-                            f"(lo >= hi); you return ({lo}, {hi}) ({_describe(case)}).")
-    if hi <= lo:
-        raise ExerciseError(f"{name}: you visit nothing, but some queries of the block see keys "
-                            f"({_describe(case)}).")
-    mine, right = _blocks(lo, hi, block_kv), _blocks(*want, block_kv)
-    if mine[0] > right[0] or mine[1] < right[1]:
-        raise ExerciseError(f"{name}: key blocks {right[0]}..{right[1] - 1} hold keys the block sees; you visit "
-                            f"{mine[0]}..{mine[1] - 1} ({_describe(case)}).")
-    raise ExerciseError(f"{name}: you visit key blocks {mine[0]}..{mine[1] - 1}, but only {right[0]}..{right[1] - 1} "
-                        f"hold keys the block sees: the others should be skipped ({_describe(case)}).")
+            raise ExerciseError(f"{call} should return a tuple (values_per_thread, smem_bytes), got "
+                                f"{type(out).__name__}")
+        values, smem = _number(out[0], f"{call}[0]"), _number(out[1], f"{call}[1]")
+        want_v, want_s = resources(kernel, bq, bkv, hd, warps, stages, e)
+        # The reference must say what the package says (it is the package's rule, spelled out).
+        config = triton_config(bq, bkv, warps, stages)
+        package_says = configs.fits(kernel, config, configs.block_d(hd), e, arch=archs.REFERENCE)  # an H100/H200
+        assert rule_fits(kernel, bq, bkv, hd, warps, stages, e) == package_says, \
+            "flashattn.gpu.configs.fits has changed: update resources"
+        over_registers += want_v > VALUES_PER_THREAD
+        over_smem += want_s > SMEM_PER_BLOCK
+        mistake = dict(
+            no_pad=(hd != configs.block_d(hd), resources(kernel, bq, bkv, hd, warps, stages, e, pad=False),
+                    f"the tiles are BLOCK_D = {configs.block_d(hd)} wide, not head_dim = {hd}: the kernels pad the "
+                    "head dim to a power of two of at least 16 (flashattn.gpu.configs.block_d)"),
+            swapped=(kernel == "bwd_dkdv" and bq != bkv,
+                     resources(kernel, bq, bkv, hd, warps, stages, e, dkdv_resident_kv=False),
+                     "in the dK/dV kernel the KEY tile is resident (BLOCK_KV rows stay) and query tiles "
+                     "(BLOCK_Q rows) stream past it"),
+            one_acc=(kernel != "fwd", resources(kernel, bq, bkv, hd, warps, stages, e, accumulators=(1, 1)),
+                     "dK/dV accumulates two tiles (dK and dV) and holds two score-shaped ones (S and dP); dQ "
+                     "accumulates one (dQ) but also holds two score-shaped ones (S and dP)"),
+        )
+        for value, want, what, limit in ((values, want_v, "fp32 values per thread", "registers"),
+                                         (smem, want_s, "shared-memory bytes", "shared memory")):
+            index = 0 if limit == "registers" else 1
+            if math.isclose(value, want, rel_tol=1e-9, abs_tol=1e-9):
+                continue
+            hint = next((text for applies, wrong, text in mistake.values()
+                         if applies and math.isclose(value, wrong[index], rel_tol=1e-9)
+                         and not math.isclose(wrong[index], want, rel_tol=1e-9)), None)
+            if hint is None and index == 0:
+                hint = {want * 32: "that is per warp: divide by the threads, num_warps * 32",
+                        want * warps * 32: "that is per block: divide by the threads, num_warps * 32",
+                        want * 4: "count values (4-byte fp32 numbers), not bytes"}.get(value)
+            if hint is None and index == 1:
+                resident_tiles = 1 if kernel == "fwd" else 2
+                wrong = {
+                    resources(kernel, bq, bkv, hd, warps, stages, e, kv_per_stage=1)[1]:
+                        "each pipeline stage holds TWO streamed tiles (K and V in the forward and dQ kernels, "
+                        "Q and dO in dK/dV)",
+                    resources(kernel, bq, bkv, hd, warps, stages, e, resident_tiles=0)[1]:
+                        "the resident tile(s) live in shared memory too (Q in the forward; two in the backward)",
+                    resources(kernel, bq, bkv, hd, warps, stages, 4)[1]:
+                        f"the tiles are stored in the input dtype, {e} bytes per element, not as float32",
+                    resources(kernel, bq, bkv, hd, warps, stages, e,
+                                    resident_tiles=3 - resident_tiles if kernel != "fwd" else 2)[1]:
+                        "the forward keeps one resident tile (Q), the backward kernels two (K and V; Q and dO)",
+                    want * 8: "that is bits; count bytes",
+                }
+                wrong.pop(want, None)
+                hint = wrong.get(value)
+            raise ExerciseError(f"{call}: {what} {value:,.6g}, expected {want:,.6g}"
+                                + (f": {hint}" if hint else f" (the {limit} rule of flashattn.gpu.configs.fits)"))
+    passed(f"{name} counts registers and shared memory like flashattn.gpu.configs.fits on {len(cases)} cases "
+           f"(3 kernels, head dims 16 to 256, 2- and 4-byte inputs; {over_registers} over the register "
+           f"limit, {over_smem} over the shared-memory limit)")
 
 
-def _ok(lo, hi, case):
-    """Is (lo, hi) a right answer: lo exact, hi anywhere in the last visited block, not past n_kv."""
-    want = _window_range(*case)
-    block_kv, n_kv = case[2], case[3]
-    if want[1] <= want[0]:
-        return hi <= lo
-    return lo == want[0] and want[1] <= hi <= min(n_kv, -(-want[1] // block_kv) * block_kv)
+def triton_config(block_q, block_kv, num_warps, num_stages):
+    """A triton.Config with these tiles, as flashattn.gpu.configs lists them."""
+    return triton.Config({"BLOCK_Q": block_q, "BLOCK_KV": block_kv}, num_warps=num_warps, num_stages=num_stages)
 
 
-def _same(got, model, case):
-    """Does the learner's (lo, hi) visit what the slip's model visits (the same lo, and the same
-    key blocks; both empty counts as the same)?"""
-    block_kv = case[2]
-    if got[1] <= got[0] or model[1] <= model[0]:
-        return (got[1] <= got[0]) == (model[1] <= model[0])
-    return got[0] == model[0] and _blocks(*got, block_kv) == _blocks(*model, block_kv) and \
-        (got[1] <= case[3]) == (model[1] <= case[3])
+BLOCKS = (16, 32, 64, 128, 256)
+WARPS = (4, 8)
+STAGES = (1, 2, 3, 4)
 
 
-# --- Exercise 3: the program table of a packed batch ----------------------------------------------
-
-def _programs(cu_seqlens, block_q, slip=None):
-    cu = [int(x) for x in cu_seqlens]
-    lengths = [b - a for a, b in zip(cu, cu[1:])]
-    if slip == "packed":
-        return [(max(b for b in range(len(lengths)) if cu[b] <= start), start)
-                for start in range(0, cu[-1], block_q)]
-    rows = []
-    for b, n in enumerate(lengths):
-        blocks = {"floor": n // block_q, "empty": max(1, -(-n // block_q)),
-                  "padded": -(-max(lengths) // block_q)}.get(slip, -(-n // block_q))
-        base = {"relative": 0, "next": cu[b + 1]}.get(slip, cu[b])
-        rows += [(b, base + k * block_q) for k in range(blocks)]
-    return rows
+def _fitting(kernel, head_dim, element_size):
+    """Every configuration of the exercise's grid that fits, as (BLOCK_Q, BLOCK_KV, warps, stages)."""
+    return [(bq, bkv, w, s) for bq in BLOCKS for bkv in BLOCKS for w in WARPS
+            for s in STAGES if rule_fits(kernel, bq, bkv, head_dim, w, s, element_size)]
 
 
-VARLEN_SLIPS = {
-    "packed": "the packed rows are cut into blocks as one long sequence, so a block crosses from one "
-              "sequence into the next: cut each sequence on its own, from cu_seqlens[b]",
-    "floor": "the ragged last block of a sequence is missing: sequence b needs "
-             "cdiv(length_b, block_q) blocks, not length_b // block_q",
-    "empty": "an empty sequence (length 0) got a program: it has no query block",
-    "padded": "every sequence gets as many blocks as the LONGEST one: that is the padded grid; "
-              "sequence b needs only cdiv(length_b, block_q)",
-    "relative": "the row offsets count from the start of each sequence; the table holds packed rows, "
-                "cu_seqlens[b] + k * block_q",
-    "next": "sequence b's rows start at cu_seqlens[b], not cu_seqlens[b + 1]",
-}
+def _why_not(kernel, bq, bkv, head_dim, warps, stages, e):
+    """Which limit a configuration breaks, in words (None if it fits)."""
+    values, smem = resources(kernel, bq, bkv, head_dim, warps, stages, e)
+    reasons = []
+    if values > VALUES_PER_THREAD:
+        reasons.append(f"registers: it holds {values:.0f} fp32 values per thread (accumulators and score tiles "
+                       f"spread over {warps * 32} threads), more than ~{VALUES_PER_THREAD} before the "
+                       "compiler spills; use more warps or smaller tiles")
+    if smem > SMEM_PER_BLOCK:
+        reasons.append(f"shared memory: resident tile(s) plus {stages} stage(s) of two streamed tiles, "
+                       f"BLOCK_D = {configs.block_d(head_dim)} wide at {e} bytes, make {smem:,.0f} bytes, more than the "
+                       f"{SMEM_PER_BLOCK:,} (227 KB) one block may use; use fewer stages or a smaller "
+                       "streamed tile")
+    if kernel == "bwd_dkdv" and not configs.dkdv_steps_fit(bq, bkv):
+        reasons.append("the dK/dV kernel steps through the queries from the diagonal: BLOCK_Q must divide BLOCK_KV")
+    return "; and ".join(reasons) or None
 
 
-def _varlen_cases():
-    g = torch.Generator().manual_seed(9)
-    cases = [([5], 16), ([16, 16], 16), ([3, 17, 0, 70, 1], 16), ([0, 0, 9], 32), ([64, 1, 33, 129], 32),
-             ([100], 64), ([7, 0], 16)]
-    for seed in range(3):
-        lengths = torch.randint(0, 150, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-        cases.append((lengths, (16, 32, 64)[seed]))
-    out = []
-    for lengths, block_q in cases:
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-        out.append((cu, block_q))
-    return out
-
-
-def check_varlen_programs(varlen_programs):
-    """``varlen_programs(cu_seqlens, block_q)`` must return an int32 tensor of shape (programs, 2):
-    one row ``(b, start)`` per query block of each sequence, sequences in order and blocks in order,
-    ``start = cu_seqlens[b] + k * block_q`` the block's first packed row, for k < cdiv(length_b,
-    block_q); an empty sequence gets no row."""
-    name = getattr(varlen_programs, "__name__", "varlen_programs")
-    cases = _varlen_cases()
-    for cu, block_q in cases:
-        where = f"cu_seqlens={cu.tolist()}, block_q={block_q}"
-        out = attempt(varlen_programs, cu.clone(), block_q, name=name, forbid=("flashattn",))
-        if not isinstance(out, torch.Tensor):
-            raise ExerciseError(f"{name} should return a torch.Tensor, got {type(out).__name__} ({where})")
-        if out.dtype != torch.int32:
-            raise ExerciseError(f"{name} returned {out.dtype}; the table is int32, as cu_seqlens is and as "
-                                f"the kernel reads it ({where})")
-        want = _programs(cu, block_q)
-        if out.dim() != 2 or out.shape[1] != 2:
-            raise ExerciseError(f"{name} returned shape {tuple(out.shape)}; expected ({len(want)}, 2): one row "
-                                f"(sequence, first packed row) per program ({where})")
-        got = [tuple(row) for row in out.tolist()]
-        if got == want:
-            continue
-        for slip, hint in VARLEN_SLIPS.items():
-            model = _programs(cu, block_q, slip)
-            if model != want and got == model:
-                raise ExerciseError(f"{name} is wrong: {hint} ({where}).")
-        if sorted(got) == sorted(want):
-            raise ExerciseError(f"{name}: the programs are right but out of order: sequence by sequence, and "
-                                f"within a sequence its blocks in order ({where}).")
-        extra = sorted(set(got) - set(want))
-        missing = sorted(set(want) - set(got))
-        if extra:
-            raise ExerciseError(f"{name}: the program (sequence {extra[0][0]}, row {extra[0][1]}) is not a query "
-                                f"block of that sequence ({where}).")
-        raise ExerciseError(f"{name}: {len(missing)} query block(s) have no program, e.g. sequence "
-                            f"{missing[0][0]} from row {missing[0][1]} ({where}).")
-    passed(f"{name} builds the program table for {len(cases)} packed batches: ragged lengths, empty "
-           "sequences, one sequence, block sizes 16 to 64")
+def check_choose_config(choose_config):
+    """Chapter 09: ``choose_config(kernel, head_dim, element_size)`` must return a dict with BLOCK_Q,
+    BLOCK_KV (powers of two, 16 to 256), num_warps (4 or 8) and num_stages (1 to 4) that fits an
+    H100/H200 by flashattn.gpu.configs.fits and whose score tile holds at least 64 x 64 elements (or as
+    many as any fitting configuration can, where 64 x 64 does not fit)."""
+    name = getattr(choose_config, "__name__", "choose_config")
+    chosen = {}
+    for kernel in KERNELS:
+        for head_dim in (16, 64, 80, 128, 192, 256):
+            for e in (2, 4):
+                call = f"{name}({kernel!r}, head_dim={head_dim}, element_size={e})"
+                config = attempt(choose_config, kernel, head_dim, e, name=name)
+                if not isinstance(config, dict):
+                    raise ExerciseError(f"{call} should return a dict like dict(BLOCK_Q=128, BLOCK_KV=64, "
+                                        f"num_warps=8, num_stages=3), got {type(config).__name__}")
+                missing = [k for k in ("BLOCK_Q", "BLOCK_KV", "num_warps", "num_stages") if k not in config]
+                if missing:
+                    raise ExerciseError(f"{call} returned {config}: the key(s) {missing} are missing")
+                try:
+                    bq, bkv, warps, stages = (int(config[k]) for k in ("BLOCK_Q", "BLOCK_KV", "num_warps", "num_stages"))
+                except (TypeError, ValueError):
+                    raise ExerciseError(f"{call} returned {config}: the values should be integers") from None
+                if bq not in BLOCKS or bkv not in BLOCKS:
+                    raise ExerciseError(f"{call} returned {config}: BLOCK_Q and BLOCK_KV must be powers of two "
+                                        "from 16 (the smallest tile tl.dot takes) to 256")
+                if warps not in WARPS:
+                    raise ExerciseError(f"{call} returned {config}: num_warps must be 4 or 8 (one or two "
+                                        "warpgroups, what Hopper's wgmma instructions are issued by)")
+                if stages not in STAGES:
+                    raise ExerciseError(f"{call} returned {config}: num_stages must be 1 to 4")
+                problem = _why_not(kernel, bq, bkv, head_dim, warps, stages, e)
+                if problem:
+                    raise ExerciseError(f"{call} returned {config}, which does not fit: {problem}.")
+                assert configs.fits(kernel, triton_config(bq, bkv, warps, stages), configs.block_d(head_dim), e,
+                                   arch=archs.REFERENCE)
+                fitting = _fitting(kernel, head_dim, e)
+                target = min(64 * 64, max(c[0] * c[1] for c in fitting))
+                if bq * bkv < target:
+                    example = max((c for c in fitting if c[0] * c[1] >= target),  # squarest, deepest pipeline
+                                  key=lambda c: (-c[0] * c[1], -abs(c[0].bit_length() - c[1].bit_length()),
+                                                 c[3], -c[2]))
+                    raise ExerciseError(
+                        f"{call} returned {config}: it fits, but its score tile has only {bq} x {bkv} = "
+                        f"{bq * bkv} elements where {target} fit (for example BLOCK_Q={example[0]}, "
+                        f"BLOCK_KV={example[1]}, num_warps={example[2]}, num_stages={example[3]}). Tiles this "
+                        "small leave the tensor cores idle: on the H200, going from 16x16 to 64x64 tiles made "
+                        "the bf16 forward 6x faster.")
+                chosen[(kernel, head_dim, e)] = (bq, bkv, warps, stages)
+    passed(f"{name} picks configurations that fit and are not wastefully small for 3 kernels, 6 head dims "
+           "and 2- and 4-byte inputs")
+    print("your choices for 16-bit inputs (BLOCK_Q x BLOCK_KV, warps, stages):")
+    for kernel in KERNELS:
+        print(f"  {kernel:9}" + "  ".join(f"D={hd}: {c[0]}x{c[1]} w{c[2]} s{c[3]}" for hd in (64, 128, 256)
+                                          for c in [chosen[(kernel, hd, 2)]]))

@@ -1,150 +1,130 @@
-"""The checker of chapter 11 (the Gluon kernels for Hopper): the ring of shared-memory buffers and
-the mbarrier parities its producer and consumers wait for."""
-from .common import ExerciseError, attempt, passed
+"""Checkers of chapter 11: merging the partial states that the splits of split-KV decoding write
+(what ``flashattn.decode``'s merge kernel does), in PyTorch.
+"""
+import math
+
+import torch
+
+from .common import ExerciseError, attempt, close, expect_close, passed
+
+LN2 = math.log(2.0)
 
 
-class _Barrier:
-    """An mbarrier reduced to what the ring uses: the number of phases completed. ``wait(parity)``
-    returns once the phase of that parity has completed: at first (no phase completed) a wait for
-    parity 1 passes at once, as if the phase before phase 0 had just completed."""
-
-    def __init__(self):
-        self.completed = 0
-
-    def passes(self, parity):
-        return self.completed % 2 == (parity ^ 1)
-
-
-def _simulate(ring_slot, stages, n_tiles, producer_lead):
-    """Run a producer and one consumer over ``n_tiles`` tiles through a ring of ``stages`` slots,
-    using the learner's ``ring_slot`` for the slot and the parities; the producer runs as far ahead
-    as its waits let it, up to ``producer_lead`` tiles. Returns None or what went wrong."""
-    ready = [_Barrier() for _ in range(stages)]
-    empty = [_Barrier() for _ in range(stages)]
-    content = [None] * stages  # the tile each slot holds, None once consumed
-    produced = consumed = 0
-    while consumed < n_tiles:
-        moved = False
-        while produced < n_tiles and produced - consumed < producer_lead:
-            slot, _, empty_parity = ring_slot(produced, stages)
-            if not empty[slot].passes(empty_parity):
-                break
-            if content[slot] is not None:
-                return (f"the producer overwrote tile {content[slot]} in slot {slot} with tile {produced} "
-                        "before the consumer had used it: its wait on empty[slot] passed too early")
-            content[slot] = produced
-            ready[slot].completed += 1  # the copy engine's bytes have landed
-            produced += 1
-            moved = True
-        slot, ready_parity, _ = ring_slot(consumed, stages)
-        if ready[slot].passes(ready_parity):
-            if content[slot] != consumed:
-                held = "nothing yet" if content[slot] is None else f"tile {content[slot]}"
-                return (f"the consumer read tile {consumed} from slot {slot}, which holds {held}: its wait "
-                        "on ready[slot] passed before the tile had landed")
-            content[slot] = None
-            empty[slot].completed += 1  # the consumer releases the slot
-            consumed += 1
-            moved = True
-        if not moved:
-            return (f"deadlock after {consumed} tiles consumed and {produced} produced: the producer waits "
-                    f"for parity {ring_slot(produced, stages)[2] if produced < n_tiles else '-'} on an empty "
-                    f"barrier and the consumer for parity {ring_slot(consumed, stages)[1]} on a ready barrier, "
-                    "and neither phase can complete")
-    return None
-
-
-def check_ring_slot(ring_slot):
-    """Chapter 11: ``ring_slot(j, stages)`` must return ``(slot, ready_parity, empty_parity)`` for
-    tile j of a ring of ``stages`` shared-memory buffers: the slot the tile goes to, the parity the
-    consumer waits for on ``ready[slot]`` and the parity the producer waits for on ``empty[slot]``
-    before copying tile j. Checked by running a producer and a consumer through the ring."""
-    name = getattr(ring_slot, "__name__", "ring_slot")
-    for stages in (1, 2, 3, 4):
-        for j in range(3 * stages + 2):
-            got = attempt(ring_slot, j, stages, name=name)
-            if not (isinstance(got, tuple) and len(got) == 3):
-                raise ExerciseError(f"{name}({j}, {stages}) should return a tuple (slot, ready_parity, "
-                                    f"empty_parity), got {got!r}")
-            slot, ready_parity, empty_parity = got
-            if not 0 <= slot < stages:
-                raise ExerciseError(f"{name}({j}, {stages}) returned slot {slot}: a ring of {stages} buffers has "
-                                    f"slots 0 to {stages - 1}; consecutive tiles take consecutive slots")
-            if ready_parity not in (0, 1) or empty_parity not in (0, 1):
-                raise ExerciseError(f"{name}({j}, {stages}) returned parities {ready_parity}, {empty_parity}: "
-                                    "an mbarrier parity is 0 or 1")
-    for stages in (1, 2, 3, 4):
-        if [ring_slot(j, stages)[0] for j in range(2 * stages)] != [j % stages for j in range(2 * stages)]:
-            raise ExerciseError(f"with {stages} buffers, tiles 0..{2 * stages - 1} went to slots "
-                                f"{[ring_slot(j, stages)[0] for j in range(2 * stages)]}: the ring takes "
-                                "consecutive slots and wraps around")
-        for lead in (1, stages, 10 * stages):
-            problem = _simulate(ring_slot, stages, 4 * stages + 3, lead)
-            if problem:
-                raise ExerciseError(f"with {stages} buffer(s): {problem}. Each slot's barriers complete one phase "
-                                    "per round through the ring, so the parity changes every `stages` tiles; and "
-                                    "an mbarrier starts as if its phase of parity 1 had just completed.")
-    passed(f"{name}: a producer and a consumer went through rings of 1 to 4 buffers without deadlock, "
-           "without overwriting a tile in use and without reading one before it landed")
-
-
-# ---------------------------------------------------------------------------- shared memory
-
-#: Shared memory the compiler gave the Gluon forward, for sm_90 (``compiled.gluon_report``), per
-#: (head dim, BLOCK_M, BLOCK_KV, STAGES, CONSUMERS, bytes per element): the tiles the program keeps
-#: there, plus under 1 KB of mbarriers and the compiler's own scratch. tests/test_exercises_ch11.py
-#: compiles one of them again and checks its row.
-COMPILED_SMEM = {
-    (128, 64, 128, 3, 2, 2): 229800,   # the default at head dim 128, causal
-    (128, 64, 128, 2, 2, 2): 164200,   # the default at head dim 128 without the mask
-    (128, 64, 128, 2, 3, 2): 180620,   # three consumers
-    (64, 64, 128, 4, 2, 2): 147848,    # the default at head dim 64
-}
-def _tile_bytes(head_dim, block_m, block_kv, stages, consumers, elem_bytes):
-    return (consumers * block_m + 2 * stages * block_kv) * head_dim * elem_bytes
-
-
-def check_smem_bytes(smem_bytes):
-    """Chapter 11: ``smem_bytes(head_dim, block_m, block_kv, stages, consumers, elem_bytes)`` must
-    return the bytes of the tiles the Gluon forward keeps in shared memory: one Q tile of
-    ``block_m`` rows per consumer (O is written back through it) and a ring of ``stages`` tiles of
-    ``block_kv`` rows for K and another for V, ``head_dim`` columns each. Checked against the
-    formula on many configurations and against what the compiler reported for real ones."""
-    name = getattr(smem_bytes, "__name__", "smem_bytes")
-    configs = [(d, m, n, s, c, e) for d in (64, 128) for m in (64,) for n in (64, 128) for s in (1, 2, 3, 4)
-               for c in (2, 3) for e in (2, 4)]
-    first_wrong = None
-    for config in configs:
-        got = attempt(smem_bytes, *config, name=name)
-        want = _tile_bytes(*config)
-        if got == want:
+def _partials(g, lead, sizes, head_dim, spread, shift):
+    """Partial states of rows of shape ``lead`` whose keys are cut into splits of ``sizes`` keys
+    (0: a split without keys): ``O_s`` (each divided by its own sum) and ``LSE_s`` (base 2, -inf
+    for an empty split), float32, as the split kernel writes them. Each split's scores get their
+    own offset, so that the splits' LSE differ, and ``shift`` moves them all."""
+    o_parts = torch.zeros(*lead, len(sizes), head_dim, dtype=torch.float64)
+    lse_parts = torch.full((*lead, len(sizes)), float("-inf"), dtype=torch.float64)
+    for split, size in enumerate(sizes):
+        if size == 0:
             continue
-        d, m, n, s, c, e = config
-        call = f"{name}(head_dim={d}, block_m={m}, block_kv={n}, stages={s}, consumers={c}, elem_bytes={e})"
-        if not isinstance(got, (int, float)) or isinstance(got, bool):
-            raise ExerciseError(f"{call} should return a number of bytes, got {got!r}")
-        diagnoses = [
-            (want // e, "counted elements, not bytes: multiply by elem_bytes"),
-            ((c * m + s * n) * d * e, "K and V share one ring of `stages` buffers: they have one ring each"),
-            ((m + 2 * s * n) * d * e, "counted one Q tile for the program: each consumer has its own"),
-            (2 * s * n * d * e, "left out the Q tiles: they stay in shared memory for the whole loop"),
-            (want + c * m * d * e, "added a buffer for O: the output is written back through the Q tile, "
-                                   "which is no longer read by then"),
-            ((c * m + 2 * (s + 1) * n) * d * e, "counted stages + 1 tiles per ring: a ring of `stages` buffers "
-                                                "holds `stages` tiles"),
-        ]
-        named = {why for value, why in diagnoses if got == value}
-        if len(named) == 1:
-            raise ExerciseError(f"{call} returned {got}, expected {want}: {named.pop()}")
-        first_wrong = first_wrong or f"{call} returned {got}, expected {want} bytes"
-        if not named:  # no mistake this course knows of; two that give the same number: look further
-            raise ExerciseError(first_wrong)
-    if first_wrong:
-        raise ExerciseError(first_wrong)
-    for (d, m, n, s, c, e), smem in COMPILED_SMEM.items():
-        got = attempt(smem_bytes, d, m, n, s, c, e, name=name)
-        if not got <= smem < got + 1024:
-            raise ExerciseError(f"for head dim {d}, BLOCK_M {m}, BLOCK_KV {n}, {s} stages, {c} consumers the compiler "
-                                f"reserved {smem} bytes, and {name} says {got}")
-    passed(f"{name}: the tiles' bytes of {len(configs)} configurations; on the {len(COMPILED_SMEM)} compiled for sm_90, "
-           "within 1 KB below the compiler's figure (the rest: mbarriers and the compiler's scratch)")
+        s = torch.randn(*lead, size, generator=g, dtype=torch.float64) * spread
+        s = s + shift + 4 * torch.randn((), generator=g, dtype=torch.float64)
+        v = torch.randn(*lead, size, head_dim, generator=g, dtype=torch.float64)
+        lse_parts[..., split] = torch.logsumexp(s, -1) / LN2
+        o_parts[..., split, :] = (torch.softmax(s, -1)[..., None] * v).sum(-2)
+    return o_parts.float(), lse_parts.float()
+
+
+def _merge64(o_parts, lse_parts, variant=None):
+    """The merge in float64 (the reference), or with a known mistake (``variant``) so that a wrong
+    answer can be named."""
+    o_parts, lse_parts = o_parts.double(), lse_parts.double()
+    m = lse_parts.max(-1, keepdim=True).values
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    exp = torch.exp if variant == "natural exp" else torch.exp2
+    w = exp(lse_parts - m_safe)
+    l = w.sum(-1, keepdim=True)
+    l_safe = torch.where(l > 0, l, torch.ones_like(l))
+    o = (w[..., None] * o_parts).sum(-2) / l_safe
+    if variant == "no weights":
+        o = o_parts.mean(-2)
+    elif variant == "divided twice":
+        o = o / l_safe
+    log = torch.log if variant in ("natural exp", "natural log") else torch.log2
+    lse = torch.where(l > 0, m_safe + log(l_safe), torch.full_like(l, float("-inf"))).squeeze(-1)
+    if variant == "lse without M":
+        lse = torch.where(l > 0, torch.log2(l_safe), torch.full_like(l, float("-inf"))).squeeze(-1)
+    return o, lse
+
+
+HINTS = {
+    "no weights": "O is the plain mean of the O_s. Each O_s is the average over its own split's keys "
+                  "only, so it must be weighed by that split's share of the whole sum, "
+                  "2**(LSE_s - LSE): a split whose scores are larger counts for more.",
+    "divided twice": "O looks divided by the sum twice. The weights 2**(LSE_s - M) / L already sum to 1 "
+                     "and each O_s is already divided by its own sum: divide sum_s w_s O_s by "
+                     "L = sum_s w_s once, and nothing else.",
+    "natural exp": "the weights use e**x. The LSE_s are in base 2 (the kernel works with exp2): weigh "
+                   "with 2**(LSE_s - M) (torch.exp2) and take log2 of the sum.",
+    "natural log": "LSE is in natural log. The inputs are base 2 and so is the result: "
+                   "LSE = M + log2(sum_s 2**(LSE_s - M)) (torch.log2, not torch.log).",
+    "lse without M": "LSE is missing the max: the sum was taken relative to M = max_s LSE_s, so "
+                     "LSE = M + log2(sum_s 2**(LSE_s - M)).",
+}
+
+
+def _diagnose(what, got, want, o_parts, lse_parts, index, atol, rtol, where):
+    """Raise an ExerciseError naming the mistake ``got`` matches (output ``index``: 0 for O, 1
+    for LSE), or saying where and by how much it is wrong."""
+    if close(got, want, atol, rtol):
+        return
+    for variant, hint in HINTS.items():
+        wrong = _merge64(o_parts, lse_parts, variant)[index]
+        if not close(wrong, want, atol, rtol) and close(got, wrong, atol, rtol):
+            raise ExerciseError(f"{what} is wrong{where}: {hint}")
+    try:
+        expect_close(what, got, want, atol=atol, rtol=rtol)
+    except ExerciseError as error:
+        raise ExerciseError(f"{error}{where}") from None
+
+
+def check_merge_split_partials(merge_split_partials):
+    """Chapter 11: ``merge_split_partials(o_parts, lse_parts)`` must merge the partial states of
+    the splits of each row, ``o_parts`` (..., S, D) and ``lse_parts`` (..., S) in base 2, into the
+    row's ``(o, lse)``: o (..., D) = sum_s 2**(LSE_s - LSE) O_s, lse (...) = log2 sum_s 2**LSE_s,
+    and o = 0, lse = -inf for a row whose splits are all empty."""
+    name = getattr(merge_split_partials, "__name__", "merge_split_partials")
+    g = torch.Generator().manual_seed(10)
+    stages = [  # (what, leading dims, split sizes, head dim, spread of scores, shift)
+        ("two splits", (5,), (7, 9), 8, 1.0, 0.0),
+        ("one split", (3,), (13,), 4, 2.0, 0.0),
+        ("four ragged splits, (B, H_q, N_q) rows", (2, 3, 2), (16, 16, 16, 5), 16, 3.0, 0.0),
+        ("splits whose scores differ a lot", (4,), (6, 6, 6), 8, 20.0, 0.0),
+        ("an empty split between two (LSE_s = -inf, O_s = 0)", (4,), (8, 0, 5), 8, 1.0, 0.0),
+        ("large scores (LSE_s above 200: 2**200 overflows float32)", (3,), (5, 9, 4), 8, 1.0, 150.0),
+        ("very negative scores (LSE_s below -200: 2**-200 is 0 in float32)", (3,), (5, 9, 4), 8, 1.0, -150.0),
+        ("every split empty (a sequence of length 0)", (3,), (0, 0, 0), 8, 1.0, 0.0),
+    ]
+    for stage, lead, sizes, head_dim, spread, shift in stages:
+        o_parts, lse_parts = _partials(g, lead, sizes, head_dim, spread, shift)
+        want_o, want_lse = _merge64(o_parts, lse_parts)
+        where = f" (case: {stage}; o_parts of shape {tuple(o_parts.shape)})"
+        out = attempt(merge_split_partials, o_parts.clone(), lse_parts.clone(), name=name)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ExerciseError(f"{name} should return a tuple (o, lse), got {type(out).__name__}"
+                                + (f" of {len(out)} items" if isinstance(out, (tuple, list)) else ""))
+        o, lse = (torch.as_tensor(x) for x in out)
+        if tuple(o.shape) != tuple(want_o.shape) or tuple(lse.shape) != tuple(want_lse.shape):
+            raise ExerciseError(f"{name} returned o of shape {tuple(o.shape)} and lse of shape "
+                                f"{tuple(lse.shape)}; expected {tuple(want_o.shape)} and "
+                                f"{tuple(want_lse.shape)} (the split dim S is merged away){where}")
+        bad = torch.isnan(o.double()).any() or torch.isnan(lse.double()).any()
+        if bad and sum(sizes) == 0:
+            raise ExerciseError(
+                f"{name} returns NaN{where}. With every LSE_s = -inf, M = -inf and LSE_s - M = "
+                "-inf - (-inf) = NaN; and L = 0 makes sum_s w_s O_s / L = 0/0. Use a finite stand-in "
+                "for M when it is -inf (e.g. torch.where(M == -inf, 0, M)) and divide by 1 where "
+                "L = 0, so that the row gets o = 0 and lse = -inf, the empty sum.")
+        finite = torch.isfinite(torch.cat([o.double().flatten(), lse.double().flatten()]))
+        if abs(shift) > 100 and not finite.all():
+            raise ExerciseError(
+                f"{name} returns inf or NaN{where}. 2**LSE_s overflows float32 above 2**128 and is 0 "
+                "below 2**-149: subtract the largest LSE_s first, M = max_s LSE_s, and weigh with "
+                "2**(LSE_s - M), which is at most 1 (chapter 01's merge, in base 2).")
+        _diagnose(f"{name}: o", o, want_o, o_parts, lse_parts, 0, 1e-5, 1e-4, where)
+        _diagnose(f"{name}: lse", lse, want_lse, o_parts, lse_parts, 1, 1e-5, 1e-5, where)
+    passed(f"{name} merges split partial states in {len(stages)} cases: one to four splits, empty splits, "
+           "rows without keys, and LSE_s far beyond float32's range of 2**x")

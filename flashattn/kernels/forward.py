@@ -65,17 +65,21 @@ def fwd_inner(acc, m_i, l_i, q,
     PAGED (decode's paged KV cache) reads key ``j`` from row ``j % PAGE_SIZE`` of page
     ``Pages[j // PAGE_SIZE]``, ``stride_kp``/``stride_vp`` apart, instead of row ``j`` of K and V.
     """
+    if PAGED:
+        # The pages of the first tile's keys; each iteration reads those of the next tile, so that
+        # a tile's addresses never wait on a load of the same iteration (the compiler then keeps
+        # as many K and V tiles in flight as without pages).
+        offs_next = kv_lo + tl.arange(0, BLOCK_KV)
+        page_next = tl.load(Pages + offs_next // PAGE_SIZE, mask=offs_next < n_kv, other=0)
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)  # lets the compiler prove aligned addresses
         offs_kv = kv_start + tl.arange(0, BLOCK_KV)
         if PAGED:
             # The tile's rows, gathered: each key's page from the block table (clamped, so that a
             # bad entry cannot read outside the cache), then its row within the page.
-            if MASKED:
-                page = tl.load(Pages + offs_kv // PAGE_SIZE, mask=offs_kv < n_kv, other=0)
-            else:
-                page = tl.load(Pages + offs_kv // PAGE_SIZE)
-            page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
+            page = tl.minimum(tl.maximum(page_next, 0), n_pages - 1).to(tl.int64)
+            offs_next = offs_kv + BLOCK_KV
+            page_next = tl.load(Pages + offs_next // PAGE_SIZE, mask=offs_next < n_kv, other=0)
             in_page = offs_kv % PAGE_SIZE
             k = load_rows(K, page * stride_kp + in_page * stride_kn, offs_kv, offs_d, stride_kd, n_kv,
                           HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)

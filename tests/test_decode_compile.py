@@ -38,6 +38,18 @@ CASES = [("bf16", 128, "ieee", 16), ("fp16", 128, "ieee", 16), ("bf16", 64, "iee
          ("bf16", 256, "ieee", 64), ("fp32", 128, "ieee", 16), ("fp32", 256, "ieee", 32),
          ("fp32", 128, "tf32", 32), ("fp32", 256, "tf32", 16), ("fp32", 256, "tf32", 32)]
 MERGES = [(128, 2), (128, 64), (256, 2), (256, 64)]  # (head dim, splits): MAX_SPLITS is 64
+# The split kernel with every variant on (compiled.DECODE_ALL_VARIANTS: a paged cache, ALiBi,
+# softcap, a window), on sm_90 for the cases that take the most registers, and on the older GPUs
+# (sm_75 multiplies with fused multiply-adds and has no bfloat16: fp16 and fp32 there) with the
+# configuration decode_config gives each. Page sizes 16 and 256: the gather's index arithmetic
+# differs (a page holds one tile of 16 keys, or several tiles).
+VARIANT_CASES = [("bf16", 128, "ieee", 16), ("bf16", 256, "ieee", 64), ("fp32", 256, "ieee", 32),
+                 ("fp32", 256, "tf32", 32)]
+# (Head dim 256 with 64-row tiles is left out on sm_86 and sm_89: there the plain kernel too needs
+# more shared memory than a block has, as decode_config's stage rule does not count the query tile.)
+ARCH_VARIANT_CASES = {75: [("fp16", 128, "ieee", 16), ("fp32", 128, "ieee", 32)],
+                      80: [("bf16", 128, "ieee", 64), ("bf16", 256, "ieee", 64), ("fp32", 128, "tf32", 32)],
+                      86: [("bf16", 128, "ieee", 16), ("bf16", 256, "ieee", 32)], 89: [("fp16", 128, "ieee", 64)]}
 
 
 def run_child(*args):
@@ -65,8 +77,11 @@ def test_direct_launches_are_the_jits():
 # --- The child ----------------------------------------------------------------------------------------
 
 def check_decode(compiled):
+    import itertools
+
     import torch
 
+    from flashattn.gpu import archs
     from flashattn.kernels.decode import MAX_SPLITS, max_block_r
 
     assert max(splits for _, splits in MERGES) == MAX_SPLITS
@@ -76,19 +91,29 @@ def check_decode(compiled):
                 for launch in compiled.decode_launches(dtype, d, precision, rows)]
     launches += [(f"D={d}, {splits} splits", "bf16", compiled.decode_merge_launch(d, splits))
                  for d, splits in MERGES]
+    launches = [(label, dtype, launch, 90) for label, dtype, launch in launches]
+    for capability, cases in {90: VARIANT_CASES, **ARCH_VARIANT_CASES}.items():
+        for (dtype, d, precision, rows), page_size in itertools.product(cases, (16, 256)):
+            variants = dict(compiled.DECODE_ALL_VARIANTS, PAGE_SIZE=page_size)
+            launches += [(f"sm_{capability} {dtype} D={d} {precision} {rows} rows, all variants, pages of {page_size}",
+                          dtype, launch, capability)
+                         for launch in compiled.decode_launches(dtype, d, precision, rows, variants=variants,
+                                                                arch=archs.ARCHS[capability])]
     problems = []
-    for label, dtype, (name, constexprs, options) in launches:
+    for label, dtype, (name, constexprs, options), capability in launches:
+        arch = archs.ARCHS[capability]
         try:
-            regs, spill, smem = compiled.resources(compiled.compile_kernel(name, dtype, constexprs, **options))
+            regs, spill, smem = compiled.resources(compiled.compile_kernel(
+                name, dtype, constexprs, target=compiled.target(capability), **options))
         except Exception as error:  # report and go on: one bad configuration should not hide the others
             problems.append(f"{name} {label}: {type(error).__name__}: {str(error)[:1500]}")
             continue
-        bad = spill != 0 or smem > compiled.SMEM_PER_BLOCK
+        bad = spill != 0 or smem > arch.smem_per_block
         print(f"{'FAIL' if bad else 'ok  '} {name:12} {label:26} {options} {regs} registers, "
               f"{spill} bytes spilled, {smem // 1024} KB shared")
         if bad:
             problems.append(f"{name} {label} {constexprs} {options}: {spill} bytes spilled, {smem} bytes "
-                            f"of shared memory (at most {compiled.SMEM_PER_BLOCK})")
+                            f"of shared memory (at most {arch.smem_per_block})")
     return problems
 
 

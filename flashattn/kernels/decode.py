@@ -299,7 +299,7 @@ class Plan:
         self.precision = configs.decode_precision(dtype)
         self.block_d = configs.block_d(head_dim)
         self.config = dict(config or configs.decode_config(dtype, self.precision, self.block_r,
-                                                          self.block_d))
+                                                          self.block_d, paged=self.paged))
         self.scale = 1.0 / math.sqrt(head_dim)
         self.empty = self.n_rows * head_dim == 0
         self.kernels = {}  # (kernel, num_splits, partials, lengths' alignment) -> direct.Compiled

@@ -166,7 +166,8 @@ def decode_launches(dtype, head_dim, precision="ieee", block_r=16, candidate=Non
     arguments, options)`` for :func:`compile_kernel`: the split kernel writing partial states,
     then as the only split."""
     block_d = configs.block_d(head_dim)
-    config = configs.decode_config(TORCH_DTYPES[dtype], precision, block_r, block_d, candidate, arch)
+    config = configs.decode_config(TORCH_DTYPES[dtype], precision, block_r, block_d, candidate, arch,
+                                   paged=bool((variants or {}).get("PAGED")))
     options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
     return [(name, dict(config, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, FINAL=final,
                         DOT_PRECISION=precision, **(variants or {})), options)

@@ -16,6 +16,10 @@ Two ideas get there:
   kernel merges the partial states with chapter 01's merge of softmax states. With one split
   the first kernel writes the final output itself.
 
+A paged cache (``PAGED``, as vLLM's and FlashAttention's ``block_table``) keeps each sequence's keys
+in pages of ``PAGE_SIZE`` rows anywhere in one pool: the inner loop gathers each tile's rows
+through the sequence's row of the block table (``forward.fwd_inner``), everything else unchanged.
+
 Both kernels work in base 2 like the forward kernel (LSE = M + log2 L, scale x log2e folded into
 exp2); the public ``lse`` is natural log, like ``torch.logsumexp``.
 """

@@ -185,6 +185,9 @@ def _launches_child():
     bf16, fp32 = torch.bfloat16, torch.float32
     q, k, v = torch.randn(3, 8, 1, 64).to(bf16), cache(3, 2, 4096, 64, bf16), cache(3, 2, 4096, 64, bf16)
     q3, k3, v3 = torch.randn(3, 8, 3, 64), cache(3, 2, 100, 64, fp32), cache(3, 2, 100, 64, fp32)
+    pages16, pages256 = torch.randn(3 * 256, 16, 2, 64).to(bf16), torch.randn(3 * 16, 256, 2, 64).to(bf16)
+    table16 = torch.randperm(3 * 256).view(3, 256).int()
+    table256 = torch.randperm(3 * 16).view(3, 16).int()
     cases = {  # name: (q, k_cache, v_cache, cache_seqlens, float32 matmul precision)
         "bf16, 16 splits": (q, k, v, full, "highest"),
         "bf16, 1 split": (q, k, v, torch.tensor([300, 5, 0], dtype=torch.int32), "highest"),
@@ -196,12 +199,21 @@ def _launches_child():
         "lengths misaligned": (q, k, v, torch.tensor([9, 4096, 1000, 0], dtype=torch.int32)[1:], "highest"),
         "fp32 IEEE, 1 split": (q3, k3, v3, torch.tensor([100, 3, 50]), "highest"),
         "fp32 TF32, 1 split": (q3, k3, v3, torch.tensor([100, 3, 50]), "high"),
+        "paged, pages of 16": (q, pages16, pages16, full, "highest"),
+        "alibi": (q, k, v, full, "highest"),
+        "paged, pages of 256, alibi": (q, pages256, pages256, full, "highest"),
     }
+    # the arguments beyond the four tensors: the block table (its own pointer) and the slopes
+    extra = {"paged, pages of 16": dict(block_table=table16),
+             "alibi": dict(alibi_slopes=torch.rand(8)),
+             "paged, pages of 256, alibi": dict(block_table=table256, alibi_slopes=torch.rand(3, 8))}
     # Cases that Triton compiles differently from another case with the same shapes (else they
     # would test nothing): decode's keys must tell them apart.
     differs_from = {"bf16, 1 split": "bf16, 16 splits", "q misaligned": "bf16, 16 splits", "k rows of 72": "bf16, 16 splits",
                     "v rows of 72": "bf16, 16 splits",
-                    "lengths misaligned": "bf16, 16 splits", "fp32 TF32, 1 split": "fp32 IEEE, 1 split"}
+                    "lengths misaligned": "bf16, 16 splits", "fp32 TF32, 1 split": "fp32 IEEE, 1 split",
+                    "paged, pages of 16": "bf16, 16 splits", "alibi": "bf16, 16 splits",
+                    "paged, pages of 256, alibi": "paged, pages of 16"}
     problems = []
     runs = {name: [] for name in cases}
     jit_runs = {"split": 0, "merge": 0}
@@ -215,7 +227,7 @@ def _launches_child():
             torch.set_float32_matmul_precision(precision)
             before = dict(jit_runs)
             stand_in.log = []
-            flashattn.decode(q, k, v, lengths)
+            flashattn.decode(q, k, v, lengths, **extra.get(name, {}))
             runs[name].append(list(stand_in.log))
             if round > 0 and jit_runs != before:
                 problems.append(f"{name}: call {round + 1} went through Triton's JIT again")
@@ -230,7 +242,7 @@ def _launches_child():
     for name, other in differs_from.items():
         if kernel_of[name] is kernel_of[other]:
             problems.append(f"{name}: launched the compiled kernel of {other}")
-    if [len(calls[0]) for calls in runs.values()] != [2, 1, 2, 2, 2, 2, 2, 1, 1]:
+    if [len(calls[0]) for calls in runs.values()] != [2, 1, 2, 2, 2, 2, 2, 1, 1, 2, 2, 2]:
         problems.append("expected a split and a merge launch, or one launch for one split")
     # Every way of launching and of allocating that kernels.decode.HOST offers (the benchmark switches
     # them) launches the same kernels on the same arguments, with lse returned or not.
@@ -242,7 +254,7 @@ def _launches_child():
                     torch.set_float32_matmul_precision(precision)
                     before = dict(jit_runs)
                     stand_in.log = []
-                    flashattn.decode(q, k, v, lengths, return_lse=return_lse)
+                    flashattn.decode(q, k, v, lengths, return_lse=return_lse, **extra.get(name, {}))
                     if (jit_runs != before) != (launch == "jit"):
                         problems.append(f"{name}, {launch}/{buffers}: Triton's JIT "
                                         f"{'not ' if launch == 'jit' else ''}used")

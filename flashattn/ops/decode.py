@@ -35,7 +35,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
     Args:
         q: the new tokens' queries, ``(B, H_q, N_q, D)``; N_q is usually 1.
         k_cache, v_cache: ``(B, H_kv, N_max, D)``, any strides (a ``(B, N_max, H_kv, D)`` cache
-            transposed works as is). ``H_q`` must be a multiple of ``H_kv``: query head ``h``
+            transposed works as is), or pages ``(num_pages, page_size, H_kv, D)`` with ``block_table``. ``H_q`` must be a multiple of ``H_kv``: query head ``h``
             uses KV head ``h // (H_q / H_kv)`` (grouped-query attention, as SDPA's enable_gqa).
         cache_seqlens: integer tensor ``(B,)`` (int32 or int64) of valid lengths ``L``, with
             ``N_q <= L <= N_max``, or ``L = 0`` for an empty sequence (its output is 0 and its

@@ -35,8 +35,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
     Args:
         q: the new tokens' queries, ``(B, H_q, N_q, D)``; N_q is usually 1.
         k_cache, v_cache: ``(B, H_kv, N_max, D)``, any strides (a ``(B, N_max, H_kv, D)`` cache
-            transposed works as is), or pages ``(num_pages, page_size, H_kv, D)`` with ``block_table``. ``H_q`` must be a multiple of ``H_kv``: query head ``h``
-            uses KV head ``h // (H_q / H_kv)`` (grouped-query attention, as SDPA's enable_gqa).
+            transposed works as is), or pages ``(num_pages, page_size, H_kv, D)`` with
+            ``block_table``. ``H_q`` must be a multiple of ``H_kv``: query head ``h`` uses KV head
+            ``h // (H_q / H_kv)`` (grouped-query attention, as SDPA's enable_gqa).
         cache_seqlens: integer tensor ``(B,)`` (int32 or int64) of valid lengths ``L``, with
             ``N_q <= L <= N_max``, or ``L = 0`` for an empty sequence (its output is 0 and its
             lse -inf, the empty sum, like SDPA with no keys). Entries at or past ``L`` are never
@@ -72,9 +73,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
             ``j % page_size`` of page ``block_table[b, j // page_size]``; ``N_max`` is
             ``max_blocks * page_size``, and ``k_new``/``v_new`` are written into the pages in
             place. Entries past a sequence's pages are never read. The indices in use are checked
-            where the table is on the host (the interpreter); on a GPU, where that would wait for
-            it, each is clamped into the cache (nothing outside it is read or written, but a bad
-            index gives rows that mean nothing).
+            with the lengths (without ``max_seqlen``) where the table is on the host (the
+            interpreter); on a GPU, where that would wait for it, each is clamped into the cache
+            (nothing outside it is read or written, but a bad index gives rows that mean nothing).
         alibi_slopes: ``(H_q,)`` or ``(B, H_q)`` float32, as ``flashattn.attention``'s: the score of
             token ``t`` and key ``j`` gets ``-slope * |L - N_q + t - j|``.
 

@@ -105,7 +105,7 @@ def test_paged_decode_with_softcap_and_windows(dtype, softcap, window):
     lengths = [0, 2, 37, 64]
     k, v, table = paged_cache(lengths, 16, 4, 2, 24, dtype, seed=4)
     q = queries(4, 4, 2, 24, dtype)
-    lens = torch.tensor(lengths, dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int64)  # decode takes int64 lengths too
     with torch.no_grad():
         out, lse = flashattn.decode(q, k, v, lens, block_table=table, softcap=softcap, window_size=(window, 0),
                                     return_lse=True)

@@ -46,7 +46,7 @@ part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"
 part tests-mods 240 $pytest tests/test_modifiers.py tests/test_sdpa_dropin.py tests/test_kv_cache.py tests/test_paged_decode.py
 part bench-mods 150 python -m flashattn.measure.score_mods --out "$out/score_mods.csv"
 part decode-host 50 python -m flashattn.measure.bench_decode --host-ab --out "$out/decode_host_ab.csv"
-part decode-paged 120 python -m flashattn.measure.bench_decode --paged --lengths 4096 16384 --out "$out/decode_paged.csv"
+part decode-paged 180 python -m flashattn.measure.bench_decode --paged --lengths 4096 16384 --out "$out/decode_paged.csv"
 # the other modules with GPU tests (collecting every module would need the notebook tools too)
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v -F "$(printf '%s\n' $variant_tests)")
 part tests-gpu 300 ${pytest/$workers/} -m gpu $gpu_tests

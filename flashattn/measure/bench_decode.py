@@ -306,8 +306,9 @@ def paged_inputs(k, v, page_size, seed=0):
 def paged_run(lengths, page_sizes, batch, heads, kv_heads, head_dim, dtype, out_csv, quick=False, log=print):
     """Time a decoding step (N_q = 1) on a paged cache at each cache length and page size, side by
     side with flashattn.decode on the contiguous cache and SDPA on the gathered (contiguous) cache,
-    and SDPA with the gather in the step (what a paged cache costs SDPA); each paged output is
-    checked against the contiguous one first. Writes a CSV; returns its rows."""
+    and SDPA with the gather in the step (what a paged cache costs SDPA); on a GPU both decodes also
+    captured in CUDA graphs (no host work). Each paged output is checked against the contiguous one
+    first. Writes a CSV; returns its rows."""
     import triton
     from torch.nn.functional import scaled_dot_product_attention
 
@@ -326,9 +327,13 @@ def paged_run(lengths, page_sizes, batch, heads, kv_heads, head_dim, dtype, out_
             cache_bytes = 2 * batch * kv_heads * n * head_dim * dtype.itemsize  # K and V, read once
             contiguous = flashattn.decode(q, k, v, lens)
             base_ms = time_ms(lambda: flashattn.decode(q, k, v, lens), quick)
+            on_gpu = lens.to(device)
             timed = [("", "decode", base_ms, ""),
                      ("", "sdpa-gqa", time_ms(lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True),
                                               quick), "")]
+            if device.type == "cuda":  # captured in a CUDA graph: the kernels alone, no host work
+                timed.append(("", "decode-graph", time_ms(graphed(
+                    lambda: flashattn.decode(q, k, v, on_gpu, max_seqlen=n)), quick), ""))
             for page_size in page_sizes:
                 k_pages, v_pages, table = paged_inputs(k, v, page_size)
                 out = flashattn.decode(q, k_pages, v_pages, lens, block_table=table)
@@ -337,6 +342,10 @@ def paged_run(lengths, page_sizes, batch, heads, kv_heads, head_dim, dtype, out_
                     raise AssertionError(f"paged decode (pages of {page_size}) differs from decode by {diff}")
                 timed.append((page_size, "decode-paged", time_ms(
                     lambda: flashattn.decode(q, k_pages, v_pages, lens, block_table=table), quick), f"{diff:.3g}"))
+                if device.type == "cuda":
+                    timed.append((page_size, "decode-paged-graph", time_ms(graphed(
+                        lambda: flashattn.decode(q, k_pages, v_pages, on_gpu, max_seqlen=n, block_table=table)),
+                        quick), ""))
 
                 def gather_then_sdpa():
                     k_flat, v_flat = gather_pages(k_pages, table), gather_pages(v_pages, table)
@@ -410,7 +419,8 @@ def main(argv=None):
     ``--paged`` times, instead, ``decode-paged`` (flashattn.decode on a paged cache, pages of each
     ``--page-sizes`` in shuffled order, ``block_table``) next to ``decode`` on the contiguous cache,
     ``sdpa-gqa`` on the contiguous (gathered) cache and ``sdpa-gqa-gather`` (the gather inside the
-    step): ``paged_run``. ``--quick`` runs it tiny, on the interpreter too.
+    step), and ``decode-graph``, ``decode-paged-graph`` captured in CUDA graphs: ``paged_run``.
+    ``--quick`` runs it tiny, on the interpreter too.
     """
     p = argparse.ArgumentParser(prog="python -m flashattn.measure.bench_decode", description=main.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

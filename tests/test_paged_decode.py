@@ -85,12 +85,14 @@ def test_paged_decode_against_the_gathered_cache(dtype, page_size, n_q):
     assert_rule(out, lse, q, gather_pages(k, table), gather_pages(v, table), lens)
 
 
+@pytest.mark.parametrize("page_size", [16, 48])
 @pytest.mark.parametrize("block_kv", [16, 64])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_key_tiles_across_pages_and_splits(block_kv, num_splits):
-    """Tiles of 64 keys span four pages of 16 (the gather of rows); split bounds fall inside pages."""
+def test_key_tiles_across_pages_and_splits(block_kv, num_splits, page_size):
+    """Tiles of 64 keys span four pages of 16, or straddle pages of 48 (the gather of rows); split
+    bounds fall inside pages."""
     lengths = [113, 40, 1]
-    k, v, table = paged_cache(lengths, 16, 8, 2, 16, torch.float32, seed=3)
+    k, v, table = paged_cache(lengths, page_size, -(-128 // page_size), 2, 16, torch.float32, seed=3)
     q = queries(3, 2, 1, 16, torch.float32)
     lens = torch.tensor(lengths, dtype=torch.int32)
     with torch.no_grad():
@@ -140,6 +142,23 @@ def test_appending_writes_the_pages_in_place(dtype, page_size):
     assert same(zero_nan(gather_pages(v, table)), zero_nan(want_v))
     assert k[spare].isnan().all() and k_spare.isnan().all()  # the pages no table names: untouched
     assert_rule(out, lse, q, want_k, want_v, lens + n_q)
+
+
+def test_paged_caches_of_any_strides():
+    """K and V as views into one pool (num_pages, 2, page_size, H_kv, D), and heads first within a
+    page: the same output as contiguous pages."""
+    lengths = [30, 7]
+    k, v, table = paged_cache(lengths, 16, 2, 2, 16, torch.float16, seed=13)
+    q = queries(2, 4, 1, 16, torch.float16)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    pool = torch.stack((k, v), dim=1)                              # (num_pages, 2, 16, 2, 16)
+    heads_first = torch.stack((k, v)).transpose(2, 3).contiguous().transpose(2, 3)  # (2, pages, 16, 2, 16)
+    with torch.no_grad():
+        want = flashattn.decode(q, k, v, lens, block_table=table)
+        for k_view, v_view in ((pool[:, 0], pool[:, 1]), (heads_first[0], heads_first[1])):
+            assert not k_view.is_contiguous()
+            got = flashattn.decode(q, k_view, v_view, lens, block_table=table)
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=0)  # a wrong row would be far off (or NaN)
 
 
 def test_a_paged_step_matches_the_contiguous_step():

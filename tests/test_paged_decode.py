@@ -161,6 +161,19 @@ def test_paged_caches_of_any_strides():
             torch.testing.assert_close(got, want, atol=1e-3, rtol=0)  # a wrong row would be far off (or NaN)
 
 
+def test_each_call_reads_its_own_block_table():
+    """Two tables of the same shape over one pool (the plan is shared): each call follows its own."""
+    lengths = [40, 25]
+    k, v, table = paged_cache(lengths, 16, 3, 1, 16, torch.float32, seed=14, spare=0)
+    k, v = zero_nan(k), zero_nan(v)
+    q = queries(2, 2, 1, 16, torch.float32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    for t in (table, table.flip(0).contiguous(), table.flip(1).contiguous()):
+        with torch.no_grad():
+            out, lse = flashattn.decode(q, k, v, lens, block_table=t, return_lse=True)
+        assert_rule(out, lse, q, gather_pages(k, t), gather_pages(v, t), lens)
+
+
 def test_a_paged_step_matches_the_contiguous_step():
     """Append, rotary embedding, GQA, softcap, a window and ALiBi together: the paged step gives
     the contiguous step's output and cache, the lengths checked on the host or bound by max_seqlen."""

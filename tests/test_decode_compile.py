@@ -38,6 +38,18 @@ CASES = [("bf16", 128, "ieee", 16), ("fp16", 128, "ieee", 16), ("bf16", 64, "iee
          ("bf16", 256, "ieee", 64), ("fp32", 128, "ieee", 16), ("fp32", 256, "ieee", 32),
          ("fp32", 128, "tf32", 32), ("fp32", 256, "tf32", 16), ("fp32", 256, "tf32", 32)]
 MERGES = [(128, 2), (128, 64), (256, 2), (256, 64)]  # (head dim, splits): MAX_SPLITS is 64
+# The split kernel with every variant on (compiled.DECODE_ALL_VARIANTS: a paged cache, ALiBi,
+# softcap, a window), on sm_90 for the cases that take the most registers, and on the older GPUs
+# (sm_75 multiplies with fused multiply-adds and has no bfloat16: fp16 and fp32 there) with the
+# configuration decode_config gives each. Page sizes 16 and 256: the gather's index arithmetic
+# differs (a page holds one tile of 16 keys, or several tiles).
+VARIANT_CASES = [("bf16", 128, "ieee", 16), ("bf16", 256, "ieee", 64), ("fp32", 256, "ieee", 32),
+                 ("fp32", 256, "tf32", 32)]
+# (Head dim 256 with 64-row tiles is left out on sm_86 and sm_89: there the plain kernel too needs
+# more shared memory than a block has, as decode_config's stage rule does not count the query tile.)
+ARCH_VARIANT_CASES = {75: [("fp16", 128, "ieee", 16), ("fp32", 128, "ieee", 32)],
+                      80: [("bf16", 128, "ieee", 64), ("bf16", 256, "ieee", 64), ("fp32", 128, "tf32", 32)],
+                      86: [("bf16", 128, "ieee", 16), ("bf16", 256, "ieee", 32)], 89: [("fp16", 128, "ieee", 64)]}
 
 
 def run_child(*args):
@@ -65,8 +77,11 @@ def test_direct_launches_are_the_jits():
 # --- The child ----------------------------------------------------------------------------------------
 
 def check_decode(compiled):
+    import itertools
+
     import torch
 
+    from flashattn.gpu import archs
     from flashattn.kernels.decode import MAX_SPLITS, max_block_r
 
     assert max(splits for _, splits in MERGES) == MAX_SPLITS
@@ -76,19 +91,29 @@ def check_decode(compiled):
                 for launch in compiled.decode_launches(dtype, d, precision, rows)]
     launches += [(f"D={d}, {splits} splits", "bf16", compiled.decode_merge_launch(d, splits))
                  for d, splits in MERGES]
+    launches = [(label, dtype, launch, 90) for label, dtype, launch in launches]
+    for capability, cases in {90: VARIANT_CASES, **ARCH_VARIANT_CASES}.items():
+        for (dtype, d, precision, rows), page_size in itertools.product(cases, (16, 256)):
+            variants = dict(compiled.DECODE_ALL_VARIANTS, PAGE_SIZE=page_size)
+            launches += [(f"sm_{capability} {dtype} D={d} {precision} {rows} rows, all variants, pages of {page_size}",
+                          dtype, launch, capability)
+                         for launch in compiled.decode_launches(dtype, d, precision, rows, variants=variants,
+                                                                arch=archs.ARCHS[capability])]
     problems = []
-    for label, dtype, (name, constexprs, options) in launches:
+    for label, dtype, (name, constexprs, options), capability in launches:
+        arch = archs.ARCHS[capability]
         try:
-            regs, spill, smem = compiled.resources(compiled.compile_kernel(name, dtype, constexprs, **options))
+            regs, spill, smem = compiled.resources(compiled.compile_kernel(
+                name, dtype, constexprs, target=compiled.target(capability), **options))
         except Exception as error:  # report and go on: one bad configuration should not hide the others
             problems.append(f"{name} {label}: {type(error).__name__}: {str(error)[:1500]}")
             continue
-        bad = spill != 0 or smem > compiled.SMEM_PER_BLOCK
+        bad = spill != 0 or smem > arch.smem_per_block
         print(f"{'FAIL' if bad else 'ok  '} {name:12} {label:26} {options} {regs} registers, "
               f"{spill} bytes spilled, {smem // 1024} KB shared")
         if bad:
             problems.append(f"{name} {label} {constexprs} {options}: {spill} bytes spilled, {smem} bytes "
-                            f"of shared memory (at most {compiled.SMEM_PER_BLOCK})")
+                            f"of shared memory (at most {arch.smem_per_block})")
     return problems
 
 
@@ -160,6 +185,9 @@ def _launches_child():
     bf16, fp32 = torch.bfloat16, torch.float32
     q, k, v = torch.randn(3, 8, 1, 64).to(bf16), cache(3, 2, 4096, 64, bf16), cache(3, 2, 4096, 64, bf16)
     q3, k3, v3 = torch.randn(3, 8, 3, 64), cache(3, 2, 100, 64, fp32), cache(3, 2, 100, 64, fp32)
+    pages16, pages256 = torch.randn(3 * 256, 16, 2, 64).to(bf16), torch.randn(3 * 16, 256, 2, 64).to(bf16)
+    table16 = torch.randperm(3 * 256).view(3, 256).int()
+    table256 = torch.randperm(3 * 16).view(3, 16).int()
     cases = {  # name: (q, k_cache, v_cache, cache_seqlens, float32 matmul precision)
         "bf16, 16 splits": (q, k, v, full, "highest"),
         "bf16, 1 split": (q, k, v, torch.tensor([300, 5, 0], dtype=torch.int32), "highest"),
@@ -171,12 +199,21 @@ def _launches_child():
         "lengths misaligned": (q, k, v, torch.tensor([9, 4096, 1000, 0], dtype=torch.int32)[1:], "highest"),
         "fp32 IEEE, 1 split": (q3, k3, v3, torch.tensor([100, 3, 50]), "highest"),
         "fp32 TF32, 1 split": (q3, k3, v3, torch.tensor([100, 3, 50]), "high"),
+        "paged, pages of 16": (q, pages16, pages16, full, "highest"),
+        "alibi": (q, k, v, full, "highest"),
+        "paged, pages of 256, alibi": (q, pages256, pages256, full, "highest"),
     }
+    # the arguments beyond the four tensors: the block table (its own pointer) and the slopes
+    extra = {"paged, pages of 16": dict(block_table=table16),
+             "alibi": dict(alibi_slopes=torch.rand(8)),
+             "paged, pages of 256, alibi": dict(block_table=table256, alibi_slopes=torch.rand(3, 8))}
     # Cases that Triton compiles differently from another case with the same shapes (else they
     # would test nothing): decode's keys must tell them apart.
     differs_from = {"bf16, 1 split": "bf16, 16 splits", "q misaligned": "bf16, 16 splits", "k rows of 72": "bf16, 16 splits",
                     "v rows of 72": "bf16, 16 splits",
-                    "lengths misaligned": "bf16, 16 splits", "fp32 TF32, 1 split": "fp32 IEEE, 1 split"}
+                    "lengths misaligned": "bf16, 16 splits", "fp32 TF32, 1 split": "fp32 IEEE, 1 split",
+                    "paged, pages of 16": "bf16, 16 splits", "alibi": "bf16, 16 splits",
+                    "paged, pages of 256, alibi": "paged, pages of 16"}
     problems = []
     runs = {name: [] for name in cases}
     jit_runs = {"split": 0, "merge": 0}
@@ -190,7 +227,7 @@ def _launches_child():
             torch.set_float32_matmul_precision(precision)
             before = dict(jit_runs)
             stand_in.log = []
-            flashattn.decode(q, k, v, lengths)
+            flashattn.decode(q, k, v, lengths, **extra.get(name, {}))
             runs[name].append(list(stand_in.log))
             if round > 0 and jit_runs != before:
                 problems.append(f"{name}: call {round + 1} went through Triton's JIT again")
@@ -205,7 +242,7 @@ def _launches_child():
     for name, other in differs_from.items():
         if kernel_of[name] is kernel_of[other]:
             problems.append(f"{name}: launched the compiled kernel of {other}")
-    if [len(calls[0]) for calls in runs.values()] != [2, 1, 2, 2, 2, 2, 2, 1, 1]:
+    if [len(calls[0]) for calls in runs.values()] != [2, 1, 2, 2, 2, 2, 2, 1, 1, 2, 2, 2]:
         problems.append("expected a split and a merge launch, or one launch for one split")
     # Every way of launching and of allocating that kernels.decode.HOST offers (the benchmark switches
     # them) launches the same kernels on the same arguments, with lse returned or not.
@@ -217,7 +254,7 @@ def _launches_child():
                     torch.set_float32_matmul_precision(precision)
                     before = dict(jit_runs)
                     stand_in.log = []
-                    flashattn.decode(q, k, v, lengths, return_lse=return_lse)
+                    flashattn.decode(q, k, v, lengths, return_lse=return_lse, **extra.get(name, {}))
                     if (jit_runs != before) != (launch == "jit"):
                         problems.append(f"{name}, {launch}/{buffers}: Triton's JIT "
                                         f"{'not ' if launch == 'jit' else ''}used")

@@ -4,7 +4,8 @@ registers, spills and shared memory.
 Triton compiles to a GPU binary on any machine: this catches compile errors the interpreter cannot
 (it ignores layouts, shared memory and registers) and shows, per configuration, the registers per
 thread, the spilled bytes and the shared memory. The decode kernels are compiled for
-sm_90 as ``flashattn.decode`` launches them (query tiles of 16, 32 and 64 rows; ``--all`` adds
+sm_90 as ``flashattn.decode`` launches them (query tiles of 16, 32 and 64 rows, plain and with every
+variant on: a paged cache, ALiBi, softcap, a window; ``--all`` adds
 every candidate the decode benchmark times); a decode configuration that spills fails the check.
 
     python tools/compile_check.py                   # every default configuration, every architecture
@@ -235,6 +236,10 @@ def check_decode(kernels, dtype, head_dim, everything):
                                                     if everything and not fma else [None]):
             launches += [(f"{precision} BLOCK_R={block_r}", launch)
                          for launch in decode_launches(dtype, head_dim, precision, block_r, candidate)]
+            # every variant on: a paged cache, ALiBi, softcap, a window (their own binaries)
+            launches += [(f"{precision} BLOCK_R={block_r} paged+mods", launch)
+                         for launch in decode_launches(dtype, head_dim, precision, block_r, candidate,
+                                                       variants=compiled.DECODE_ALL_VARIANTS)]
     launches += [(f"{splits} splits", decode_merge_launch(head_dim, splits)) for splits in (2, MAX_SPLITS)]
     failures, seen = 0, set()
     for what, (name, const, options) in launches:

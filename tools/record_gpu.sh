@@ -8,14 +8,15 @@
 # compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants,
 # tests-mods (masks, softcap, ALiBi, dropout, bottom-right, SDPA's signature, the KV-cache step),
 # bench-mods (those modifications timed next to PyTorch's counterparts),
-# decode-host, tests-gpu (every other GPU test: tile configurations, long sequences, decode, the
+# decode-host, decode-paged (a paged KV cache's decoding step next to the contiguous one and SDPA),
+# tests-gpu (every other GPU test: tile configurations, long sequences, decode, the
 # Gluon kernels), first-call, first-call-timeline (where a first call's seconds go), chapters;
 # tests-kernels (the core kernels' and decode's GPU tests alone) runs only when named.
 # Each part writes OUT_DIR/<part>.txt (and its CSV files); the screen gets one line per part.
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
 shift
-parts=${*:-tests-variants bench-variants tests-mods bench-mods decode-host tests-gpu first-call first-call-timeline chapters}
+parts=${*:-tests-variants bench-variants tests-mods bench-mods decode-host decode-paged tests-gpu first-call first-call-timeline chapters}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -42,9 +43,10 @@ part() {  # part NAME SECONDS COMMAND...
 part tests-variants 150 $pytest $variant_tests
 part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_decode.py
 part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"
-part tests-mods 240 $pytest tests/test_modifiers.py tests/test_sdpa_dropin.py tests/test_kv_cache.py
+part tests-mods 240 $pytest tests/test_modifiers.py tests/test_sdpa_dropin.py tests/test_kv_cache.py tests/test_paged_decode.py
 part bench-mods 150 python -m flashattn.measure.score_mods --out "$out/score_mods.csv"
 part decode-host 50 python -m flashattn.measure.bench_decode --host-ab --out "$out/decode_host_ab.csv"
+part decode-paged 180 python -m flashattn.measure.bench_decode --paged --lengths 4096 16384 --out "$out/decode_paged.csv"
 # the other modules with GPU tests (collecting every module would need the notebook tools too)
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v -F "$(printf '%s\n' $variant_tests)")
 part tests-gpu 300 ${pytest/$workers/} -m gpu $gpu_tests

@@ -47,10 +47,11 @@ def source_html(obj, only=None, note=None) -> str:
 
 #: The constexpr flags of what the first chapters leave for later, switched off: chapter 10's windows
 #: and packed sequences (EMPTY_ROWS: rows that see no key, which only they make), and the score
-#: modifications (masks, softcap, ALiBi, dropout, the bottom-right alignment). ``show_source(kernel,
-#: only=LATER)`` shows a kernel as chapters 05-09 teach it.
+#: modifications (masks, softcap, ALiBi, dropout, the bottom-right alignment), and decode's paged
+#: cache (PAGED, which the course does not teach). ``show_source(kernel, only=LATER)`` shows a kernel
+#: as chapters 05-09 teach it.
 LATER = {"WINDOW": False, "VARLEN": False, "EMPTY_ROWS": False, "SOFTCAP": False, "ALIBI": False,
-         "MASK_KIND": 0, "DROPOUT": False, "BOTTOM_RIGHT": False}
+         "MASK_KIND": 0, "DROPOUT": False, "BOTTOM_RIGHT": False, "PAGED": False}
 
 
 def source_text(obj, only=None, note=None):

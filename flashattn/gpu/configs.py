@@ -334,7 +334,7 @@ def decode_precision(dtype):
     return "ieee" if precision == "tf32x3" else precision
 
 
-def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=None):
+def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=None, paged=False):
     """The decode kernel's configuration as a dict (BLOCK_KV, num_warps, num_stages): the
     interpreter's, DECODE_FMA_CONFIG for IEEE float32 (and every dtype on a GPU without tensor
     cores), else ``candidate`` (default: the first of DECODE_CANDIDATES). Tall query tiles get
@@ -342,14 +342,16 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
     (8 from 32 rows on: at 64 rows and 4 warps the compiler needs 254 registers, and at 32 rows
     Triton 3.6's spills 8 bytes per thread at head dim 128); the stages are cut to what shared
     memory holds (Triton keeps num_stages - 1 K and V tiles in flight: at most 70 % of what a block
-    may use on ``arch``, 160 KB on sm_90, leaving the rest to the query tile and the compiler)."""
+    may use on ``arch``, 160 KB on sm_90, leaving the rest to the query tile and the compiler).
+    A ``paged`` cache halves that bound (at most 64 x 32): the gathered rows' 64-bit offsets cost
+    registers, and 64 x 64 tiles spill on sm_80 and sm_89 (tests/test_decode_compile.py)."""
     if INTERPRET:
         return dict(DECODE_INTERPRETER_CONFIG)
     arch = arch or archs.current()
     if not arch.tensor_cores or (dtype == torch.float32 and dot_precision == "ieee"):
         candidate = DECODE_FMA_CONFIG
     block_kv, warps, stages = candidate or DECODE_CANDIDATES[0]
-    block_kv = max(16, min(block_kv, 32 * 128 // block_r))
+    block_kv = max(16, min(block_kv, (16 if paged else 32) * 128 // block_r))
     warps = max(warps, 8 if block_r >= 32 else 4)
     if dtype == torch.float32 and block_d >= 256:  # TF32 tiles of 32 rows spill at 4 warps
         warps = max(warps, 8)

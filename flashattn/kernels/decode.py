@@ -16,6 +16,10 @@ Two ideas get there:
   kernel merges the partial states with chapter 01's merge of softmax states. With one split
   the first kernel writes the final output itself.
 
+A paged cache (``PAGED``, as vLLM's and FlashAttention's ``block_table``) keeps each sequence's keys
+in pages of ``PAGE_SIZE`` rows anywhere in one pool: the inner loop gathers each tile's rows
+through the sequence's row of the block table (``forward.fwd_inner``), everything else unchanged.
+
 Both kernels work in base 2 like the forward kernel (LSE = M + log2 L, scale x log2e folded into
 exp2); the public ``lse`` is natural log, like ``torch.logsumexp``.
 """
@@ -29,6 +33,7 @@ import triton.language as tl
 from ..gpu import configs, direct
 from ..gpu.runtime import INTERPRET, kernel_dtype
 from .forward import fwd_inner
+from .mods import ScoreMods
 from .tiles import load_tile, qk_scale, store_tile
 
 MAX_BLOCK_R = 64          # query rows per tile; more rows (many heads per group) take more tiles
@@ -47,14 +52,16 @@ INTERPRETER_SMS = 8
 
 
 @triton.jit(do_not_specialize=["n_q", "group", "num_splits", "n_max", "win_left"])  # one binary for every length
-def decode_split(Q, K, V, LENS, O, LSE,
+def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes,
                   stride_qb, stride_qh, stride_qn, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
-                  n_q, group, num_splits, qk_scale, n_max, softcap, win_left,
+                  stride_pb, stride_sb, stride_sh,
+                  n_q, group, num_splits, qk_scale, n_max, softcap, win_left, n_pages,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_KV: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  SOFTCAP: tl.constexpr = False, WINDOW: tl.constexpr = False):
+                  SOFTCAP: tl.constexpr = False, WINDOW: tl.constexpr = False, ALIBI: tl.constexpr = False,
+                  PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16):
     # Grid: axis 0 = (row block, split), axis 1 = KV heads, axis 2 = batch.
     split = tl.program_id(0) % num_splits
     row_block = tl.program_id(0) // num_splits
@@ -99,22 +106,41 @@ def decode_split(Q, K, V, LENS, O, LSE,
     if WINDOW:
         kv_full_end = kv_lo
 
-    K += batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    if PAGED:
+        # A paged cache (num_pages, PAGE_SIZE, H_kv, D): the sequence's keys lie in the pages its
+        # row of the block table Pages names, stride_kb (stride_vb) apart; fwd_inner gathers them.
+        Pages += batch.to(tl.int64) * stride_pb
+    else:
+        K += batch.to(tl.int64) * stride_kb
+        V += batch.to(tl.int64) * stride_vb
+    K += kv_head.to(tl.int64) * stride_kh
+    V += kv_head.to(tl.int64) * stride_vh
+    if ALIBI:
+        # ALiBi: each row has the slope of its query head (stride_sb is 0 for one row of slopes)
+        heads = kv_head * group + offs_r // n_q
+        slope = tl.load(Slopes + batch.to(tl.int64) * stride_sb + heads * stride_sh,
+                        mask=offs_r < n_rows, other=0.0)[:, None]
+    else:
+        slope = 0.0
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     # The forward kernel's inner loop, unchanged: whole tiles without a mask, then the diagonal
     # (where keys past a row's position, and past L, are hidden; keys >= L are never loaded).
-    # Softcap (Gemma 2) and the window are the forward kernel's too.
+    # Softcap (Gemma 2), ALiBi and the window are the forward kernel's too: the rows' positions
+    # pos are already the keys' (shift 0), so ALiBi's distance is |pos - j|.
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                pos, offs_d, kv_lo, kv_full_end, n_kv, qk_scale,
                                HEAD_DIM, BLOCK_D, BLOCK_KV, False, True, DOT_PRECISION, WINDOW, win_left, 0,
-                               softcap=softcap, SOFTCAP=SOFTCAP)
+                               softcap=softcap, slope=slope, Pages=Pages, n_pages=n_pages,
+                               stride_kp=stride_kb, stride_vp=stride_vb, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                               PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                pos, offs_d, kv_full_end, kv_hi, n_kv, qk_scale,
                                HEAD_DIM, BLOCK_D, BLOCK_KV, True, True, DOT_PRECISION, WINDOW, win_left, 0,
-                               softcap=softcap, SOFTCAP=SOFTCAP)
+                               softcap=softcap, slope=slope, Pages=Pages, n_pages=n_pages,
+                               stride_kp=stride_kb, stride_vp=stride_vb, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                               PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
 
     # A split without keys has L = 0: it writes the neutral state O = 0, LSE = -inf, which
     # weighs nothing in the merge (and is the answer for L = 0: an empty sum, like SDPA).
@@ -190,7 +216,7 @@ def choose_num_splits(programs, n_seen, block_kv, n_sm, programs_per_sm=PROGRAMS
 
 
 def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, config=None,
-                   partials=False):
+                   partials=False, block_table=None):
     """Launch the decode kernels on checked arguments: ``q`` (B, H_q, N_q, D), caches (B, H_kv,
     N_max, D) of any strides, ``lengths`` an int32/int64 tensor (B,) on the device, ``max_len``
     its largest value. ``num_splits`` and ``config`` (BLOCK_KV, num_warps, num_stages) default to
@@ -198,9 +224,11 @@ def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None
 
     With ``partials``, the merge is not run: returns the split kernel's partial states instead,
     ``o_part`` (B, H_q, N_q, num_splits, D) and ``lse_part`` (B, H_q, N_q, num_splits), float32,
-    each O_s divided by its own sum and LSE_s in base 2 (-inf for a split without keys)."""
-    plan = Plan(q, k_cache, v_cache, config)
-    out, lse = plan.run(q, k_cache, v_cache, lengths, max_len, scale, num_splits, partials)
+    each O_s divided by its own sum and LSE_s in base 2 (-inf for a split without keys).
+    With ``block_table`` the caches are paged, ``(num_pages, page_size, H_kv, D)``."""
+    plan = Plan(q, k_cache, v_cache, config, block_table)
+    out, lse = plan.run(q, k_cache, v_cache, lengths, max_len, scale, num_splits, partials,
+                        block_table=block_table)
     return (out, lse) if partials else (out, lse.view(plan.rows))
 
 
@@ -248,10 +276,17 @@ class Plan:
     the split heuristic's inputs, the kernels' fixed arguments), and the kernels compiled for
     them, launched directly after the first launch through Triton's JIT (``flashattn.gpu.direct``)."""
 
-    def __init__(self, q, k_cache, v_cache, config=None):
+    def __init__(self, q, k_cache, v_cache, config=None, block_table=None):
         batch, n_heads, n_q, head_dim = q.shape
         self.batch, self.n_heads, self.n_q, self.head_dim = batch, n_heads, n_q, head_dim
-        self.kv_heads, self.n_max = k_cache.shape[1], k_cache.shape[2]
+        # A paged cache (num_pages, page_size, H_kv, D) holds at most max_blocks pages per sequence
+        self.paged = block_table is not None
+        if self.paged:
+            self.n_pages, self.page_size, self.kv_heads = k_cache.shape[:3]
+            self.n_max = block_table.shape[1] * self.page_size
+        else:
+            self.n_pages, self.page_size = 1, 16
+            self.kv_heads, self.n_max = k_cache.shape[1], k_cache.shape[2]
         self.group = n_heads // self.kv_heads
         self.rows = (batch, n_heads, n_q)
         self.n_rows = batch * n_heads * n_q
@@ -260,7 +295,7 @@ class Plan:
         # the dtype the kernels read and write: float32 for bfloat16 where runtime.kernel_dtype
         # says so (the interpreter, GPUs before sm_80)
         self.dtype = dtype = kernel_dtype(q)[0].dtype
-        self.strides = (*q.stride(), *k_cache.stride(), *v_cache.stride())  # kept in the plan's key
+        self.strides = self.kernel_strides(q, k_cache, v_cache)  # kept in the plan's key
         n_rows = self.group * n_q
         # tl.dot needs at least 16 rows
         self.block_r = min(max(16, triton.next_power_of_2(n_rows)), max_block_r(q.dtype))
@@ -268,27 +303,36 @@ class Plan:
         self.precision = configs.decode_precision(dtype)
         self.block_d = configs.block_d(head_dim)
         self.config = dict(config or configs.decode_config(dtype, self.precision, self.block_r,
-                                                          self.block_d))
+                                                          self.block_d, paged=self.paged))
         self.scale = 1.0 / math.sqrt(head_dim)
         self.empty = self.n_rows * head_dim == 0
         self.kernels = {}  # (kernel, num_splits, partials, lengths' alignment) -> direct.Compiled
+
+    def kernel_strides(self, q, k_cache, v_cache):
+        """q's and the caches' strides as the split kernel takes them: (batch, head, row, feature),
+        and for a paged cache (page, head, row within the page, feature)."""
+        if self.paged:
+            return (*q.stride(), *(t.stride(i) for t in (k_cache, v_cache) for i in (0, 2, 1, 3)))
+        return (*q.stride(), *k_cache.stride(), *v_cache.stride())
 
     def num_splits(self, max_len):
         return choose_num_splits(self.batch * self.kv_heads * self.row_blocks, max_len - self.n_q + 1,
                                  self.config["BLOCK_KV"], sm_count(self.device))
 
     def run(self, q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, partials=False,
-            keep_lse=True, softcap=0.0, window=-1):
+            keep_lse=True, softcap=0.0, window=-1, block_table=None, alibi_slopes=None):
         """The launches, on arguments of this plan's shapes, dtypes, strides and alignment;
         ``softcap`` > 0 caps the scores, ``window`` >= 0 lets each token see only that many keys
-        before it.
+        before it; ``block_table`` (B, max_blocks) int32 names each sequence's pages of a paged
+        cache (the plan's, if it was made for one); ``alibi_slopes`` (1 or B, H_q) float32 adds
+        ``-slope * |pos - j|`` to the scores.
         Returns ``(out, lse)`` with lse flat (B * H_q * N_q,), or the partial states, shaped.
         Without ``keep_lse`` (the caller drops lse), lse may be a view of the partial states'
         buffer (it would hold that buffer's memory while it lives)."""
         strides = self.strides
         if self.dtype != self.out_dtype:
             q, k_cache, v_cache = kernel_dtype(q, k_cache, v_cache)
-            strides = (*q.stride(), *k_cache.stride(), *v_cache.stride())  # a copy may be denser
+            strides = self.kernel_strides(q, k_cache, v_cache)  # a copy may be denser
         if partials and self.empty:
             raise ValueError("partials need at least one query row (q has shape "
                              f"{tuple(q.shape)})")
@@ -319,14 +363,26 @@ class Plan:
             lse_part = torch.empty(n_rows * num_splits, device=self.device, dtype=f32)
         key = (num_splits, partials, lengths.data_ptr() % 16)
         capped, windowed = softcap > 0, window >= 0
-        direct.launch(self.kernels, ("split",) + key + (capped, windowed), decode_split,
+        # What Triton specializes on besides the plan's key: the block table's alignment (its
+        # shape and strides are in the plan's key), the slopes' alignment and strides.
+        stride_pb = block_table.stride(0) if self.paged else 0
+        split_key = key + (capped, windowed, self.paged and block_table.data_ptr() % 16)
+        if alibi_slopes is not None:
+            slopes = ScoreMods(alibi_slopes=alibi_slopes).kernel_args(self.n_q, self.n_max, False)
+            stride_sb, stride_sh = slopes["stride_sb"], slopes["stride_sh"]
+            split_key += (alibi_slopes.data_ptr() % 16, stride_sb, stride_sh)
+        else:
+            stride_sb = stride_sh = 0
+        direct.launch(self.kernels, ("split",) + split_key, decode_split,
                       (self.row_blocks * num_splits, self.kv_heads, self.batch),
-                      (q, k_cache, v_cache, lengths, o_part, lse_part, *strides,
+                      (q, k_cache, v_cache, lengths, o_part, lse_part, block_table if self.paged else None,
+                       alibi_slopes, *strides, stride_pb, stride_sb, stride_sh,
                        self.n_q, self.group, num_splits, qk_scale(scale), self.n_max,
-                       float(softcap), max(int(window), 0)),
+                       float(softcap), max(int(window), 0), self.n_pages),
                       lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_R=self.block_r,
                                    FINAL=final, DOT_PRECISION=self.precision, SOFTCAP=capped,
-                                   WINDOW=windowed, **self.config),
+                                   WINDOW=windowed, ALIBI=alibi_slopes is not None, PAGED=self.paged,
+                                   PAGE_SIZE=self.page_size, **self.config),
                       HOST["launch"])
         if partials:
             return (o_part[:n_rows * num_splits * self.head_dim].view(*self.rows, num_splits, self.head_dim),

@@ -36,8 +36,8 @@ import triton.language as tl
 
 from ..gpu import configs, launcher
 from ..gpu.runtime import kernel_dtype
-from .tiles import (dot_acc, dropout_keep, kv_stage_bounds, kv_window_bounds, load_tile, modified_scores,
-                    qk_scale, score_mod_setup, sequence_of_program, store_tile)
+from .tiles import (dot_acc, dropout_keep, kv_stage_bounds, kv_window_bounds, load_rows, load_tile,
+                    modified_scores, qk_scale, score_mod_setup, sequence_of_program, store_tile)
 from .mods import NO_MODS
 from .traversal import window_masking
 
@@ -51,8 +51,10 @@ def fwd_inner(acc, m_i, l_i, q,
                WINDOW: tl.constexpr = False, win_left=0, win_right=0,
                n_q=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
                seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, n_cols_all=0,
+               Pages=None, n_pages=1, stride_kp=0, stride_vp=0,
                SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
-               MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False):
+               MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
+               PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16):
     """Fold the key/value tiles ``[kv_lo, kv_hi)`` into the running state ``(acc, m_i, l_i)``.
 
     ``m_i`` is the running row maximum and ``l_i`` the running row sum, both in base 2 and already
@@ -60,12 +62,30 @@ def fwd_inner(acc, m_i, l_i, q,
     ``i`` sees only keys ``i - win_left .. i + win_right``. SOFTCAP, ALIBI and MASK_KIND change
     the scores (``tiles.modified_scores``); DROPOUT drops probabilities from ``acc`` but not from
     ``l_i`` (the softmax's denominator is that of all keys), its 1/(1-p) applied at the end.
+    PAGED (decode's paged KV cache) reads key ``j`` from row ``j % PAGE_SIZE`` of page
+    ``Pages[j // PAGE_SIZE]``, ``stride_kp``/``stride_vp`` apart, instead of row ``j`` of K and V.
     """
+    if PAGED:
+        # The pages of the first tile's keys; each iteration reads those of the next tile, so that
+        # a tile's addresses never wait on a load of the same iteration (the compiler then keeps
+        # as many K and V tiles in flight as without pages).
+        offs_next = kv_lo + tl.arange(0, BLOCK_KV)
+        page_next = tl.load(Pages + offs_next // PAGE_SIZE, mask=offs_next < n_kv, other=0)
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)  # lets the compiler prove aligned addresses
         offs_kv = kv_start + tl.arange(0, BLOCK_KV)
-        k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM,
-                      MASKED, HEAD_DIM < BLOCK_D)
+        if PAGED:
+            # The tile's rows, gathered: each key's page from the block table (clamped, so that a
+            # bad entry cannot read outside the cache), then its row within the page.
+            page = tl.minimum(tl.maximum(page_next, 0), n_pages - 1).to(tl.int64)
+            offs_next = offs_kv + BLOCK_KV
+            page_next = tl.load(Pages + offs_next // PAGE_SIZE, mask=offs_next < n_kv, other=0)
+            in_page = offs_kv % PAGE_SIZE
+            k = load_rows(K, page * stride_kp + in_page * stride_kn, offs_kv, offs_d, stride_kd, n_kv,
+                          HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        else:
+            k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM,
+                          MASKED, HEAD_DIM < BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw scores q.k, fp32
         if SOFTCAP or ALIBI or MASK_KIND != 0:  # scores already in base 2, scale applied
             s, _ = modified_scores(s, offs_q[:, None], offs_kv[None, :], n_q, n_kv, qk_scale, softcap,
@@ -99,8 +119,12 @@ def fwd_inner(acc, m_i, l_i, q,
             keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], drop_col0 + offs_kv[None, :],
                                 n_cols_all)
             p = tl.where(keep, p, 0.0)
-        v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
-                      MASKED, HEAD_DIM < BLOCK_D)
+        if PAGED:
+            v = load_rows(V, page * stride_vp + in_page * stride_vn, offs_kv, offs_d, stride_vd, n_kv,
+                          HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        else:
+            v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
+                          MASKED, HEAD_DIM < BLOCK_D)
         acc = acc * alpha[:, None]
         acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new

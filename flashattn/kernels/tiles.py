@@ -49,6 +49,24 @@ def load_tile(base, rows, cols, stride_row, stride_col, n_rows, n_cols,
 
 
 @triton.jit
+def load_rows(base, row_offsets, rows, cols, stride_col, n_rows, n_cols,
+              CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """:func:`load_tile` for rows that lie anywhere (the pages of a paged KV cache): row ``r`` of
+    the tile starts at ``base + row_offsets[r]``; ``rows`` are the rows' indices in the sequence,
+    and elements with ``rows >= n_rows`` or ``cols >= n_cols`` read as 0."""
+    ptrs = base + row_offsets[:, None] + cols[None, :] * stride_col
+    if CHECK_ROWS and CHECK_COLS:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    elif CHECK_ROWS:
+        tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    elif CHECK_COLS:
+        tile = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
 def store_tile(base, tile, rows, cols, stride_row, stride_col, n_rows, n_cols,
                CHECK_COLS: tl.constexpr):
     """Write ``tile`` to ``base[rows, cols]`` in the pointee's dtype, skipping rows past ``n_rows``

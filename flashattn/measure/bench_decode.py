@@ -2,6 +2,8 @@
 
     python -m flashattn.measure.bench_decode                 # caches of 4k, 16k and 64k tokens
     python -m flashattn.measure.bench_decode --host-ab       # decode's host work, each way timed
+    python -m flashattn.measure.bench_decode --paged         # a paged cache (pages of 16, 64, 256)
+    python -m flashattn.measure.bench_decode --paged --quick # the same, tiny, on the interpreter
 
 See :func:`main` for the providers and what each column measures.
 """
@@ -278,6 +280,95 @@ def decode_host_ab(lengths, batch, heads, kv_heads, head_dim, dtype, out_csv, de
     return lines + profiled
 
 
+PAGED_FIELDS = ["gpu", "torch", "triton", "dtype", "batch", "heads", "kv_heads", "n_q", "head_dim", "cache_len",
+                "page_size", "provider", "ms", "cache_tbps", "of_contiguous", "max_diff"]
+
+
+def paged_inputs(k, v, page_size, seed=0):
+    """The caches ``k``, ``v`` (B, H_kv, N, D) cut into pages of ``page_size`` rows (the last one
+    padded with zeros) and stored in a shuffled order, FlashAttention's paged layout: returns
+    ``(k_pages, v_pages, block_table)``, pages ``(B * max_blocks, page_size, H_kv, D)``."""
+    batch, kv_heads, n, head_dim = k.shape
+    blocks = -(-n // page_size)
+    g = torch.Generator(device=k.device).manual_seed(seed)
+    order = torch.randperm(batch * blocks, device=k.device, generator=g)  # logical page -> physical page
+    paged = []
+    for t in (k, v):
+        padded = torch.zeros(batch, kv_heads, blocks * page_size, head_dim, device=t.device, dtype=t.dtype)
+        padded[:, :, :n] = t
+        logical = padded.transpose(1, 2).reshape(batch * blocks, page_size, kv_heads, head_dim)
+        pages = torch.empty_like(logical)
+        pages[order] = logical
+        paged.append(pages)
+    return paged[0], paged[1], order.view(batch, blocks).to(torch.int32)
+
+
+def paged_run(lengths, page_sizes, batch, heads, kv_heads, head_dim, dtype, out_csv, quick=False, log=print):
+    """Time a decoding step (N_q = 1) on a paged cache at each cache length and page size, side by
+    side with flashattn.decode on the contiguous cache and SDPA on the gathered (contiguous) cache,
+    and SDPA with the gather in the step (what a paged cache costs SDPA); on a GPU both decodes also
+    captured in CUDA graphs (no host work). Each paged output is checked against the contiguous one
+    first. Writes a CSV; returns its rows."""
+    import triton
+    from torch.nn.functional import scaled_dot_product_attention
+
+    import flashattn
+    from ..testing.reference import gather_pages
+    from .variants import time_ms
+
+    device = flashattn.DEVICE
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, dtype=str(dtype).replace("torch.", ""),
+                batch=batch, heads=heads, kv_heads=kv_heads, n_q=1, head_dim=head_dim)
+    rows = []
+    with torch.inference_mode():
+        for n in lengths:
+            q, k, v, lens = decode_inputs(batch, heads, kv_heads, n, head_dim, dtype, device)
+            cache_bytes = 2 * batch * kv_heads * n * head_dim * dtype.itemsize  # K and V, read once
+            contiguous = flashattn.decode(q, k, v, lens)
+            base_ms = time_ms(lambda: flashattn.decode(q, k, v, lens), quick)
+            on_gpu = lens.to(device)
+            timed = [("", "decode", base_ms, ""),
+                     ("", "sdpa-gqa", time_ms(lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                                              quick), "")]
+            if device.type == "cuda":  # captured in a CUDA graph: the kernels alone, no host work
+                timed.append(("", "decode-graph", time_ms(graphed(
+                    lambda: flashattn.decode(q, k, v, on_gpu, max_seqlen=n)), quick), ""))
+            for page_size in page_sizes:
+                k_pages, v_pages, table = paged_inputs(k, v, page_size)
+                out = flashattn.decode(q, k_pages, v_pages, lens, block_table=table)
+                diff = (out.float() - contiguous.float()).abs().max().item()
+                if not diff <= 1e-2:  # the same tiles in the same order: rounding at most
+                    raise AssertionError(f"paged decode (pages of {page_size}) differs from decode by {diff}")
+                timed.append((page_size, "decode-paged", time_ms(
+                    lambda: flashattn.decode(q, k_pages, v_pages, lens, block_table=table), quick), f"{diff:.3g}"))
+                if device.type == "cuda":
+                    timed.append((page_size, "decode-paged-graph", time_ms(graphed(
+                        lambda: flashattn.decode(q, k_pages, v_pages, on_gpu, max_seqlen=n, block_table=table)),
+                        quick), ""))
+
+                def gather_then_sdpa():
+                    k_flat, v_flat = gather_pages(k_pages, table), gather_pages(v_pages, table)
+                    return scaled_dot_product_attention(q, k_flat[:, :, :n], v_flat[:, :, :n], enable_gqa=True)
+
+                timed.append((page_size, "sdpa-gqa-gather", time_ms(gather_then_sdpa, quick), ""))
+            for page_size, provider, ms, diff in timed:
+                tbps = cache_bytes / ms * 1e-9
+                rows.append(dict(meta, cache_len=n, page_size=page_size, provider=provider, ms=f"{ms:.4f}",
+                                 cache_tbps=f"{tbps:.3f}", of_contiguous=f"{ms / base_ms:.3f}", max_diff=diff))
+                log(f"cache {n:6} pages {page_size or '-':>4}  {provider:16} {ms:9.4f} ms  {tbps:6.2f} TB/s  "
+                    f"x{ms / base_ms:5.2f} of contiguous decode")
+            del q, k, v, k_pages, v_pages
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(out_csv)), exist_ok=True)
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=PAGED_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
 def decode_summary(rows):
     """Per cache length: each provider's time, cache TB/s, fraction of the copy bandwidth, and
     decode's speed-up over it, then its time per call in a loop and the host's share of it (where
@@ -324,6 +415,12 @@ def main(argv=None):
 
     ``--host-ab`` times, instead, decode's ways of doing its host work side by side (how it
     launches, copies the lengths and allocates: ``decode_host_ab``), with a cProfile of decode.
+
+    ``--paged`` times, instead, ``decode-paged`` (flashattn.decode on a paged cache, pages of each
+    ``--page-sizes`` in shuffled order, ``block_table``) next to ``decode`` on the contiguous cache,
+    ``sdpa-gqa`` on the contiguous (gathered) cache and ``sdpa-gqa-gather`` (the gather inside the
+    step), and ``decode-graph``, ``decode-paged-graph`` captured in CUDA graphs: ``paged_run``.
+    ``--quick`` runs it tiny, on the interpreter too.
     """
     p = argparse.ArgumentParser(prog="python -m flashattn.measure.bench_decode", description=main.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -336,8 +433,23 @@ def main(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="skip timing every candidate configuration")
     p.add_argument("--host-ab", action="store_true",
                    help="instead: time decode's ways of doing its host work side by side (decode_host_ab)")
-    p.add_argument("--out", help="the CSV (default figures/data/decode.csv, or decode_host_ab.csv)")
+    p.add_argument("--paged", action="store_true",
+                   help="instead: decode on a paged KV cache against the contiguous one and SDPA (paged_run)")
+    p.add_argument("--page-sizes", nargs="+", type=int, default=[16, 64, 256])
+    p.add_argument("--quick", action="store_true", help="with --paged: tiny sizes (runs on the interpreter)")
+    p.add_argument("--out", help="the CSV (default figures/data/decode.csv, decode_host_ab.csv or decode_paged.csv)")
     args = p.parse_args(argv)
+    if args.paged:
+        out = args.out or os.path.join("figures", "data", "decode_paged.csv")
+        if args.quick:
+            paged_run([40, 69], [16, 32], 2, 4, 2, 16, torch.float16, out, quick=True)
+        elif torch.cuda.is_available():
+            paged_run(args.lengths, args.page_sizes, args.batch, args.heads, args.kv_heads, args.head_dim,
+                      DTYPES[args.dtype], out)
+        else:
+            sys.exit("flashattn.measure.bench_decode --paged times on a CUDA GPU; on a CPU add --quick")
+        print("wrote", out)
+        return
     if not torch.cuda.is_available():
         sys.exit("flashattn.measure.bench_decode needs a CUDA GPU.")
     print(f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -91,9 +91,13 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), target=SM90, *
 #: The tables of packed sequences (flashattn.ops.varlen): ``constexprs`` of :func:`compile_kernel`
 #: gives them as "pointer" to compile the VARLEN kernels.
 VARIANT_POINTERS = ("Programs", "CuSeqQ", "CuSeqK")
-#: The score modifications' tensors (flashattn.kernels.mods): ``constexprs`` gives their element
-#: type ("fp32", "u8") to compile the kernels with ALIBI or MASK_KIND on.
-MOD_POINTERS = ("Slopes", "Mask")
+#: The score modifications' tensors (flashattn.kernels.mods) and decode's block table: ``constexprs``
+#: gives their element type ("fp32", "u8", "i32") to compile the kernels with ALIBI, MASK_KIND or
+#: PAGED on.
+MOD_POINTERS = ("Slopes", "Mask", "Pages")
+#: decode with every variant on: a paged cache (pages of 16 keys), ALiBi, softcap and a window.
+DECODE_ALL_VARIANTS = dict(PAGED=True, PAGE_SIZE=16, ALIBI=True, SOFTCAP=True, WINDOW=True,
+                           Pages="i32", Slopes="fp32")
 
 
 def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM90):
@@ -107,7 +111,7 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
     # ``constexprs`` may override them (a table is then an int32 pointer, see VARIANT_POINTERS).
     variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False,
-                "VARLEN": False, "Slopes": None, "Mask": None}
+                "VARLEN": False, "Slopes": None, "Mask": None, "Pages": None}
     constexprs = {**{arg: value for arg, value in variants.items() if arg in fn.arg_names}, **constexprs}
     # Every other switch at its default (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT off), as a
     # launch that does not pass it: left out here, it would compile as a run-time int.
@@ -125,9 +129,10 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
         constexprs["stride_mk"] = 1
     if constexprs.get("n_group") == "runtime":  # grouped-query attention: a run-time int
         del constexprs["n_group"]
-    # The mask's and the slopes' strides are plain ints (0 on broadcast dims), not multiples of 16.
+    # The mask's and the slopes' strides are plain ints (0 on broadcast dims), not multiples of 16,
+    # nor is the block table's (its row: max_blocks pages).
     aligned = set(pointers) | {arg for arg in fn.arg_names if arg.startswith("stride_")
-                               and not arg.startswith(("stride_m", "stride_s"))}
+                               and not arg.startswith(("stride_m", "stride_s", "stride_p"))}
     return compile_sm90(fn, pointers, constexprs, floats=("scale", "qk_scale", "softcap", "p_drop"),
                         aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages)
 
@@ -151,18 +156,21 @@ def resources(compiled):
             compiled.metadata.shared)
 
 
-def decode_launches(dtype, head_dim, precision="ieee", block_r=16, candidate=None):
+def decode_launches(dtype, head_dim, precision="ieee", block_r=16, candidate=None, variants=None, arch=None):
     """The decode kernels as ``flashattn.decode`` launches them on a GPU, for inputs of ``dtype``
     ("fp16", "bf16", "fp32") and ``head_dim``, in dot ``precision`` ("ieee", "tf32"), with query
     tiles of ``block_r`` rows (16, 32 or 64: the query heads of a KV group times the new tokens,
-    padded) and the configuration ``configs.decode_config`` gives (or its ``candidate``, one of
-    ``configs.DECODE_CANDIDATES``). A list of ``(kernel name, compile-time arguments, options)``
-    for :func:`compile_kernel`: the split kernel writing partial states, then as the only split."""
+    padded) and the configuration ``configs.decode_config`` gives on ``arch`` (an ``archs.Arch``;
+    default sm_90) (or its ``candidate``, one of ``configs.DECODE_CANDIDATES``); ``variants``
+    switches more on (e.g. :data:`DECODE_ALL_VARIANTS`). A list of ``(kernel name, compile-time
+    arguments, options)`` for :func:`compile_kernel`: the split kernel writing partial states,
+    then as the only split."""
     block_d = configs.block_d(head_dim)
-    config = configs.decode_config(TORCH_DTYPES[dtype], precision, block_r, block_d, candidate)
+    config = configs.decode_config(TORCH_DTYPES[dtype], precision, block_r, block_d, candidate, arch,
+                                   paged=bool((variants or {}).get("PAGED")))
     options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
     return [(name, dict(config, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, FINAL=final,
-                        DOT_PRECISION=precision), options)
+                        DOT_PRECISION=precision, **(variants or {})), options)
             for name, final in (("decode_split", False), ("decode_final", True))]
 
 

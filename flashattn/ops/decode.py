@@ -13,7 +13,7 @@ import torch
 from ..gpu.runtime import DEVICE, INTERPRET, RUNTIME
 from ..kernels.decode import HOST, Plan
 from . import kv_cache
-from .modifiers import check_softcap
+from .modifiers import check_alibi, check_softcap
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LENGTH_DTYPES = (torch.int32, torch.int64)
@@ -29,14 +29,15 @@ MAX_PLANS = 64  # a loop that changes shapes every step starts afresh now and th
 
 def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, max_seqlen=None,
            k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-           softcap=0.0, window_size=(-1, -1)):
+           softcap=0.0, window_size=(-1, -1), block_table=None, alibi_slopes=None):
     """Attention of the newest ``N_q`` tokens of each sequence against its KV cache.
 
     Args:
         q: the new tokens' queries, ``(B, H_q, N_q, D)``; N_q is usually 1.
         k_cache, v_cache: ``(B, H_kv, N_max, D)``, any strides (a ``(B, N_max, H_kv, D)`` cache
-            transposed works as is). ``H_q`` must be a multiple of ``H_kv``: query head ``h``
-            uses KV head ``h // (H_q / H_kv)`` (grouped-query attention, as SDPA's enable_gqa).
+            transposed works as is), or pages ``(num_pages, page_size, H_kv, D)`` with
+            ``block_table``. ``H_q`` must be a multiple of ``H_kv``: query head ``h`` uses KV head
+            ``h // (H_q / H_kv)`` (grouped-query attention, as SDPA's enable_gqa).
         cache_seqlens: integer tensor ``(B,)`` (int32 or int64) of valid lengths ``L``, with
             ``N_q <= L <= N_max``, or ``L = 0`` for an empty sequence (its output is 0 and its
             lse -inf, the empty sum, like SDPA with no keys). Entries at or past ``L`` are never
@@ -66,6 +67,17 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
             decoding is: token ``t`` sees keys ``L - N_q + t - left`` to ``L - N_q + t``; ``left``
             -1 is unbounded; ``right`` must be -1 or 0 (no key comes after the newest tokens).
             The cache before the first token's window is never read.
+        block_table: a paged KV cache, as ``flash_attn_with_kvcache``'s: an int32 tensor
+            ``(B, max_blocks)`` of page indices, with caches ``(num_pages, page_size, H_kv, D)``
+            (any strides; ``page_size`` a multiple of 16). Key ``j`` of sequence ``b`` is row
+            ``j % page_size`` of page ``block_table[b, j // page_size]``; ``N_max`` is
+            ``max_blocks * page_size``, and ``k_new``/``v_new`` are written into the pages in
+            place. Entries past a sequence's pages are never read. The indices in use are checked
+            with the lengths (without ``max_seqlen``) where the table is on the host (the
+            interpreter); on a GPU, where that would wait for it, each is clamped into the cache
+            (nothing outside it is read or written, but a bad index gives rows that mean nothing).
+        alibi_slopes: ``(H_q,)`` or ``(B, H_q)`` float32, as ``flashattn.attention``'s: the score of
+            token ``t`` and key ``j`` gets ``-slope * |L - N_q + t - j|``.
 
     The new tokens are the last ``N_q`` entries of each valid cache, so token ``t`` sees keys
     ``0 .. L - N_q + t`` (aligned bottom-right, as in decoding and speculative decoding).
@@ -89,9 +101,11 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
     grad. Under ``torch.no_grad()`` or ``torch.inference_mode()``, as generation runs, the same
     inputs are fine and the result does not require grad.
     """
-    plan = plan_for(q, k_cache, v_cache, cache_seqlens)
+    plan = plan_for(q, k_cache, v_cache, cache_seqlens, block_table)
     _check_call(q, k_cache, v_cache, scale, return_lse)
     mods = _check_mods(softcap, window_size)
+    mods.update(block_table=block_table,
+                alibi_slopes=check_alibi(alibi_slopes, q, plan.batch, plan.n_heads, "q's batch"))
     if k_new is not None or v_new is not None or rotary_cos is not None or rotary_sin is not None:
         return _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqlen,
                      k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, mods)
@@ -103,7 +117,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
                          "of the capture): pass max_seqlen=<a bound on the lengths>, with "
                          "cache_seqlens on the GPU, to capture it")
     else:
-        lengths, max_len = _lengths(cache_seqlens, plan.n_max, plan.n_q, plan.device)
+        lengths, max_len = _lengths(cache_seqlens, plan, plan.n_q)
+        if plan.paged:
+            kv_cache.check_pages(block_table, plan.page_size, plan.n_pages, cache_seqlens)
     out, lse = plan.run(q, k_cache, v_cache, lengths, max_len,
                         plan.scale if scale is None else float(scale), keep_lse=return_lse, **mods)
     return (out, lse.view(plan.rows)) if return_lse else out
@@ -125,7 +141,7 @@ def _check_mods(softcap, window_size):
 def _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqlen,
           k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, mods):
     """decode with the KV-cache step of ``flashattn.ops.kv_cache``: rotate, append, attend."""
-    appending = kv_cache.check_new(q, k_cache, k_new, v_new)
+    appending = kv_cache.check_new(q, k_cache, k_new, v_new, plan.paged)
     rotary = kv_cache.check_rotary(q, rotary_cos, rotary_sin, rotary_interleaved)
     if appending and torch.is_grad_enabled() and (k_new.requires_grad or v_new.requires_grad):
         raise ValueError("k_new or v_new requires grad, but decode is forward only: call it under "
@@ -147,9 +163,13 @@ def _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqle
                 raise ValueError(f"cache_seqlens[{b}] is {host[b].item()}; with k_new each length counts "
                                  f"the tokens cached before this step, from 0 to N_max - N_q = "
                                  f"{plan.n_max - n_q}, so that the {n_q} new tokens fit in the cache")
-            lengths, max_len = _lengths(host + n_q, plan.n_max, n_q, plan.device)
+            after = host + n_q
+            lengths, max_len = _lengths(after, plan, n_q)
         else:
-            lengths, max_len = _lengths(cache_seqlens, plan.n_max, n_q, plan.device)
+            after = cache_seqlens
+            lengths, max_len = _lengths(cache_seqlens, plan, n_q)
+        if plan.paged:
+            kv_cache.check_pages(mods["block_table"], plan.page_size, plan.n_pages, after)
     if rotary and max_len > rotary_cos.shape[0]:
         raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions but the cache reaches {max_len} "
                          "tokens: the tables need a row for every position")
@@ -159,22 +179,24 @@ def _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqle
         q = kv_cache.rotate(q, pos, rotary_cos, rotary_sin, rotary_interleaved)
         if appending:
             k_new = kv_cache.rotate(k_new, pos, rotary_cos, rotary_sin, rotary_interleaved)
-        plan = plan_for(q, k_cache, v_cache, cache_seqlens)  # the rotated q has its own strides
-    if appending:
+        plan = plan_for(q, k_cache, v_cache, cache_seqlens, mods["block_table"])  # q rotated: its own strides
+    if appending and plan.paged:
+        kv_cache.append_paged(k_cache, v_cache, k_new, v_new, pos, mods["block_table"])
+    elif appending:
         kv_cache.append(k_cache, v_cache, k_new, v_new, pos)
     out, lse = plan.run(q, k_cache, v_cache, lengths, max_len, plan.scale if scale is None else float(scale),
                         keep_lse=return_lse, **mods)
     return (out, lse.view(plan.rows)) if return_lse else out
 
 
-def plan_for(q, k_cache, v_cache, cache_seqlens):
+def plan_for(q, k_cache, v_cache, cache_seqlens, block_table=None):
     """The plan for such arguments (``flashattn.kernels.decode.Plan``): remembered, or made after
     the checks that read only the tensors' types, dtypes, shapes, strides and devices."""
-    key = _plan_key(q, k_cache, v_cache, cache_seqlens)
+    key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table)
     plan = _PLANS.get(key)
     if plan is None:  # the first call with such arguments: check them, then plan
-        _check_tensors(q, k_cache, v_cache, cache_seqlens)
-        plan = Plan(q, k_cache, v_cache)
+        _check_tensors(q, k_cache, v_cache, cache_seqlens, block_table)
+        plan = Plan(q, k_cache, v_cache, block_table=block_table)
         if key is not None:
             if len(_PLANS) >= MAX_PLANS:
                 _PLANS.clear()
@@ -182,15 +204,19 @@ def plan_for(q, k_cache, v_cache, cache_seqlens):
     return plan
 
 
-def _plan_key(q, k_cache, v_cache, cache_seqlens):
+def _plan_key(q, k_cache, v_cache, cache_seqlens, block_table=None):
     """Everything ``_check_tensors`` and ``Plan`` read, and everything Triton specializes the
-    kernels on (pointer alignment, strides), besides the length values. None (never a plan's key)
-    for arguments that are not all tensors with memory: the checks then run and say what is wrong."""
+    kernels on (pointer alignment, strides), besides the length values (and the block table's
+    values and alignment). None (never a plan's key) for arguments that are not all tensors with
+    memory: the checks then run and say what is wrong."""
     if not (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor)
-            and isinstance(v_cache, torch.Tensor) and isinstance(cache_seqlens, torch.Tensor)):
+            and isinstance(v_cache, torch.Tensor) and isinstance(cache_seqlens, torch.Tensor)
+            and (block_table is None or isinstance(block_table, torch.Tensor))):
         return None
+    table = None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                              block_table.device)
     try:
-        return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16,
+        return (table, q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16,
                 k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.data_ptr() % 16,
                 v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.data_ptr() % 16,
                 cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device,
@@ -200,8 +226,9 @@ def _plan_key(q, k_cache, v_cache, cache_seqlens):
         return None
 
 
-def _lengths(cache_seqlens, n_max, n_q, device):
-    """Check the length values on the host; return the lengths on ``device`` and the largest."""
+def _lengths(cache_seqlens, plan, n_q):
+    """Check the length values on the host; return the lengths on the plan's device and the largest."""
+    n_max, device = plan.n_max, plan.device
     on_host = cache_seqlens.is_cpu
     host = cache_seqlens if on_host else cache_seqlens.cpu()  # the one synchronisation
     count = host.numel()
@@ -216,7 +243,7 @@ def _lengths(cache_seqlens, n_max, n_q, device):
         bad = ((host < 0) | (host > n_max) | ((host > 0) & (host < n_q))).nonzero()[0, 0].item()
         raise ValueError(f"cache_seqlens[{bad}] is {host[bad].item()}; each length must be 0 (an "
                          f"empty sequence) or from N_q = {n_q} (the new tokens are the last N_q "
-                         f"entries of the cache) to N_max = {n_max} (the caches' dim 2)")
+                         f"entries of the cache) to N_max = {n_max} ({_n_max_is(plan)})")
     if on_host and device.type == "cuda":
         # non_blocking: the copy does not wait for the GPU's queued work (from pageable memory,
         # CUDA stages the few bytes before the call returns; see kernels.decode.HOST)
@@ -227,22 +254,27 @@ def _lengths(cache_seqlens, n_max, n_q, device):
     return cache_seqlens.contiguous(), high
 
 
+def _n_max_is(plan):
+    return "block_table's max_blocks x page_size" if plan.paged else "the caches' dim 2"
+
+
 def _check_max_seqlen(max_seqlen, cache_seqlens, plan):
     """``max_seqlen`` as an int, or a TypeError/ValueError naming it: an int from 0 to N_max, with
     ``cache_seqlens`` on the inputs' device (it is not copied, so that a CUDA graph can hold it)."""
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
         raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
     if not 0 <= max_seqlen <= plan.n_max:
-        raise ValueError(f"max_seqlen is {max_seqlen}; expected 0 to N_max = {plan.n_max} (the caches' dim 2)")
+        raise ValueError(f"max_seqlen is {max_seqlen}; expected 0 to N_max = {plan.n_max} ({_n_max_is(plan)})")
     if cache_seqlens.device != plan.device:
         raise ValueError(f"with max_seqlen, cache_seqlens must be on {plan.device} like q (it is read there "
                          f"only, never copied); it is on {cache_seqlens.device}")
     return int(max_seqlen)
 
 
-def _check_tensors(q, k_cache, v_cache, cache_seqlens):
+def _check_tensors(q, k_cache, v_cache, cache_seqlens, block_table=None):
     """Raise TypeError or ValueError naming the argument and what was expected: the checks that
     read only the tensors' types, dtypes, shapes, strides and devices (what ``_plan_key`` holds)."""
+    paged = block_table is not None
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -250,7 +282,8 @@ def _check_tensors(q, k_cache, v_cache, cache_seqlens):
             raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float16, torch.bfloat16 "
                             "or torch.float32")
         if t.dim() != 4:
-            shape = "(B, H_q, N_q, D)" if name == "q" else "(B, H_kv, N_max, D)"
+            shape = ("(B, H_q, N_q, D)" if name == "q" else
+                     "(num_pages, page_size, H_kv, D) with block_table" if paged else "(B, H_kv, N_max, D)")
             raise ValueError(f"{name} must have 4 dims {shape}; got shape {tuple(t.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
@@ -266,7 +299,9 @@ def _check_tensors(q, k_cache, v_cache, cache_seqlens):
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has "
                          f"{tuple(k_cache.shape)}; they must be equal")
-    if k_cache.shape[0] != batch:
+    if paged:
+        kv_cache.check_paged(q, k_cache, block_table)
+    elif k_cache.shape[0] != batch:
         raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch}; "
                          "they must be equal")
     if k_cache.shape[3] != head_dim:
@@ -275,18 +310,19 @@ def _check_tensors(q, k_cache, v_cache, cache_seqlens):
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim (last dim of q and the caches) is {head_dim}; expected 1 to "
                          f"{MAX_HEAD_DIM}")
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_cache.shape[2 if paged else 1]
     if kv_heads == 0 or n_heads % kv_heads:
         raise ValueError(f"q has {n_heads} heads and k_cache {kv_heads}; the query heads must be "
                          "a multiple of the KV heads (each KV head serves H_q / H_kv query heads)")
     if batch > MAX_GRID_DIM or kv_heads > MAX_GRID_DIM:
         raise ValueError(f"batch {batch} and KV heads {kv_heads} must each be at most "
                          f"{MAX_GRID_DIM} (CUDA's grid limit)")
+    rows = 1 if paged else 2  # the dim of a head's rows: within a page, or within a sequence
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        span = (t.shape[2] - 1) * abs(t.stride(2)) + (head_dim - 1) * abs(t.stride(3))
-        if t.shape[2] and span >= 2**31:
-            raise ValueError(f"{name}: one (batch, head) spans 2**31 elements or more (strides "
-                             f"{t.stride()}); the kernel indexes within a head in 32 bits")
+        span = (t.shape[rows] - 1) * abs(t.stride(rows)) + (head_dim - 1) * abs(t.stride(3))
+        if t.shape[rows] and span >= 2**31:
+            raise ValueError(f"{name}: one ({'page' if paged else 'batch'}, head) spans 2**31 elements or "
+                             f"more (strides {t.stride()}); the kernel indexes within a head in 32 bits")
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be a torch.Tensor of int32 or int64, got "
                         f"{type(cache_seqlens).__name__}")

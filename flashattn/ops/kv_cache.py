@@ -1,5 +1,6 @@
 """The KV-cache step around ``flashattn.decode``: rotary embedding of the new tokens, and their keys
-and values written into the cache in place, as FlashAttention's ``flash_attn_with_kvcache`` does.
+and values written into the cache in place, as FlashAttention's ``flash_attn_with_kvcache`` does;
+and the paged cache's checks (a ``block_table`` naming each sequence's pages).
 
 Both are a few elementwise operations and one indexed write per step, on the GPU, with every
 index computed there from ``cache_seqlens``: nothing is read on the host, so a step that appends
@@ -8,15 +9,19 @@ can still be captured in a CUDA graph (``decode``'s ``max_seqlen``).
 import torch
 
 
-def check_new(q, k_cache, k_new, v_new):
+def check_new(q, k_cache, k_new, v_new, paged=False):
     """Raise a TypeError or ValueError naming ``k_new`` or ``v_new`` unless both are given (or
-    neither) as ``(B, H_kv, N_q, D)`` tensors like the caches'. Returns whether they were given."""
+    neither) as ``(B, H_kv, N_q, D)`` tensors like the caches' (paged or not). Returns whether
+    they were given."""
     if (k_new is None) != (v_new is None):
         given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
         raise ValueError(f"{given} was given without {missing}: append both or neither")
     if k_new is None:
         return False
-    batch, kv_heads, _, head_dim = k_cache.shape
+    if paged:
+        batch, (kv_heads, head_dim) = q.shape[0], k_cache.shape[2:]
+    else:
+        batch, kv_heads, _, head_dim = k_cache.shape
     expected = (batch, kv_heads, q.shape[2], head_dim)
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if not isinstance(t, torch.Tensor):
@@ -91,3 +96,66 @@ def append(k_cache, v_cache, k_new, v_new, pos):
     # k_cache[batch, :, pos] is (B, N_new, H_kv, D): advanced indices first, then the sliced heads
     k_cache[batch, :, pos] = k_new.transpose(1, 2)
     v_cache[batch, :, pos] = v_new.transpose(1, 2)
+
+
+#: The block table's dtype, as FlashAttention's.
+BLOCK_TABLE_DTYPE = torch.int32
+#: A page holds a multiple of 16 keys: the kernel's smallest key tile (16 keys, on the interpreter and
+#: in IEEE float32) then never spans two pages, and larger tiles span whole pages.
+PAGE_MULTIPLE = 16
+
+
+def check_paged(q, k_cache, block_table):
+    """Raise a TypeError or ValueError naming the argument unless ``block_table`` is a 2-D int32
+    tensor ``(B, max_blocks)`` on q's device and the caches are paged, ``(num_pages, page_size,
+    H_kv, D)`` with a page size that is a multiple of 16 (the caches' other checks are decode's)."""
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor of int32 or None, got {type(block_table).__name__}")
+    if block_table.dtype != BLOCK_TABLE_DTYPE:
+        raise TypeError(f"block_table has dtype {block_table.dtype}; expected torch.int32")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}; it is read by "
+                         "the kernel, on q's device")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or block_table.shape[1] == 0:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected (B, max_blocks) = "
+                         f"({q.shape[0]}, >= 1): one row of page indices per sequence of q")
+    page_size = k_cache.shape[1]
+    if page_size == 0 or page_size % PAGE_MULTIPLE:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}: with block_table the caches are paged, "
+                         f"(num_pages, page_size, H_kv, D), and page_size = {page_size} must be a positive "
+                         f"multiple of {PAGE_MULTIPLE} (a cache (B, H_kv, N_max, D) takes no block_table)")
+    if k_cache.shape[0] == 0:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}: a paged cache needs at least one page")
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table has strides {block_table.stride()}; each row must be contiguous "
+                         "(pass block_table.contiguous())")
+
+
+def check_pages(block_table, page_size, n_pages, lengths):
+    """Raise a ValueError naming ``block_table`` unless every page that the sequences of ``lengths``
+    (on the host, the lengths attention runs over) use is one of the cache's ``n_pages``: checked
+    only where the table is on the host already (on a GPU, reading it would wait for the GPU at
+    every call; there the kernel and the append clamp each index into the cache instead)."""
+    if not block_table.is_cpu:
+        return
+    blocks = (lengths.cpu().to(torch.int64) + page_size - 1) // page_size  # the pages each sequence uses
+    used = torch.arange(block_table.shape[1]) < blocks[:, None]
+    bad = (used & ((block_table < 0) | (block_table >= n_pages))).nonzero()
+    if bad.numel():
+        b, i = bad[0].tolist()
+        raise ValueError(f"block_table[{b}, {i}] is {block_table[b, i].item()}, but the caches have "
+                         f"{n_pages} pages: a page index must be from 0 to {n_pages - 1}")
+
+
+def append_paged(k_cache, v_cache, k_new, v_new, pos, block_table):
+    """:func:`append` into paged caches ``(num_pages, page_size, H_kv, D)``: the token at position
+    ``p`` of sequence ``b`` goes to row ``p % page_size`` of page ``block_table[b, p // page_size]``.
+    Positions and page indices are clamped into the table and the cache (nothing outside them is
+    written, whatever an unchecked length or index holds)."""
+    page_size = k_cache.shape[1]
+    pos = pos.clamp(0, block_table.shape[1] * page_size - 1)
+    pages = block_table.gather(1, pos // page_size).long().clamp(0, k_cache.shape[0] - 1)  # (B, N_new)
+    rows = pos % page_size
+    # k_cache[pages, rows] is (B, N_new, H_kv, D)
+    k_cache[pages, rows] = k_new.transpose(1, 2)
+    v_cache[pages, rows] = v_new.transpose(1, 2)

@@ -167,12 +167,14 @@ def attention_backward(q, k, v, o, do, lse, is_causal=False, scale=None):
     return dq, dk, dv
 
 
-def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=0.0, window=-1):
+def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=0.0, window=-1,
+                     alibi_slopes=None):
     """Decoding against a KV cache (``flashattn.decode``) as the formula reads, one sequence at a
     time: query head ``h`` uses KV head ``h // (H_q / H_kv)``, only the first ``L`` cache entries
     exist, and new token ``t`` sees keys ``0 .. L - N_q + t`` (bottom-right), only the last
     ``window + 1`` of them when ``window >= 0``; ``softcap > 0`` caps the scaled scores
-    (``softcap * tanh(S / softcap)``). A row that sees no key (``L = 0``) gets 0 and lse -inf.
+    (``softcap * tanh(S / softcap)``); ``alibi_slopes`` ``(H_q,)`` or ``(B, H_q)`` adds
+    ``-slope * |L - N_q + t - j|``. A row that sees no key (``L = 0``) gets 0 and lse -inf.
     Computes in the inputs' dtype; returns ``(out, lse)``."""
     scale = default_scale(q.shape[-1], scale)
     n_heads, n_q = q.shape[1], q.shape[2]
@@ -187,6 +189,9 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=0.0
             s = softcap * torch.tanh(s / softcap)
         position = length - n_q + torch.arange(n_q, device=q.device)[:, None]
         keys = torch.arange(length, device=q.device)[None, :]
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+            s = s - slopes.to(s.dtype)[:, None, None] * (position - keys).abs().to(s.dtype)
         hidden = (keys > position) | ((keys < position - window) if window >= 0 else False)
         s = s.masked_fill(hidden, float("-inf"))
         lse[b] = torch.logsumexp(s.to(lse.dtype), dim=-1)
@@ -194,6 +199,15 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=0.0
         p = torch.softmax(s, dim=-1)
         out[b] = torch.where(seen, p @ v, torch.zeros((), dtype=q.dtype, device=q.device))
     return out, lse
+
+
+def gather_pages(cache, block_table):
+    """A paged cache ``(num_pages, page_size, H_kv, D)`` as the contiguous cache it stands for,
+    ``(B, H_kv, max_blocks * page_size, D)``: sequence ``b``'s rows are its pages, in the order of
+    ``block_table[b]``."""
+    batch, blocks = block_table.shape
+    pages = cache[block_table.long()]                    # (B, max_blocks, page_size, H_kv, D)
+    return pages.reshape(batch, blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
 def decode_split_partials(q, k_cache, v_cache, cache_seqlens, num_splits, block_kv, scale=None):

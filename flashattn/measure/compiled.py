@@ -100,8 +100,9 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     """Compile one of the package's kernels (a key of :data:`KERNELS`) for contiguous inputs of
     ``dtype`` ("fp16", "bf16", "fp32"), as a launch would, for ``target`` (see :func:`target`): the
     head-dim strides equal 1 (Triton turns such ints into constants), the pointers and other strides
-    are divisible by 16. Without grouped heads (``n_group="runtime"`` compiles them) and without
-    packed sequences (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``)."""
+    are divisible by 16; v's head dim (HEAD_DIM_V, BLOCK_DV) is q's unless ``constexprs`` gives
+    it. Without grouped heads (``n_group="runtime"`` compiles them) and without packed sequences
+    (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``)."""
     fn, tensors, fixed = KERNELS[name]
     # As flashattn.attention launches them without grouped heads, windows or packed sequences:
     # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
@@ -112,6 +113,8 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     # Every other switch at its default (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT off), as a
     # launch that does not pass it: left out here, it would compile as a run-time int.
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
+    if "HEAD_DIM_V" in fn.arg_names:  # v's head dim: q's unless given (DeepSeek's MLA: 192/128)
+        constexprs = {"HEAD_DIM_V": constexprs.get("HEAD_DIM"), "BLOCK_DV": constexprs.get("BLOCK_D"), **constexprs}
     constexprs.update({arg: 1 for arg in fn.arg_names if arg.startswith("stride_") and arg.endswith("d")})
     pointers = {**{arg: dtype for arg in tensors}, **fixed}
     for arg in VARIANT_POINTERS:

@@ -26,6 +26,9 @@ its derivative ``1 - tanh**2``.
 FlashAttention-2 instead lets the dK/dV program add its share of dQ into memory with atomic adds
 (5 tile matmuls per tile pair instead of 7); docs/performance.md compares the two.
 
+Q, K, dQ and dK have Q's head dim (``HEAD_DIM``, ``BLOCK_D``); V, O, dO, dV, and so the sums of
+Delta and of ``dP = dO V^T``, have V's (``HEAD_DIM_V``, ``BLOCK_DV``), which may differ.
+
 Where did the ln 2 of base 2 go? The kernels rebuild ``P = 2**(s * scale * log2(e) - LSE2)`` from the
 raw score ``s = q.k``, so the chain rule gives ``dL/ds = ln(2) * scale * log2(e) * P * (dP - Delta)``:
 the ln 2 from the derivative of ``2**x`` cancels the log2(e) folded into the exponent. The loops

@@ -29,6 +29,10 @@ the same tile ranges skip what the mask hides).
 
 A row that sees no key under a window or a mask, or in a sequence without keys, gets the output 0
 and the LSE -inf.
+
+V may have a head dim of its own (SDPA allows it; DeepSeek's MLA has 192 for Q and K, 128 for V):
+``HEAD_DIM``/``BLOCK_D`` are Q's and K's, the columns of ``S = Q K^T``; ``HEAD_DIM_V``/``BLOCK_DV``
+are V's and O's, the columns of ``P V`` and of the accumulator.
 """
 import torch
 import triton

@@ -131,6 +131,25 @@ def test_varlen(dtype, is_causal, window_size):
     assert_rule(compare_with_reference(q, k, v, is_causal=is_causal, impl=impl, reference=ref))
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_transformers_integration_whole_and_packed(grad):
+    """The Hugging Face path with keys outnumbering queries (a KV cache): without a gradient it
+    would decode, which holds one head dim, so it runs attention instead; packed rows keep v's."""
+    from flashattn.integrations.transformers import Call
+
+    q, k, v = make_qkv(24, 40, n_q=3, n_kv=10, batch=2, heads_q=4, heads_kv=2)
+    call = Call(scale=None, causal=True, window=(-1, 0), dropout=0.0, softcap=None, gqa=True)
+    expected, _ = naive_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True,
+                                  causal_alignment="bottom_right")
+    inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    out = call.dense(*inputs)
+    torch.testing.assert_close(out.detach().double(), expected, rtol=0, atol=1e-5)
+    flat = [t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in inputs]  # (tokens, H, D)
+    packed = call.packed(*flat, [3, 3], [10, 10])
+    torch.testing.assert_close(packed.detach().double(), expected.transpose(1, 2).reshape(6, 4, 40),
+                               rtol=0, atol=1e-5)
+
+
 # -- torch.compile --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])

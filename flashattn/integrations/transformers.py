@@ -93,7 +93,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("output_attentions"):
         raise NotImplementedError("flashattn never forms the attention weights (output_attentions=True); "
                                   "use attn_implementation='eager'")
-    batch, heads_q, n_q, head_dim = query.shape
+    batch, heads_q, n_q, _ = query.shape
     heads_kv, n_k = key.shape[1], key.shape[2]
     if heads_q % heads_kv:
         raise ValueError(f"the query has {heads_q} heads and the keys {heads_kv}: the query heads must be "
@@ -111,7 +111,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     else:
         lengths = packed_lengths(kwargs, batch, n_q, n_k)
         if lengths is not None:
-            out = call.packed(*(t.reshape(-1, t.shape[2], head_dim) for t in (q, k, v)), *lengths)
+            out = call.packed(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), *lengths)  # v: its head dim
             out = out.view(batch, n_q, heads_q, value.shape[-1])
         else:
             out = call.dense(query, key, value).transpose(1, 2)
@@ -165,9 +165,10 @@ class Call:
 
     def may_decode(self, query, key, value, n_q):
         """Whether ``flashattn.decode`` can compute this call: forward only, no dropout (softcap it
-        takes), and a window only for one query (whose window is a cache's last keys)."""
+        takes), a window only for one query (whose window is a cache's last keys), and values of
+        the queries' head dim (decode's kernels hold one)."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return (self.causal and not grad and not self.dropout
+        return (self.causal and not grad and not self.dropout and value.shape[-1] == query.shape[-1]
                 and (self.window[0] < 0 or n_q == 1) and self.window[1] <= 0)
 
     def dense(self, query, key, value):
@@ -249,7 +250,7 @@ def padded(call, q, k, v, attention_mask):
         raise ValueError("flashattn's attention takes the 2-D padding mask its mask function makes; got "
                          f"a mask of shape {tuple(attention_mask.shape)} (a custom 4-D mask: use 'sdpa' "
                          "or 'eager')")
-    batch, n_q, heads_q, head_dim = q.shape
+    batch, n_q, heads_q, _ = q.shape
     n_k = k.shape[1]
     mask = attention_mask.to(device=q.device, dtype=torch.bool)
     if mask.shape[1] > n_k:
@@ -263,7 +264,7 @@ def padded(call, q, k, v, attention_mask):
     # causality every query row is computed (as SDPA does for padding rows).
     rows = mask[:, end - n_q:end] if call.causal else mask.new_ones(batch, n_q)
     q_index, k_index = rows.reshape(-1).nonzero().flatten(), mask.reshape(-1).nonzero().flatten()
-    flat = [t.reshape(-1, t.shape[2], head_dim) for t in (q, k, v)]
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]  # v keeps its own head dim
     out = call.packed(flat[0][q_index], flat[1][k_index], flat[2][k_index],
                       rows.sum(1).tolist(), mask.sum(1).tolist())
     full = out.new_zeros(batch * n_q, heads_q, v.shape[3]).index_copy(0, q_index, out)

@@ -57,9 +57,11 @@ def test_forward_and_backward_against_reference(head_dim, head_dim_v, is_causal,
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mla_head_dims_at_a_tiny_length(dtype):
-    """192 for q and k, 128 for v: BLOCK_D = 256 beside BLOCK_DV = 128."""
-    q, k, v = make_qkv(192, 128, n_q=5, n_kv=9, dtype=dtype, heads_q=1, heads_kv=1)
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (256, 16), (16, 256)])
+def test_large_head_dims_at_a_tiny_length(head_dim, head_dim_v, dtype):
+    """DeepSeek's MLA (192 for q and k, 128 for v: BLOCK_D = 256 beside BLOCK_DV = 128) and the
+    two extremes of the range."""
+    q, k, v = make_qkv(head_dim, head_dim_v, n_q=5, n_kv=9, dtype=dtype, heads_q=1, heads_kv=1)
     assert_rule(checks_of(q, k, v, is_causal=True))
 
 
@@ -233,6 +235,7 @@ def test_mla_head_dims_compile_for_every_architecture():
         pytest.skip(str(e))
     assert {r["arch"] for r in rows} == {75, 80, 86, 89, 90}
     assert {r["kernel"] for r in rows} == {"fwd", "bwd_dkdv", "bwd_dq"}
+    print("\n".join(map(str, (r for r in rows if r["spilled"]))))  # spills under other Triton releases
     problems = [r for r in rows if r["problem"]]
     assert not problems, problems
 

@@ -110,6 +110,24 @@ def test_leading_dims_and_strides():
     torch.testing.assert_close(lse[0].double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
+def test_vmap_folds_into_the_batch():
+    q, k, v = make_qkv(24, 40, batch=3)
+    out = torch.func.vmap(lambda a, b, c: flashattn.attention(a, b, c, is_causal=True))(q, k, v)
+    ref, _ = naive_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert out.shape == (3, 2, N_Q, 40)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_mla_head_dims_compiled_on_the_gpu(dtype, is_causal):
+    """The compiled kernels with the tiles of head dim 256, several blocks of each kind, grouped
+    heads; on an H100/H200 the Triton kernels, not the Gluon ones."""
+    q, k, v = make_qkv(192, 128, n_q=777, n_kv=1029, dtype=dtype, batch=2, heads_q=4, heads_kv=2)
+    assert_rule(checks_of(q, k, v, is_causal))
+
+
 # -- Packed sequences ---------------------------------------------------------------------------------
 
 def cu_seqlens(lengths):

@@ -246,7 +246,9 @@ def test_tiles_are_those_of_the_wider_padded_head_dim(monkeypatch):
 @pytest.mark.slow
 def test_mla_head_dims_compile_for_every_architecture():
     """D = 192, D_v = 128 with the tiles each architecture runs them with (the defaults of head dim
-    256): no spills and within the shared memory of a block, sm_75 to sm_90."""
+    256), sm_75 to sm_90: compiled, within the shared memory of a block, and without spills under
+    the Triton releases the defaults were chosen with (``compiled.check``: under others a few bytes
+    of spill are printed, not failed, as for every default)."""
     try:
         rows = compiled.in_child("flashattn.measure.compiled:head_dim_v_report", timeout=3000)
     except compiled.CannotCompile as e:

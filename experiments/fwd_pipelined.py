@@ -76,8 +76,8 @@ def _fwd_pipelined(Q, K, V, O, LSE, n_q, n_kv, qk_scale,
         acc, m_i, l_i = _inner_pipelined(acc, m_i, l_i, q, K, V, offs_kv0, offs_d, 0, kv_full_end,
                                          qk_scale, BLOCK_D, BLOCK_KV)
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, BLOCK_D, 1, BLOCK_D, 1,
-                               offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-                               BLOCK_D, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, "ieee")
+                               offs_q, offs_d, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
+                               BLOCK_D, BLOCK_D, BLOCK_D, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, "ieee")
     acc = acc / l_i[:, None]
     tl.store(LSE + bh * n_q + offs_q, m_i + tl.log2(l_i))
     tl.store(O + offs_q[:, None] * BLOCK_D + offs_d[None, :], acc.to(O.dtype.element_ty))

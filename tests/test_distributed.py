@@ -117,6 +117,7 @@ def bad_calls():
         "a 3-D shard": lambda r: ((x[0], x[0], x[0]), {}),
         "an unknown layout": lambda r: ((x, x, x), dict(layout="striped")),
         "heads without enable_gqa": lambda r: ((x, x[:, :1], x[:, :1]), {}),
+        "v of another head dim": lambda r: ((x, x, x[..., :8]), {}),
         "a group that is not one": lambda r: ((x, x, x), dict(group="world")),
         "shards of different sizes on the ranks": lambda r: ((x[:, :, :8 - 2 * r],) * 3, {}),
         "float64 on rank 1 only": lambda r: ((x.double(),) * 3 if r == 1 else (x,) * 3, {}),
@@ -354,6 +355,7 @@ ERRORS = {
     "a 3-D shard": ("ValueError", "q must be a (B, H, N_local, D) shard, 4 dims; got shape (2, 8, 16)"),
     "an unknown layout": ("ValueError", "layout must be 'zigzag' or 'contiguous', got 'striped'"),
     "heads without enable_gqa": ("ValueError", "pass enable_gqa=True for grouped-query attention"),
+    "v of another head dim": ("ValueError", "v has head dim 8 but q has 16: ring_attention needs them equal"),
     "a group that is not one": ("TypeError", "group must be a torch.distributed.ProcessGroup or None, got str"),
     "shards of different sizes on the ranks": ("ValueError", "q's shape differs between the ranks (rank 0: (1, 2, 8, 16), "
                                                              "rank 1: (1, 2, 6, 16))"),

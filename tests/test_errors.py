@@ -32,7 +32,8 @@ def call(**overrides):
     (dict(k=t(1, 3, 8, 16), v=t(1, 3, 8, 16)), ValueError, ["k", "leading dims", "(1, 3)", "(1, 2)"]),
     (dict(k=t(2, 8, 16), v=t(2, 8, 16)), ValueError, ["k", "leading dims"]),
     (dict(k=t(1, 2, 8, 32)), ValueError, ["k", "head dim 32", "16"]),
-    (dict(v=t(1, 2, 8, 8)), ValueError, ["v", "head dim 8"]),
+    (dict(v=t(1, 2, 8, 300)), ValueError, ["v's head dim", "300", "256"]),  # v's may differ from q's
+    (dict(v=t(1, 2, 8, 0)), ValueError, ["v's head dim", "is 0"]),
     (dict(q=t(1, 2, 8, 300), k=t(1, 2, 8, 300), v=t(1, 2, 8, 300)), ValueError, ["head dim", "300", "256"]),
     (dict(v=t(1, 2, 9, 16)), ValueError, ["k has 8 keys", "v has 9"]),
     (dict(scale=float("nan")), ValueError, ["scale", "finite", "nan"]),

@@ -194,6 +194,9 @@ def _check_shards(q, k, v, layout):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be a (B, H, N_local, D) shard, 4 dims; got shape {tuple(t.shape)}")
+    if v.shape[-1] != q.shape[-1]:  # the ring's merged output and its transfers hold one head dim
+        raise ValueError(f"v has head dim {v.shape[-1]} but q has {q.shape[-1]}: ring_attention needs them "
+                         "equal (flashattn.attention takes a v of its own head dim)")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"q holds {q.shape[2]} positions but k holds {k.shape[2]}: every rank's shards "
                          "of q, k and v must be the same positions of the sequence")

@@ -250,6 +250,24 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def head_dims(head_dim: int, head_dim_v: int) -> dict:
+    """The kernels' head-dim constexprs: HEAD_DIM and BLOCK_D for Q and K (S = Q K^T, dQ, dK),
+    HEAD_DIM_V and BLOCK_DV for V, O and dO (O = P V, Delta, dP = dO V^T, dV)."""
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+                HEAD_DIM_V=head_dim_v, BLOCK_DV=block_d(head_dim_v))
+
+
+def tile_block_d(constexprs) -> int:
+    """The BLOCK_D a kernel's tiles are configured by: the wider of its two padded head dims.
+
+    The candidates, their rules (:func:`fits`) and the defaults were chosen and compiled with Q, K,
+    V and O tiles of one width. A kernel whose V tiles are narrower or wider than its Q and K tiles
+    holds at most what the one-width kernel of the wider of the two holds, in registers and in
+    shared memory, so that kernel's configuration fits it too (e.g. 192/128, DeepSeek's MLA, is
+    configured as 256)."""
+    return max(constexprs.get("BLOCK_D", 0), constexprs.get("BLOCK_DV", 0))
+
+
 #: 3xTF32 holds each operand's high and low parts: past this BLOCK_D the backward kernels spill
 #: with any tile (compiled for sm_80 to sm_90), so 'highest' float32 multiplies in IEEE there.
 TF32X3_MAX_BLOCK_D = 128

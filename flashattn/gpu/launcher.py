@@ -26,13 +26,14 @@ import threading
 import torch
 import triton
 
-from .configs import FALLBACK_CONFIGS, INTERPRETER_CONFIGS, as_dict, candidates, default_config, fits, ranked
+from .configs import (FALLBACK_CONFIGS, INTERPRETER_CONFIGS, as_dict, candidates, default_config, fits, ranked,
+                      tile_block_d)
 from .runtime import INTERPRET, INTERPRETER_LOCK, cache_dir
 
 
 def _prune(name):
     def prune(configs, named_args, **kwargs):  # Triton passes the constexprs in kwargs
-        size, block_d = named_args["Q"].element_size(), kwargs["BLOCK_D"]
+        size, block_d = named_args["Q"].element_size(), tile_block_d(kwargs)
         precision = kwargs.get("DOT_PRECISION")
         return ([c for c in configs if fits(name, c, block_d, size, precision)]
                 or [FALLBACK_CONFIGS[name]])
@@ -58,7 +59,8 @@ def _tuner(name, kernel, bucket, configs):
     if key not in _tuners:
         _tuners[key] = triton.autotune(
             configs=configs,
-            key=["HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"],  # dtypes are added by Triton itself
+            # dtypes are added by Triton itself; the Delta kernel has one head dim (v's, as HEAD_DIM)
+            key=["HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"] + ([] if name == "bwd_preprocess" else ["HEAD_DIM_V"]),
             prune_configs_by=None if name == "bwd_preprocess" else {"early_config_prune": _prune(name)},
             do_bench=_quick_bench,
         )(kernel)
@@ -145,7 +147,7 @@ _default_locks = {}  # the same keys -> a lock held while the first launch picks
 def _default(name, kernel, grid, args, constexprs):
     """The default configuration; should the compiler refuse it for its resources (the rules are
     estimates), the next that fits, and so on."""
-    precision, bd = constexprs.get("DOT_PRECISION"), constexprs.get("BLOCK_D")
+    precision, bd = constexprs.get("DOT_PRECISION"), tile_block_d(constexprs)
     key = (name, args[0].dtype, precision, bd, args[0].device.index)
     if key not in _defaults:
         # One thread picks each key's configuration; the others wait for it (not for other keys:
@@ -159,7 +161,7 @@ def _default(name, kernel, grid, args, constexprs):
 
 
 def _first_default(name, kernel, grid, args, constexprs, key):
-    precision, bd = constexprs.get("DOT_PRECISION"), constexprs.get("BLOCK_D")
+    precision, bd = constexprs.get("DOT_PRECISION"), tile_block_d(constexprs)
     first = default_config(name, args[0].dtype, precision, bd)
     configs = [first] + [c for c in ranked(name, args[0].dtype, precision, bd) if as_dict(c) != as_dict(first)]
     for i, c in enumerate(configs):
@@ -188,8 +190,15 @@ def autotune_key(name, kernel, dtype, constexprs, bucket, device_name):
     the dtype, the head dim, the masking mode, the dot precision and the length bucket."""
     source = getattr(kernel, "cache_key", "")[:16]
     return (f"{device_name} | triton {triton.__version__} | {name} {source} | {dtype} | "
-            f"D={constexprs.get('HEAD_DIM')} | causal={constexprs.get('IS_CAUSAL')} | "
+            f"D={constexprs.get('HEAD_DIM')}{_v_dim(constexprs)} | causal={constexprs.get('IS_CAUSAL')} | "
             f"{constexprs.get('DOT_PRECISION')} | N<={bucket}")
+
+
+def _v_dim(constexprs):
+    """v's head dim in an autotuning key, where it differs from q's and k's (keys of equal head
+    dims stay what they were)."""
+    dv = constexprs.get("HEAD_DIM_V", constexprs.get("HEAD_DIM"))
+    return "" if dv == constexprs.get("HEAD_DIM") else f"/{dv}"
 
 
 def _read_tuned():
@@ -222,7 +231,7 @@ def _autotuned(name, kernel, grid, args, constexprs, seq_len):
     if _tuned is None:
         _tuned = _read_tuned()
     # refuses, naming the GPU, what no tile can run well on it
-    default_config(name, args[0].dtype, constexprs.get("DOT_PRECISION"), constexprs.get("BLOCK_D"))
+    default_config(name, args[0].dtype, constexprs.get("DOT_PRECISION"), tile_block_d(constexprs))
     configs = candidates(name, args[0].dtype, constexprs.get("DOT_PRECISION"))
     bucket = seq_bucket(seq_len)
     device_name = torch.cuda.get_device_name(args[0].device)

@@ -414,13 +414,16 @@ def tma_ok(t):
 def supports(q, k, v, is_causal=False, scale=None, window=None):
     """Whether this kernel computes attention of these (B, H, N, D) tensors: on a CUDA GPU of
     compute capability 9.x, in fp16 or bf16, at head dim 64 or 128, with strides TMA accepts; k and
-    v may have fewer heads than q (grouped-query attention: a divisor of q's). A sliding
-    ``window`` needs as many queries as keys (then every query block has a key tile)."""
+    v may have fewer heads than q (grouped-query attention: a divisor of q's), not another head
+    dim. A sliding ``window`` needs as many queries as keys (then every query block has a key
+    tile)."""
     if window is not None and q.shape[2] != k.shape[2]:
         return False
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dim() != 4:
         return False
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] or v.shape[:2] != k.shape[:2]:
+        return False
+    if v.shape[-1] != q.shape[-1]:  # V and O are tiles of q's head dim here
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False

@@ -91,7 +91,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("output_attentions"):
         raise NotImplementedError("flashattn never forms the attention weights (output_attentions=True); "
                                   "use attn_implementation='eager'")
-    batch, heads_q, n_q, head_dim = query.shape
+    batch, heads_q, n_q, _ = query.shape
     heads_kv, n_k = key.shape[1], key.shape[2]
     if heads_q % heads_kv:
         raise ValueError(f"the query has {heads_q} heads and the keys {heads_kv}: the query heads must be "
@@ -109,7 +109,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     else:
         lengths = packed_lengths(kwargs, batch, n_q, n_k)
         if lengths is not None:
-            out = call.packed(*(t.reshape(-1, t.shape[2], head_dim) for t in (q, k, v)), *lengths)
+            out = call.packed(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), *lengths)  # v: its head dim
             out = out.view(batch, n_q, heads_q, value.shape[-1])
         else:
             out = call.dense(query, key, value).transpose(1, 2)
@@ -137,9 +137,10 @@ class Call:
 
     def may_decode(self, query, key, value, n_q):
         """Whether ``flashattn.decode`` can compute this call: causal, forward only, no dropout
-        (softcap and windows it takes, aligned bottom-right)."""
+        (softcap and windows it takes, aligned bottom-right), and values of the queries' head dim
+        (decode's kernels hold one)."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return self.causal and not grad and not self.dropout
+        return self.causal and not grad and not self.dropout and value.shape[-1] == query.shape[-1]
 
     def options(self):
         """The keywords of a flashattn call beyond the defaults."""
@@ -195,7 +196,7 @@ def padded(call, q, k, v, attention_mask):
         raise ValueError("flashattn's attention takes the 2-D padding mask its mask function makes; got "
                          f"a mask of shape {tuple(attention_mask.shape)} (a custom 4-D mask: use 'sdpa' "
                          "or 'eager')")
-    batch, n_q, heads_q, head_dim = q.shape
+    batch, n_q, heads_q, _ = q.shape
     n_k = k.shape[1]
     mask = attention_mask.to(device=q.device, dtype=torch.bool)
     if mask.shape[1] > n_k:
@@ -209,7 +210,7 @@ def padded(call, q, k, v, attention_mask):
     # causality every query row is computed (as SDPA does for padding rows).
     rows = mask[:, end - n_q:end] if call.causal else mask.new_ones(batch, n_q)
     q_index, k_index = rows.reshape(-1).nonzero().flatten(), mask.reshape(-1).nonzero().flatten()
-    flat = [t.reshape(-1, t.shape[2], head_dim) for t in (q, k, v)]
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]  # v keeps its own head dim
     out = call.packed(flat[0][q_index], flat[1][k_index], flat[2][k_index],
                       rows.sum(1).tolist(), mask.sum(1).tolist())
     full = out.new_zeros(batch * n_q, heads_q, v.shape[3]).index_copy(0, q_index, out)

@@ -26,6 +26,9 @@ its derivative ``1 - tanh**2``.
 FlashAttention-2 instead lets the dK/dV program add its share of dQ into memory with atomic adds
 (5 tile matmuls per tile pair instead of 7); docs/performance.md compares the two.
 
+Q, K, dQ and dK have Q's head dim (``HEAD_DIM``, ``BLOCK_D``); V, O, dO, dV, and so the sums of
+Delta and of ``dP = dO V^T``, have V's (``HEAD_DIM_V``, ``BLOCK_DV``), which may differ.
+
 Where did the ln 2 of base 2 go? The kernels rebuild ``P = 2**(s * scale * log2(e) - LSE2)`` from the
 raw score ``s = q.k``, so the chain rule gives ``dL/ds = ln(2) * scale * log2(e) * P * (dP - Delta)``:
 the ln 2 from the derivative of ``2**x`` cancels the log2(e) folded into the exponent. The loops
@@ -37,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..gpu import launcher
-from ..gpu.configs import block_d, dkdv_steps_fit, dot_precision
+from ..gpu.configs import block_d, dkdv_steps_fit, dot_precision, head_dims, tile_block_d
 from ..gpu.runtime import kernel_dtype
 from .tiles import (dot_acc, dropout_keep, kv_stage_bounds, kv_window_bounds, load_tile, modified_scores,
                     q_window_bounds, qk_scale, score_mod_setup, sequence_of_program, store_tile)
@@ -67,8 +70,9 @@ def attn_bwd_preprocess(O, dO, Delta,
 @triton.jit
 def dkdv_inner(dk, dv, k, v,
                 Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod,
-                offs_kv, offs_d, q_lo, q_hi, n_q, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                offs_kv, offs_d, offs_dv, q_lo, q_hi, n_q, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_Q: tl.constexpr,
                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 WINDOW: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False, win_left=0, win_right=0,
                 n_kv=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
@@ -85,7 +89,8 @@ def dkdv_inner(dk, dv, k, v,
         q_start = tl.multiple_of(q_start, BLOCK_Q)
         offs_q = q_start + tl.arange(0, BLOCK_Q)
         q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
-        do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        do = load_tile(dO, offs_q, offs_dv, stride_don, stride_dod, n_q, HEAD_DIM_V, MASKED,
+                       HEAD_DIM_V < BLOCK_DV)
         if MASKED:
             lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
             delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
@@ -144,6 +149,7 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    n_heads, n_q, n_kv, scale, qk_scale,
                    n_group, win_left, win_right, Programs, CuSeqQ, CuSeqK,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
@@ -186,11 +192,12 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
 
     kv_start = kv_block * BLOCK_KV
     offs_kv = kv_start + tl.arange(0, BLOCK_KV)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)    # Q and K's head dim (dK's)
+    offs_dv = tl.arange(0, BLOCK_DV)  # V and dO's, which may differ (dV's)
     k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
-    v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    v = load_tile(V, offs_kv, offs_dv, stride_vn, stride_vd, n_kv, HEAD_DIM_V, True, HEAD_DIM_V < BLOCK_DV)
     dk = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_KV, BLOCK_DV], dtype=tl.float32)
 
     # Which queries see this key block (flashattn.kernels.traversal.q_ranges is the same in Python):
     # [q_lo, q_full_lo) cross the diagonal, [q_full_lo, q_full_hi) are whole unmasked blocks and
@@ -222,24 +229,24 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
             Mask_h = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
         drop_row0 = (batch.to(tl.int64) * n_heads + head) * n_rows + q_offset
         dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
-                             stride_don, stride_dod, offs_kv, offs_d, q_lo, tl.minimum(q_full_lo, n_q),
-                             n_q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                             stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_lo, tl.minimum(q_full_lo, n_q),
+                             n_q, qk_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, True, IS_CAUSAL,
+                             DOT_PRECISION, WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
+                             n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
+                             Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
+                             drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                             SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+        dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                             stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_full_lo, q_full_hi, n_q, qk_scale,
+                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
                              WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
                              n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
                              Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
                              drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
                              SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
-                             stride_don, stride_dod, offs_kv, offs_d, q_full_lo, q_full_hi, n_q, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
-                             WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
-                             n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
-                             Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
-                             drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
-                             SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
-        dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
-                             stride_don, stride_dod, offs_kv, offs_d, q_full_hi, q_hi, n_q, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                             stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_full_hi, q_hi, n_q, qk_scale,
+                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
                              WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
                              n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
                              Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
@@ -249,14 +256,15 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
     # Every program stores its whole tile, zeros included: keys no query sees get dK = dV = 0.
     dk *= scale  # S = scale * Q K^T, so dK carries the scale once
     store_tile(dK, dk, offs_kv, offs_d, stride_dkn, stride_dkd, n_kv, HEAD_DIM, HEAD_DIM < BLOCK_D)
-    store_tile(dV, dv, offs_kv, offs_d, stride_dvn, stride_dvd, n_kv, HEAD_DIM, HEAD_DIM < BLOCK_D)
+    store_tile(dV, dv, offs_kv, offs_dv, stride_dvn, stride_dvd, n_kv, HEAD_DIM_V, HEAD_DIM_V < BLOCK_DV)
 
 
 @triton.jit
 def dq_inner(dq, q, do, lse, delta,
               K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-              offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
+              offs_q, offs_d, offs_dv, kv_lo, kv_hi, n_kv, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
               WINDOW: tl.constexpr = False, win_left=0, win_right=0,
               n_q=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
@@ -269,7 +277,8 @@ def dq_inner(dq, q, do, lse, delta,
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)
         offs_kv = kv_start + tl.arange(0, BLOCK_KV)
         k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
-        v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+        v = load_tile(V, offs_kv, offs_dv, stride_vn, stride_vd, n_kv, HEAD_DIM_V, MASKED,
+                      HEAD_DIM_V < BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # S / scale
         if SOFTCAP or ALIBI or MASK_KIND != 0:  # scores already in base 2, scale applied
             s, dcap = modified_scores(s, offs_q[:, None], offs_kv[None, :], n_q, n_kv, qk_scale, softcap,
@@ -308,6 +317,7 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                  n_heads, n_q, n_kv, scale, qk_scale,
                  n_group, win_left, win_right, Programs, CuSeqQ, CuSeqK,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
@@ -351,9 +361,10 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
 
     q_start = q_block * BLOCK_Q
     offs_q = q_start + tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)    # Q and K's head dim (dQ's)
+    offs_dv = tl.arange(0, BLOCK_DV)  # V and dO's, which may differ
     q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
-    do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
+    do = load_tile(dO, offs_q, offs_dv, stride_don, stride_dod, n_q, HEAD_DIM_V, True, HEAD_DIM_V < BLOCK_DV)
     lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
     if LSE.dtype.element_ty == tl.float64:
         # The LSE to more than float32's precision: P = 2**(S' - hi) * 2**-lo, and dQ is linear in
@@ -375,22 +386,22 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
         kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
                                                                 BLOCK_Q, BLOCK_KV)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
+                       offs_q, offs_d, offs_dv, kv_lo, kv_full_lo, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
                        win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                        stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
                        drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True, win_left,
+                       offs_q, offs_d, offs_dv, kv_full_lo, kv_full_hi, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, False, DOT_PRECISION, True, win_left,
                        win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                        stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
                        drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
+                       offs_q, offs_d, offs_dv, kv_full_hi, kv_hi, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
                        win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                        stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
                        drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
@@ -398,15 +409,15 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
     else:
         kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
+                       offs_q, offs_d, offs_dv, 0, kv_full_end, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
                        n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                        stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
                        drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                        MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
+                       offs_q, offs_d, offs_dv, kv_full_end, kv_end, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
                        n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                        stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
                        drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
@@ -431,7 +442,7 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     """
     configs = configs or {}
     batch, heads, n_q, head_dim = q.shape
-    heads_kv, n_kv = k.shape[1], k.shape[2]
+    heads_kv, n_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     dtypes = q.dtype, k.dtype, v.dtype
     q, k, v, o, do = kernel_dtype(q, k, v, o, do)
     dq = torch.empty_like(q)
@@ -441,9 +452,9 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     causal, window, win_left, win_right = window_masking(
         is_causal, window_size, n_q + n_kv, mods.aligned_bottom_right(n_q, n_kv, sequences is not None))
     mod_args = mods.kernel_args(n_q, n_kv, sequences is not None)
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim))
-    masking = dict(common, IS_CAUSAL=causal,
-                   DOT_PRECISION=dot_precision(q.dtype, common["BLOCK_D"]),
+    dims = head_dims(head_dim, head_dim_v)
+    masking = dict(dims, IS_CAUSAL=causal,
+                   DOT_PRECISION=dot_precision(q.dtype, tile_block_d(dims)),
                    WINDOW=window, VARLEN=sequences is not None)
     seq_len = max(n_q, n_kv)
     variants = (heads // heads_kv, win_left, win_right)
@@ -452,8 +463,8 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     launcher.launch(  # rows are independent here: packed sequences need no table
         "bwd_preprocess", attn_bwd_preprocess,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_Q"]), heads, batch),
-        (o, do, delta, *o.stride(), *do.stride(), heads, n_q),
-        common, seq_len, configs.get("bwd_preprocess"))
+        (o, do, delta, *o.stride(), *do.stride(), heads, n_q),  # Delta = rowsum(dO * O): v's head dim
+        dict(HEAD_DIM=head_dim_v, BLOCK_D=block_d(head_dim_v)), seq_len, configs.get("bwd_preprocess"))
     if dlse is not None:
         delta -= dlse
 

@@ -125,19 +125,22 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes,
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    # The forward kernel's inner loop, unchanged: whole tiles without a mask, then the diagonal
+    # The forward kernel's inner loop, unchanged (V of q's head dim: offs_d and HEAD_DIM twice):
+    # whole tiles without a mask, then the diagonal
     # (where keys past a row's position, and past L, are hidden; keys >= L are never loaded).
     # Softcap (Gemma 2), ALiBi and the window are the forward kernel's too: the rows' positions
     # pos are already the keys' (shift 0), so ALiBi's distance is |pos - j|.
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                               pos, offs_d, kv_lo, kv_full_end, n_kv, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_KV, False, True, DOT_PRECISION, WINDOW, win_left, 0,
+                               pos, offs_d, offs_d, kv_lo, kv_full_end, n_kv, qk_scale,
+                               HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_KV, False, True, DOT_PRECISION,
+                               WINDOW, win_left, 0,
                                softcap=softcap, slope=slope, Pages=Pages, n_pages=n_pages,
                                stride_kp=stride_kb, stride_vp=stride_vb, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                                PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                               pos, offs_d, kv_full_end, kv_hi, n_kv, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_KV, True, True, DOT_PRECISION, WINDOW, win_left, 0,
+                               pos, offs_d, offs_d, kv_full_end, kv_hi, n_kv, qk_scale,
+                               HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_KV, True, True, DOT_PRECISION,
+                               WINDOW, win_left, 0,
                                softcap=softcap, slope=slope, Pages=Pages, n_pages=n_pages,
                                stride_kp=stride_kb, stride_vp=stride_vb, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
                                PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)

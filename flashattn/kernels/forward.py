@@ -29,6 +29,10 @@ the same tile ranges skip what the mask hides).
 
 A row that sees no key under a window or a mask, or in a sequence without keys, gets the output 0
 and the LSE -inf.
+
+V may have a head dim of its own (SDPA allows it; DeepSeek's MLA has 192 for Q and K, 128 for V):
+``HEAD_DIM``/``BLOCK_D`` are Q's and K's, the columns of ``S = Q K^T``; ``HEAD_DIM_V``/``BLOCK_DV``
+are V's and O's, the columns of ``P V`` and of the accumulator.
 """
 import torch
 import triton
@@ -45,8 +49,9 @@ from .traversal import window_masking
 @triton.jit
 def fwd_inner(acc, m_i, l_i, q,
                K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-               offs_q, offs_d, kv_lo, kv_hi, n_kv, qk_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
+               offs_q, offs_d, offs_dv, kv_lo, kv_hi, n_kv, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                WINDOW: tl.constexpr = False, win_left=0, win_right=0,
                n_q=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
@@ -120,11 +125,11 @@ def fwd_inner(acc, m_i, l_i, q,
                                 n_cols_all)
             p = tl.where(keep, p, 0.0)
         if PAGED:
-            v = load_rows(V, page * stride_vp + in_page * stride_vn, offs_kv, offs_d, stride_vd, n_kv,
-                          HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
+            v = load_rows(V, page * stride_vp + in_page * stride_vn, offs_kv, offs_dv, stride_vd, n_kv,
+                          HEAD_DIM_V, MASKED, HEAD_DIM_V < BLOCK_DV)
         else:
-            v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM,
-                          MASKED, HEAD_DIM < BLOCK_D)
+            v = load_tile(V, offs_kv, offs_dv, stride_vn, stride_vd, n_kv, HEAD_DIM_V,
+                          MASKED, HEAD_DIM_V < BLOCK_DV)
         acc = acc * alpha[:, None]
         acc = dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
@@ -140,6 +145,7 @@ def attn_fwd(Q, K, V, O, LSE,
               n_heads, n_q, n_kv, qk_scale,
               n_group, win_left, win_right, Programs, CuSeqQ, CuSeqK,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
               IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
               WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
@@ -186,52 +192,53 @@ def attn_fwd(Q, K, V, O, LSE,
 
     q_start = q_block * BLOCK_Q
     offs_q = q_start + tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)    # Q and K's head dim: S = Q K^T
+    offs_dv = tl.arange(0, BLOCK_DV)  # V and O's, which may differ: O = P V
     q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, HEAD_DIM < BLOCK_D)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=tl.float32)
 
     if WINDOW:
         # A sliding window: masked tiles at its two edges, whole tiles between, none outside.
         kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
                                                                 BLOCK_Q, BLOCK_KV)
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, kv_lo, kv_full_lo, n_kv, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
-                                   win_left, win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
-                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                                   offs_q, offs_d, offs_dv, kv_lo, kv_full_lo, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, False, DOT_PRECISION,
+                                   True, win_left, win_right, n_q=n_q, shift=shift, softcap=softcap,
+                                   slope=slope, Mask=Mask, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed,
+                                   p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, kv_full_lo, kv_full_hi, n_kv, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, False, DOT_PRECISION, True,
-                                   win_left, win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
-                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                                   offs_q, offs_d, offs_dv, kv_full_lo, kv_full_hi, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, False, DOT_PRECISION,
+                                   True, win_left, win_right, n_q=n_q, shift=shift, softcap=softcap,
+                                   slope=slope, Mask=Mask, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed,
+                                   p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, kv_full_hi, kv_hi, n_kv, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, False, DOT_PRECISION, True,
-                                   win_left, win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
-                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
+                                   offs_q, offs_d, offs_dv, kv_full_hi, kv_hi, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, False, DOT_PRECISION,
+                                   True, win_left, win_right, n_q=n_q, shift=shift, softcap=softcap,
+                                   slope=slope, Mask=Mask, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed,
+                                   p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
     else:
         kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
         # Stage 1: whole tiles every query of the block sees.
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
+                                   offs_q, offs_d, offs_dv, 0, kv_full_end, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
                                    n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                                    stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
                                    drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
                                    SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
         # Stage 2: the diagonal and the ragged end, with the element-wise mask.
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                                   offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
+                                   offs_q, offs_d, offs_dv, kv_full_end, kv_end, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
                                    n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
                                    stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
                                    drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
@@ -251,14 +258,24 @@ def attn_fwd(Q, K, V, O, LSE,
     # shifts every P the backward rebuilds from it by the same factor (see attention_forward).
     lse = m_i.to(LSE.dtype.element_ty) + tl.log2(l_i).to(LSE.dtype.element_ty)
     tl.store(LSE + offs_q, lse, mask=offs_q < n_q)
-    store_tile(O, acc, offs_q, offs_d, stride_on, stride_od, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
+    store_tile(O, acc, offs_q, offs_dv, stride_on, stride_od, n_q, HEAD_DIM_V, HEAD_DIM_V < BLOCK_DV)
+
+
+def empty_output(q, head_dim_v):
+    """The output's tensor, uninitialised: O = P V has q's leading dims and v's head dim; in q's
+    layout when the head dims agree, else contiguous (the operators' fake version allocates the
+    same, so that torch.compile sees the real strides)."""
+    if q.shape[-1] == head_dim_v:
+        return torch.empty_like(q)
+    return q.new_empty((*q.shape[:-1], head_dim_v))
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
                       lse_dtype=torch.float32, mods=None):
     """Launch the forward kernel on (B, H, N, D) tensors of any strides.
 
-    Returns ``(o, lse2)``: the output, shaped and typed like ``q``, and the base-2 log-sum-exp of
+    Returns ``(o, lse2)``: the output, typed like ``q`` and shaped like it but for the last dim,
+    v's head dim (which may differ from q's and k's), and the base-2 log-sum-exp of
     the scaled scores, float32 of shape (B, H, N_q). ``config`` fixes the tile sizes (a dict such as
     ``{"BLOCK_Q": 64, "BLOCK_KV": 32}``); by default they are tuned on a GPU and fixed on the CPU.
 
@@ -279,21 +296,21 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
     H100/H200 to the Gluon kernel of ``flashattn.hopper.forward`` instead.
     """
     batch, heads, n_q, head_dim = q.shape
-    n_kv = k.shape[2]
+    n_kv, head_dim_v = k.shape[2], v.shape[3]
     mods = mods or NO_MODS
     causal, window, win_left, win_right = window_masking(
         is_causal, window_size, n_q + n_kv, mods.aligned_bottom_right(n_q, n_kv, sequences is not None))
     out_dtype = q.dtype
     q, k, v = kernel_dtype(q, k, v)
-    o = torch.empty_like(q)
+    o = empty_output(q, head_dim_v)
     lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=lse_dtype)
     if n_q == 0:
         return o.to(out_dtype), lse2
     if n_kv == 0:  # softmax over no keys: an empty sum, like scaled_dot_product_attention
         return o.zero_().to(out_dtype), lse2.fill_(float("-inf"))
 
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), IS_CAUSAL=causal,
-                      DOT_PRECISION=configs.dot_precision(q.dtype, configs.block_d(head_dim)),
+    constexprs = dict(configs.head_dims(head_dim, head_dim_v), IS_CAUSAL=causal,
+                      DOT_PRECISION=configs.dot_precision(q.dtype, configs.block_d(max(head_dim, head_dim_v))),
                       WINDOW=window, VARLEN=sequences is not None)
     mod_args = mods.kernel_args(n_q, n_kv, sequences is not None)
     programs = cu_seqlens_q = cu_seqlens_k = None

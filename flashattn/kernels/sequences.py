@@ -26,7 +26,8 @@ class Sequences:
         """The tiles kernel ``name`` runs with (a dict): the interpreter's, or the GPU's default."""
         if INTERPRET:
             return dict(configs.INTERPRETER_CONFIGS[name])
-        return configs.as_dict(configs.default_config(name, dtype, constexprs["DOT_PRECISION"], constexprs["BLOCK_D"]))
+        return configs.as_dict(configs.default_config(name, dtype, constexprs["DOT_PRECISION"],
+                                                     configs.tile_block_d(constexprs)))
 
     def programs(self, side, block, win_left, win_right):
         """The launch table: an int32 tensor ``(programs, 2)`` of ``(sequence, block)``, one row

@@ -104,8 +104,9 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     """Compile one of the package's kernels (a key of :data:`KERNELS`) for contiguous inputs of
     ``dtype`` ("fp16", "bf16", "fp32"), as a launch would, for ``target`` (see :func:`target`): the
     head-dim strides equal 1 (Triton turns such ints into constants), the pointers and other strides
-    are divisible by 16. Without grouped heads (``n_group="runtime"`` compiles them) and without
-    packed sequences (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``)."""
+    are divisible by 16; v's head dim (HEAD_DIM_V, BLOCK_DV) is q's unless ``constexprs`` gives
+    it. Without grouped heads (``n_group="runtime"`` compiles them) and without packed sequences
+    (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``)."""
     fn, tensors, fixed = KERNELS[name]
     # As flashattn.attention launches them without grouped heads, windows or packed sequences:
     # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
@@ -116,6 +117,8 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     # Every other switch at its default (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT off), as a
     # launch that does not pass it: left out here, it would compile as a run-time int.
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
+    if "HEAD_DIM_V" in fn.arg_names:  # v's head dim: q's unless given (DeepSeek's MLA: 192/128)
+        constexprs = {"HEAD_DIM_V": constexprs.get("HEAD_DIM"), "BLOCK_DV": constexprs.get("BLOCK_D"), **constexprs}
     constexprs.update({arg: 1 for arg in fn.arg_names if arg.startswith("stride_") and arg.endswith("d")})
     pointers = {**{arg: dtype for arg in tensors}, **fixed}
     for arg in VARIANT_POINTERS:
@@ -559,12 +562,13 @@ def triton_release():
     return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
 
 
-def check(arch, item):
+def check(arch, item, head_dims=None):
     """Compile one :func:`choosable` item for ``arch``; returns ``(registers, spilled bytes, shared
     memory bytes, problem or None)``. Spills are a problem under the releases of
-    :data:`DEFAULTS_CHOSEN_WITH` only (see there)."""
+    :data:`DEFAULTS_CHOSEN_WITH` only (see there). ``head_dims`` (``configs.head_dims``) compiles
+    other head dims with the item's tiles; default: HEAD_DIM = BLOCK_D, v's the same."""
     name, dtype, block_d, precision, tiles, num_warps, num_stages = item
-    constexprs = dict(tiles, HEAD_DIM=block_d, BLOCK_D=block_d)
+    constexprs = dict(tiles, **(head_dims or dict(HEAD_DIM=block_d, BLOCK_D=block_d)))
     if name != "bwd_preprocess":
         constexprs.update(IS_CAUSAL=True, DOT_PRECISION=precision)
     kernel = compile_kernel(name, dtype, constexprs, num_warps=num_warps, num_stages=num_stages,
@@ -576,3 +580,20 @@ def check(arch, item):
     elif smem > arch.smem_per_block:
         problem = f"needs {smem} bytes of shared memory, more than the {arch.smem_per_block} a block may use"
     return regs, spill, smem, problem
+
+
+def head_dim_v_report(head_dim=192, head_dim_v=128):
+    """The attention kernels with v's head dim apart from q's (default DeepSeek's MLA, 192/128)
+    compiled for every architecture with the tiles they run with there (the defaults of the wider
+    padded head dim, ``configs.tile_block_d``): one dict per architecture, kernel, dtype and dot
+    precision with registers, spills, shared memory and :func:`check`'s problem. The Delta kernel
+    has v's head dim alone, a default of its own. Run it through :func:`in_child`."""
+    dims = configs.head_dims(head_dim, head_dim_v)
+    rows = []
+    for capability, arch in archs.ARCHS.items():
+        for item in choosable(arch, (configs.tile_block_d(dims),)):
+            if item[0] != "bwd_preprocess":
+                registers, spilled, smem, problem = check(arch, item, dims)
+                rows.append(dict(arch=capability, kernel=item[0], dtype=item[1], precision=item[3],
+                                 registers=registers, spilled=spilled, smem=smem, problem=problem))
+    return rows

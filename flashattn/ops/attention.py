@@ -29,9 +29,11 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 
     Args:
         q: queries, shape ``(..., N_q, D)``.
-        k, v: keys and values, shape ``(..., N_kv, D)``, with the same leading dims as ``q``, or 1
-            where q's are larger (broadcast as SDPA does, read in place with stride 0). Any
-            strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
+        k, v: keys ``(..., N_kv, D)`` and values ``(..., N_kv, D_v)``, with the same leading dims
+            as ``q``, or 1 where q's are larger (broadcast as SDPA does, read in place with stride
+            0). Any strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
+            v may have a head dim of its own, as in SDPA (DeepSeek's MLA: D = 192, D_v = 128);
+            D and D_v are each 1 to 256.
         attn_mask: None; a bool tensor (True: the pair takes part) or a float tensor (added to the
             scaled scores), broadcastable to ``(..., H, N_q, N_kv)``; or one of
             ``torch.nn.attention.bias.causal_upper_left/causal_lower_right(N_q, N_kv)``, which are
@@ -71,7 +73,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     this order: scale, softcap, ALiBi, attn_mask, the causal mask and window, then dropout.
 
     Returns:
-        ``out`` with ``q``'s shape and dtype, or ``(out, lse)`` with ``lse`` of shape ``(..., N_q)``,
+        ``out`` of shape ``(..., N_q, D_v)`` in ``q``'s dtype, or ``(out, lse)`` with ``lse`` of shape ``(..., N_q)``,
         float32, natural log (``torch.logsumexp`` of the scores). Both are differentiable.
 
     Dtypes float16, bfloat16 and float32 are supported. float32 follows
@@ -108,9 +110,9 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     mods = score_mods(q, k, attn_mask, dropout_p, is_causal, causal_alignment, softcap, alibi_slopes,
                       batch, heads)
     q4 = q.reshape(batch, heads, q.shape[-2], head_dim)
-    k4, v4 = (t.reshape(batch, heads_kv, t.shape[-2], head_dim) for t in (k, v))
+    k4, v4 = (t.reshape(batch, heads_kv, *t.shape[-2:]) for t in (k, v))
     out, lse2 = attention_op(q4, k4, v4, is_causal, scale, window_size, None, mods)
-    out = out.reshape(q.shape)
+    out = out.reshape(*q.shape[:-1], v.shape[-1])
     return (out, natural_lse(lse2).reshape(q.shape[:-1])) if return_lse else out
 
 
@@ -148,9 +150,9 @@ def check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa=False):
                              "on the same device")
         if t.shape[:-2] != q.shape[:-2]:
             _check_heads(name, t, q, enable_gqa)
-        if t.shape[-1] != q.shape[-1]:
-            raise ValueError(f"{name} has head dim {t.shape[-1]} but q has {q.shape[-1]}; "
-                             "they must be equal")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k has head dim {k.shape[-1]} but q has {q.shape[-1]}; they must be equal "
+                         "(v may have a head dim of its own)")
     if k.shape[:-2] != v.shape[:-2]:
         raise ValueError(f"k has leading dims {tuple(k.shape[:-2])} but v has {tuple(v.shape[:-2])}; "
                          "they must be equal")
@@ -158,8 +160,10 @@ def check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa=False):
         raise ValueError(f"k has {k.shape[-2]} keys but v has {v.shape[-2]} values; "
                          "their sequence lengths must be equal")
     if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim (last dim of q, k, v) is {q.shape[-1]}; expected 1 to "
+        raise ValueError(f"head dim (last dim of q and k) is {q.shape[-1]}; expected 1 to "
                          f"{MAX_HEAD_DIM}")
+    if not 1 <= v.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"v's head dim (its last dim) is {v.shape[-1]}; expected 1 to {MAX_HEAD_DIM}")
     if q.device.type != DEVICE.type:
         where = "a CUDA GPU" if DEVICE.type == "cuda" else "the CPU (Triton's interpreter)"
         raise ValueError(f"q is on {q.device}, but flashattn runs on {where} here: pass tensors "

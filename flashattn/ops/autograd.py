@@ -12,6 +12,7 @@ folds its extra dim into the batch.
 import torch
 
 from ..gpu.runtime import kernel_dtype
+from ..kernels.forward import empty_output
 from ..kernels.mods import ScoreMods
 from ..kernels.sequences import Sequences
 from ..kernels.tiles import LN2, LOG2E
@@ -219,7 +220,8 @@ def _check_grid(q):
 
 @torch.library.register_fake("flashattn::forward")
 def _(q, k, v, is_causal, scale, *variants):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+    # O has v's head dim, allocated as the kernels' launcher allocates it (same strides)
+    return empty_output(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
 def _lse_dtype(q):

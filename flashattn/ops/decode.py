@@ -296,6 +296,10 @@ def _check_tensors(q, k_cache, v_cache, cache_seqlens, block_table=None):
         raise ValueError(f"q is on {q.device}, but flashattn runs on {where} here: pass tensors "
                          f"on {DEVICE.type} (flashattn.RUNTIME is {RUNTIME!r})")
     batch, n_heads, _, head_dim = q.shape
+    if v_cache.shape[3] != k_cache.shape[3]:  # the split and merge kernels hold one head dim
+        raise ValueError(f"v_cache has head dim {v_cache.shape[3]} but k_cache has {k_cache.shape[3]}: "
+                         "flashattn.decode needs v's head dim equal to q's and k's (flashattn.attention "
+                         "and varlen_attention take a v of its own head dim)")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has "
                          f"{tuple(k_cache.shape)}; they must be equal")

@@ -8,6 +8,9 @@ dK/dV from ``flashattn.hopper.backward`` at the head dims of :data:`GLUON_DKDV_H
 heads too; no windows), its Delta and dQ from the Triton kernels. Packed sequences and a fixed
 configuration take the Triton kernels; so does every call with ``FLASHATTN_GLUON=0``.
 
+So does every call whose v has a head dim of its own (D_v != D, as in DeepSeek's MLA): the Gluon
+kernels hold V and O in tiles of q's head dim.
+
 So does every call with a score modification or dropout (``mods``: an attn_mask, a softcap,
 ALiBi, dropout, the bottom-right alignment): the Gluon kernels implement none of them, and
 computing without them would be silently wrong.
@@ -26,13 +29,14 @@ from ..kernels.traversal import window_masking
 GLUON_DKDV_HEAD_DIMS = (128,)
 
 
-def _plain(q, k, is_causal, window_size, sequences, mods=None):
+def _plain(q, k, v, is_causal, window_size, sequences, mods=None):
     """Whether a call is one the Gluon kernels compute: no window (a window that is just the
-    causal mask counts as causal), no packed sequences, no score modification or dropout; and
-    whether its heads are grouped. Returns ``(plain, grouped, causal)``."""
+    causal mask counts as causal), no packed sequences, no score modification or dropout, v of
+    q's head dim; and whether its heads are grouped. Returns ``(plain, grouped, causal)``."""
     causal, window, _, _ = window_masking(is_causal, window_size, q.shape[2] + k.shape[2])
     unmodified = mods is None or not mods.active
-    return not window and sequences is None and unmodified, k.shape[1] != q.shape[1], causal
+    plain = not window and sequences is None and unmodified and v.shape[-1] == q.shape[-1]
+    return plain, k.shape[1] != q.shape[1], causal
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
@@ -43,7 +47,9 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
     causal, window, left, right = window_masking(is_causal, window_size, q.shape[2] + k.shape[2])
     bounds = (left, right) if window else None
     unmodified = mods is None or not mods.active
-    gluon = hopper.load("forward") if sequences is None and config is None and unmodified else None
+    same_head_dim = v.shape[-1] == q.shape[-1]
+    gluon = (hopper.load("forward") if sequences is None and config is None and unmodified and same_head_dim
+             else None)
     if gluon is not None and gluon.supports(q, k, v, window=bounds):
         return gluon.attention_forward(q, k, v, causal, scale, window=bounds)
     return forward.attention_forward(q, k, v, is_causal, scale, config, window_size, sequences, lse_dtype,
@@ -54,7 +60,7 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
                        window_size=(-1, -1), sequences=None, mods=None):
     """``(dq, dk, dv)`` as :func:`flashattn.kernels.backward.attention_backward` computes them,
     dK/dV from the Gluon kernel where it applies (see the module's docstring)."""
-    plain, _, _ = _plain(q, k, is_causal, window_size, sequences, mods)
+    plain, _, _ = _plain(q, k, v, is_causal, window_size, sequences, mods)
     gluon = None
     if plain and (configs or {}).get("bwd_dkdv") is None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS:
         gluon = hopper.load("backward")

@@ -4,7 +4,7 @@ Padding a batch to its longest sequence wastes work on the padding (and attentio
 then be masked). FlashAttention's ``flash_attn_varlen_func`` instead packs the sequences one after
 another, with no padding at all, and describes the batch by the cumulative lengths:
 
-    q: (total_q, H_q, D)      k, v: (total_k, H_kv, D)
+    q: (total_q, H_q, D)      k: (total_k, H_kv, D)      v: (total_k, H_kv, D_v)
     cu_seqlens_q = [0, n_0, n_0 + n_1, ..., total_q]     (int32, batch + 1 entries)
 
 Sequence ``b`` owns the rows ``cu_seqlens[b]:cu_seqlens[b + 1]``, and its queries see only its own
@@ -42,8 +42,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Args:
         q: ``(total_q, H_q, D)``, the queries of all sequences one after another.
-        k, v: ``(total_k, H_kv, D)``, the keys and values likewise (``H_kv = H_q`` unless
-            ``enable_gqa``).
+        k, v: ``(total_k, H_kv, D)`` and ``(total_k, H_kv, D_v)``, the keys and values likewise
+            (``H_kv = H_q`` unless ``enable_gqa``; v's head dim may differ from q's, as in
+            :func:`flashattn.attention`).
         cu_seqlens_q, cu_seqlens_k: int32 (or int64, converted) tensors of ``batch + 1`` entries on
             the inputs' device,
             the cumulative lengths: starting at 0, non-decreasing, ending at ``total_q`` (``total_k``).
@@ -61,7 +62,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             :func:`flashattn.attention`.
 
     Returns:
-        ``out`` of shape ``(total_q, H_q, D)`` in ``q``'s dtype, or ``(out, lse)`` with ``lse`` of shape
+        ``out`` of shape ``(total_q, H_q, D_v)`` in ``q``'s dtype, or ``(out, lse)`` with ``lse`` of shape
         ``(H_q, total_q)``, float32, natural log (FlashAttention's layout). Queries of a sequence
         with no visible key get 0 and lse -inf. Gradients flow to ``q``, ``k`` and ``v``.
     """

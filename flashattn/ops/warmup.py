@@ -23,6 +23,7 @@ import triton
 
 from ..gpu import launcher
 from ..gpu.runtime import INTERPRET
+from ..kernels.forward import empty_output
 from .dispatch import attention_backward
 
 # Per setting, one thread collects the backward's kernels (Delta, dK/dV, dQ), then each compiles in
@@ -38,7 +39,7 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
     LSE dtype); only on a GPU, only if a gradient may be asked for, once per setting."""
     if INTERPRET or not any(t.requires_grad for t in (q, k, v)):
         return
-    setting = (q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], q.shape[1] == k.shape[1], bool(is_causal),
+    setting = (q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], q.shape[1] == k.shape[1], bool(is_causal),
                tuple(window_size), sequences is None)
     if setting in _started:  # every call after the first: one lookup, nothing else
         return
@@ -99,11 +100,12 @@ def _quietly(job):
 def _compile_backward(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
     """In a thread of the pool: collect the backward's launches and hand each kernel's compile to a
     thread; returns their Futures."""
-    # O and dO have q's shape, dtype and layout (O is allocated like q): q stands in for both, as
-    # nothing is launched. The LSE is (B, H, N_q), contiguous.
+    # O and dO are allocated as the forward allocates O (like q where v has q's head dim): one
+    # tensor stands in for both, as nothing is launched. The LSE is (B, H, N_q), contiguous.
+    o = empty_output(q, v.shape[-1])
     lse2 = torch.empty(q.shape[:-1], device=q.device, dtype=lse_dtype)
     with torch.cuda.device(q.device), launcher.defer_compiles() as jobs:
-        attention_backward(q, k, v, q, lse2, q, is_causal, scale, window_size=window_size, sequences=sequences)
+        attention_backward(q, k, v, o, lse2, o, is_causal, scale, window_size=window_size, sequences=sequences)
     return [_pool.submit(_compile, q.device, job) for job in jobs]
 
 

@@ -284,7 +284,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale
                      enable_gqa=False, window_size=(-1, -1), **mods):
     """Packed sequences (``flashattn.varlen_attention``) as the formula reads, one sequence at a
     time with :func:`masked_attention`: ``q`` is ``(total_q, H_q, D)``, ``k`` and ``v`` are
-    ``(total_k, H_kv, D)``, sequence ``b`` holds rows ``cu_seqlens[b]:cu_seqlens[b + 1]``. Returns
+    ``(total_k, H_kv, D)`` and ``(total_k, H_kv, D_v)``, sequence ``b`` holds rows ``cu_seqlens[b]:cu_seqlens[b + 1]``. Returns
     ``(out, lse)`` with ``lse`` of shape ``(H_q, total_q)``.
 
     ``mods``: :func:`modified_attention`'s keyword arguments, per sequence: ``alibi_slopes`` of
@@ -297,7 +297,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=False, scale
         ks = k[bounds_k[b]:bounds_k[b + 1]].transpose(0, 1)
         vs = v[bounds_k[b]:bounds_k[b + 1]].transpose(0, 1)
         if ks.shape[1] == 0:  # no keys: an empty sum
-            outs.append(torch.zeros_like(qs.transpose(0, 1)) + 0 * q.sum())
+            outs.append(q.new_zeros((qs.shape[1], qs.shape[0], v.shape[-1])) + 0 * q.sum())  # v's head dim
             lses.append(torch.full(qs.shape[:2], float("-inf"), dtype=_accumulator_dtype(q.dtype),
                                    device=q.device))
             continue

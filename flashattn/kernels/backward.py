@@ -42,7 +42,7 @@ import triton.language as tl
 from ..gpu import launcher
 from ..gpu.configs import block_d, dkdv_steps_fit, dot_precision, head_dims, tile_block_d
 from ..gpu.runtime import kernel_dtype
-from .tiles import (dot_acc, dropout_keep, kv_stage_bounds, kv_window_bounds, load_tile, modified_scores,
+from .tiles import (dot, dot_acc, dropout_keep, kv_stage_bounds, kv_window_bounds, load_tile, modified_scores,
                     q_window_bounds, qk_scale, score_mod_setup, sequence_of_program, store_tile)
 from .mods import NO_MODS
 from .traversal import window_masking
@@ -99,7 +99,7 @@ def dkdv_inner(dk, dv, k, v,
             delta = tl.load(Delta + offs_q)
         if EMPTY_ROWS:  # a row that saw no key has LSE -inf: 2**(-inf - +inf) = 0, not NaN
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)   # S^T / scale
+        sT = dot(k, tl.trans(q), DOT_PRECISION)   # S^T / scale
         if SOFTCAP or ALIBI or MASK_KIND != 0:  # scores already in base 2, scale applied
             sT, dcapT = modified_scores(sT, offs_q[None, :], offs_kv[:, None], n_q, n_kv, qk_scale, softcap,
                                         slope, shift, Mask, stride_mq, stride_mk, SOFTCAP, ALIBI, MASK_KIND)
@@ -128,7 +128,7 @@ def dkdv_inner(dk, dv, k, v,
                                  n_cols_all)
             pT_kept = tl.where(keepT, pT * (1.0 / (1.0 - p_drop)), 0.0)
         dv = dot_acc(pT_kept.to(do.dtype), do, dv, DOT_PRECISION)               # dV += P^T dO
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dP^T = V dO^T
+        dpT = dot(v, tl.trans(do), DOT_PRECISION)            # dP^T = V dO^T
         if DROPOUT:
             dpT = tl.where(keepT, dpT * (1.0 / (1.0 - p_drop)), 0.0)
         dsT = pT * (dpT - delta[None, :])                                       # dS^T (unscaled)
@@ -279,7 +279,7 @@ def dq_inner(dq, q, do, lse, delta,
         k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
         v = load_tile(V, offs_kv, offs_dv, stride_vn, stride_vd, n_kv, HEAD_DIM_V, MASKED,
                       HEAD_DIM_V < BLOCK_DV)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # S / scale
+        s = dot(q, tl.trans(k), DOT_PRECISION)    # S / scale
         if SOFTCAP or ALIBI or MASK_KIND != 0:  # scores already in base 2, scale applied
             s, dcap = modified_scores(s, offs_q[:, None], offs_kv[None, :], n_q, n_kv, qk_scale, softcap,
                                       slope, shift, Mask, stride_mq, stride_mk, SOFTCAP, ALIBI, MASK_KIND)
@@ -295,7 +295,7 @@ def dq_inner(dq, q, do, lse, delta,
                     & (offs_kv[None, :] <= offs_q[:, None] + win_right)
             s = tl.where(visible, s, float("-inf"))
         p = tl.exp2(s * s_scale - lse[:, None])                       # P, rebuilt from the LSE
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)    # dP = dO V^T
+        dp = dot(do, tl.trans(v), DOT_PRECISION)    # dP = dO V^T
         if DROPOUT:
             keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], drop_col0 + offs_kv[None, :],
                                 n_cols_all)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..gpu import configs, launcher
 from ..gpu.runtime import kernel_dtype
-from .tiles import (dot_acc, dropout_keep, kv_stage_bounds, kv_window_bounds, load_rows, load_tile,
+from .tiles import (dot, dot_acc, dropout_keep, kv_stage_bounds, kv_window_bounds, load_rows, load_tile,
                     modified_scores, qk_scale, score_mod_setup, sequence_of_program, store_tile)
 from .mods import NO_MODS
 from .traversal import window_masking
@@ -91,7 +91,7 @@ def fwd_inner(acc, m_i, l_i, q,
         else:
             k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM,
                           MASKED, HEAD_DIM < BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw scores q.k, fp32
+        s = dot(q, tl.trans(k), DOT_PRECISION)  # raw scores q.k, fp32
         if SOFTCAP or ALIBI or MASK_KIND != 0:  # scores already in base 2, scale applied
             s, _ = modified_scores(s, offs_q[:, None], offs_kv[None, :], n_q, n_kv, qk_scale, softcap,
                                    slope, shift, Mask, stride_mq, stride_mk, SOFTCAP, ALIBI, MASK_KIND)

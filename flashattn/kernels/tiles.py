@@ -79,6 +79,32 @@ def store_tile(base, tile, rows, cols, stride_row, stride_col, n_rows, n_cols,
 
 
 @triton.jit
+def split_tf32(x):
+    """``(hi, lo)`` of a float32 tile: ``hi`` is x with its 13 low mantissa bits cleared, a TF32
+    number that a TF32 tensor core reads exactly, and ``lo = x - hi``, exact in float32."""
+    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def dot(a, b, DOT_PRECISION: tl.constexpr):
+    """``a @ b`` of two tiles, float32 result, multiplied as ``configs.dot_precision`` says.
+
+    3xTF32 (``"tf32x3"``) keeps float32's accuracy on TF32 tensor cores: with ``a = a_hi + a_lo``
+    and ``b = b_hi + b_lo`` (:func:`split_tf32`), ``a b = a_hi b_hi + a_hi b_lo + a_lo b_hi``
+    plus ``a_lo b_lo``, about 2^-22 of the product, which is left out. The two small products
+    are summed first. (Triton's own ``input_precision="tf32x3"`` does the same rewrite inside the
+    compiler, and with Triton 3.6 some of its tiles computed wrong gradients: docs/performance.md.)
+    """
+    if DOT_PRECISION == "tf32x3" and a.dtype == tl.float32:
+        a_hi, a_lo = split_tf32(a)
+        b_hi, b_lo = split_tf32(b)
+        small = tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo, input_precision="tf32"), input_precision="tf32")
+        return tl.dot(a_hi, b_hi, small, input_precision="tf32")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b``: how every kernel adds one tile's product to a running sum.
 
@@ -86,10 +112,11 @@ def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
     In IEEE float32 ``tl.dot`` becomes a chain of fused multiply-adds that continues straight
     through ``acc``, so a sum over N keys or queries is rounded N times in a row and its error
     grows with N. Summing the tile's product from zero and then adding it rounds in two levels,
-    like cuBLAS's blocked sums. In 3xTF32 (``"tf32x3"``) Triton already does so: it rewrites the
-    dot into three TF32 dots summed from zero, then adds ``acc`` (tests/test_compiled_sm90.py
-    checks both in the compiled IR).
+    like cuBLAS's blocked sums; 3xTF32 does the same (tests/test_compiled_sm90.py checks both in
+    the compiled IR).
     """
+    if DOT_PRECISION == "tf32x3" and a.dtype == tl.float32:
+        return acc + dot(a, b, DOT_PRECISION)  # its last dot starts from the small products, not 0
     if DOT_PRECISION == "ieee" and a.dtype == tl.float32:
         # Triton's compiler rewrites ``acc + tl.dot(a, b)`` (a dot started from the constant 0)
         # back into ``tl.dot(a, b, acc)``. Starting from ``acc * 0.0`` instead (0 for the finite

@@ -77,11 +77,11 @@ def check_accumulation(compiled):
         if found != expected:
             problems.append(f"{name}, IEEE float32: {found} separate additions of the accumulator, "
                             f"expected {expected} (one per accumulator and loop stage)")
-        split = additions(name, "fp32", "tf32x3", ir="ttgir")  # after Triton's 3xTF32 rewrite
+        split = additions(name, "fp32", "tf32x3", ir="ttgir")  # tiles.dot's three TF32 products
         if split != expected:
             problems.append(f"{name}, 3xTF32: {split} separate additions of the accumulator, "
-                            f"expected {expected}: Triton now fuses the accumulator into the dots, "
-                            "so dot_acc must keep the sums apart for tf32x3 too")
+                            f"expected {expected}: the accumulator was fused into the split's TF32 "
+                            "products, so dot_acc must keep the sums apart for tf32x3 too")
         fused = additions(name, "fp16", "ieee")
         if fused:
             problems.append(f"{name}, float16: {fused} separate additions; the tensor-core path must "

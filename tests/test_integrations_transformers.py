@@ -338,3 +338,18 @@ def test_importing_flashattn_does_not_import_transformers():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_whole_sequences_keep_the_plain_causal_call(monkeypatch):
+    """With as many queries as keys (training, a prompt without a cache) the call is plain causal
+    attention, without causal_alignment: the Gluon kernels take only calls without modifications
+    (flashattn.ops.dispatch). With a cache the alignment is bottom-right."""
+    seen = []
+    real = flashattn.attention
+    monkeypatch.setattr(flashattn, "attention", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    call = fa_transformers.Call(scale=None, causal=True, window=(-1, -1), dropout=0.0, softcap=None, gqa=False)
+    q, k, v = (torch.randn(1, 2, 5, 16, requires_grad=True) for _ in range(3))
+    call.dense(q, k, v)
+    call.dense(q[:, :, 2:], k, v)
+    assert "causal_alignment" not in seen[0] and seen[0]["is_causal"] is True
+    assert seen[1]["causal_alignment"] == "bottom_right"

@@ -81,7 +81,9 @@ TF32_CONFIGS = {
 #: float32 in 3xTF32 ('highest' on tensor cores): each product is three TF32 products (the high
 #: parts together, and each high part with the other's low part), so the operands are split in
 #: registers and shared memory and a tile costs about three times the registers of a TF32 one.
-#: Compiled for sm_90: at head dim 128 only tiles of 16-32 rows avoid spilling.
+#: Compiled for sm_90: at head dim 128 only tiles of 16-32 rows avoid spilling. These candidates
+#: were chosen when Triton split the operands itself (input_precision="tf32x3"); the kernels split
+#: them by hand since (kernels.tiles.dot), and they have not been chosen again for that.
 TF32X3_CONFIGS = {
     "fwd": _configs((128, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 3), (32, 32, 4, 2),
                     (32, 16, 4, 2)),
@@ -187,7 +189,9 @@ def tf32x3_warps_fit(rows, num_warps) -> bool:
     rows than 16 per warp: the compiler puts both warpgroups on the same 64 rows for two of the
     three TF32 products of each 3xTF32 dot (warpsPerCTA [8, 1]) and splits the columns for the
     third ([4, 2]), so every accumulator changes layout between them; 16-bit and TF32 dots keep
-    one layout per product. Smaller tiles multiply with mma.sync instead and are not concerned."""
+    one layout per product. Smaller tiles multiply with mma.sync instead and are not concerned.
+    The kernels now split the operands by hand (kernels.tiles.dot: three plain TF32 dots), which
+    this fault did not concern; the rule is kept until the candidates are chosen again."""
     return rows < 64 or rows >= 16 * num_warps
 
 
@@ -280,10 +284,11 @@ def dot_precision(dtype: torch.dtype, block_d=None) -> str:
       PyTorch's own matmul: ``"tf32"``;
     * 'highest' (PyTorch's default) asks for float32 accuracy: ``"ieee"``, float32 fused
       multiply-adds. 3xTF32 (``"tf32x3"``: each operand split into a TF32 high and low part, three
-      tensor-core products summed) is taken only when FLASHATTN_TF32X3=1 asks for it, on GPUs with
-      tensor cores and head dims up to ``TF32X3_MAX_BLOCK_D``. It is experimental: with Triton 3.6
-      on an H200 some of its tiles gave wrong gradients (error/bound up to 782749 at head dims up
-      to 64) and others an illegal memory access (docs/gpu-record/2026-12-01-0832-*), so
+      tensor-core products summed, by hand in ``kernels.tiles.dot``) is taken only when
+      FLASHATTN_TF32X3=1 asks for it, on GPUs with tensor cores and head dims up to
+      ``TF32X3_MAX_BLOCK_D``. It is experimental: Triton's own split gave wrong gradients on some
+      tiles on an H200, and the split by hand, checked there on the causal half of the float32
+      grid, exceeded the rule's bound by up to 1.22x in 4 of 27 cases (docs/performance.md), so
       :func:`warn_tf32x3` warns once when it is used.
 
     GPUs before sm_80 have no TF32: there float32 is always ``"ieee"``. 16-bit inputs always use
@@ -312,8 +317,8 @@ def warn_tf32x3():
     if not _TF32X3_WARNED:
         _TF32X3_WARNED.append(True)
         warnings.warn("FLASHATTN_TF32X3=1: float32 at 'highest' runs as 3xTF32, which is "
-                      "experimental: with Triton 3.6 on an H200 some tile configurations gave wrong "
-                      "gradients or an illegal memory access. Unset it for IEEE float32.",
+                      "experimental: on an H200 a few cases of the float32 test grid exceeded its "
+                      "error bound (docs/performance.md). Unset it for IEEE float32.",
                       RuntimeWarning, stacklevel=3)
 
 

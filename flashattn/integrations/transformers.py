@@ -142,10 +142,13 @@ class Call:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return self.causal and not grad and not self.dropout and value.shape[-1] == query.shape[-1]
 
-    def options(self):
-        """The keywords of a flashattn call beyond the defaults."""
+    def options(self, cached):
+        """The keywords of a flashattn call beyond the defaults; ``cached``: some sequence has more
+        keys than queries (a KV cache's queries are the newest tokens)."""
         options = dict(is_causal=self.causal, scale=self.scale, enable_gqa=self.gqa, window_size=self.window)
-        if self.causal:  # a KV cache's queries are the newest tokens (a no-op when N_q == N_k)
+        if self.causal and cached:
+            # Only then: with as many queries as keys both alignments agree, and a call without
+            # the option stays one that the Gluon kernels can take (flashattn.ops.dispatch).
             options["causal_alignment"] = "bottom_right"
         if self.dropout:
             options["dropout_p"] = self.dropout
@@ -161,7 +164,7 @@ class Call:
             lengths = torch.full((query.shape[0],), n_k, dtype=torch.int32)
             return flashattn.decode(query, key, value, lengths, scale=self.scale, softcap=self.softcap or 0.0,
                                     window_size=self.window)
-        return flashattn.attention(query, key, value, **self.options())
+        return flashattn.attention(query, key, value, **self.options(cached=n_k > n_q))
 
     def packed(self, q, k, v, lengths_q, lengths_k):
         """Packed sequences, ``(tokens, H, D)``, of the given lengths (lists of ints)."""
@@ -174,7 +177,7 @@ class Call:
             return self.decode_packed(q, k, v, lengths_q[0], lengths_k)
         return flashattn.varlen_attention(
             q, k, v, cumulative(lengths_q, q.device), cumulative(lengths_k, q.device),
-            max(lengths_q), max(lengths_k), **self.options())
+            max(lengths_q), max(lengths_k), **self.options(cached=lengths_k != lengths_q))
 
     def decode_packed(self, q, k, v, n_q, lengths_k):
         """``flashattn.decode`` for packed sequences of ``n_q`` queries each: their keys are laid

@@ -437,7 +437,7 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     ``k``/``v`` with fewer heads than ``q``, ``window_size`` and ``sequences`` as in
     ``forward.attention_forward``. ``dkdv``, if given, computes dK and dV in place of the Triton
     kernel: ``dkdv(q, k, v, do, lse2, delta, is_causal, scale) -> (dk, dv)`` (``flashattn.ops.dispatch``
-    passes the Gluon kernel of ``flashattn.hopper.forward.backward`` there). Returns ``(dq, dk, dv)`` in
+    passes the Gluon kernel of ``flashattn.hopper.backward`` there). Returns ``(dq, dk, dv)`` in
     the dtypes of q, k and v. ``mods`` (a ``flashattn.kernels.mods.ScoreMods``): the forward's.
     """
     configs = configs or {}

@@ -83,7 +83,7 @@ def split_tf32(x):
     """``(hi, lo)`` of a float32 tile: ``hi`` is x with its 13 low mantissa bits cleared, a TF32
     number that a TF32 tensor core reads exactly, and ``lo = x - hi``, exact in float32."""
     hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return hi, x - hi
+    return hi, tl.where(x == hi, 0.0, x - hi)  # an infinite x is its own hi (inf - inf would be NaN)
 
 
 @triton.jit

@@ -208,7 +208,7 @@ def name_the_slips(got, inputs, is_causal, scale, stage, block_q, block_kv, tol)
     return None
 
 
-# --- Exercise 2: the dK/dV stage's inner loop ---------------------------------------------------------
+# --- Exercise 3: the dK/dV stage's inner loop ---------------------------------------------------------
 
 @triton.jit
 def dkdv_exercise_kernel(Q, K, V, dO, LSE, Delta, dK, dV,
@@ -341,7 +341,7 @@ def check_dkdv_inner(dkdv_inner):
            "padded head dim")
 
 
-# --- Exercise 3: the dQ stage's inner loop ------------------------------------------------------------
+# --- Exercise 2: the dQ stage's inner loop ------------------------------------------------------------
 
 @triton.jit
 def dq_exercise_kernel(Q, K, V, dO, LSE, Delta, dQ,

@@ -10,10 +10,13 @@ interpreter cannot multiply bf16 tiles) and the rule still holds. On a GPU these
 (bf16 on the tensor cores), and tests/test_gpu.py adds every tile configuration, long sequences
 and 64-bit offsets.
 """
+import flashattn  # first: it picks the interpreter before triton is imported (for split_kernel)
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-import flashattn
+from flashattn.kernels.tiles import split_tf32
 from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
 from flashattn.testing.rule import compare_with_reference
 
@@ -222,6 +225,38 @@ def test_round_to_tf32():
     want = torch.tensor([1.0, 1.0 + 2.0 ** -10, 1.0 + 2.0 ** -10, 1.0, -(1.0 + 2.0 ** -10), 3.0e38, float("inf"), 0.0])
     assert torch.equal(round_to_tf32(x)[:5], want[:5]) and torch.equal(round_to_tf32(x)[6:], want[6:])
     assert round_to_tf32(x)[5].item() == pytest.approx(3.0e38, rel=2.0 ** -11)
+
+
+@triton.jit
+def split_kernel(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    hi, lo = split_tf32(tl.load(x_ptr + offs))
+    tl.store(hi_ptr + offs, hi)
+    tl.store(lo_ptr + offs, lo)
+
+
+def test_split_tf32_rounds_both_halves_to_nearest():
+    """kernels.tiles.split_tf32, the split 3xTF32 multiplies: hi is x rounded to nearest TF32 (as
+    the rule's round_to_tf32), lo too, hi + lo within 2^-22 of x; infinities and NaN pass whole."""
+    from flashattn.testing.rule import round_to_tf32
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, generator=g) * torch.logspace(-30, 30, 256)
+    x[:8] = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.4e38, 0.0, -0.0, 1.0 + 2.0 ** -11,
+                          1.0 + 3 * 2.0 ** -12])
+    x = x.to(DEVICE)
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    split_kernel[(1,)](x, hi, lo, N=x.numel())
+    finite = torch.isfinite(x)
+    low_bits = lambda t: t.view(torch.int32) & 0x1FFF  # noqa: E731  (the bits a TF32 core ignores)
+    assert torch.equal(hi[8:], round_to_tf32(x[8:])), "hi must be x rounded to nearest TF32"
+    assert not low_bits(hi[finite]).any() and not low_bits(lo[finite]).any(), "hi and lo must be TF32"
+    exact = x[finite].double()
+    assert ((hi[finite].double() + lo[finite].double() - exact).abs() <= 2.0 ** -22 * exact.abs()).all()
+    assert (lo[8:].abs() <= 2.0 ** -11 * x[8:].abs()).all(), "lo must be at most half a TF32 step of x"
+    assert hi[0] == float("inf") and hi[1] == -float("inf") and lo[0] == 0 and lo[1] == 0
+    assert hi[2].isnan() and lo[2].isnan(), "NaN must stay NaN"
+    assert hi[6] == 1.0 + 2.0 ** -10 and lo[6] == -(2.0 ** -11), "a tie rounds away from zero"
 
 
 def test_tf32x3_candidates_avoid_the_compiler_fault():

@@ -11,7 +11,11 @@
 # decode-host, decode-paged (a paged KV cache's decoding step next to the contiguous one and SDPA),
 # tests-gpu (every other GPU test: tile configurations, long sequences, decode, the
 # Gluon kernels), first-call, first-call-timeline (where a first call's seconds go), chapters;
-# tests-kernels (the core kernels' and decode's GPU tests alone) runs only when named.
+# tests-kernels (the core kernels' and decode's GPU tests alone), bench-readme (the sweep behind the
+# README's table and figure: bf16 and fp16, head dims 64 and 128, causal or not, N 1k-16k, against
+# SDPA's backends), tf32x3-checks (float32 'highest' as 3xTF32 against float64 over the whole
+# float32 grid, in four processes), bench-tf32x3 and first-call-tf32x3 (its speed against SDPA's
+# float32, and its first calls) run only when named.
 # Each part writes OUT_DIR/<part>.txt (and its CSV files); the screen gets one line per part.
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
@@ -53,3 +57,18 @@ part tests-gpu 300 ${pytest/$workers/} -m gpu $gpu_tests
 part first-call 400 python tools/first_call.py
 part first-call-timeline 120 python tools/first_call.py --timeline
 part chapters 420 python tools/time_chapters.py --jobs 4
+part bench-readme 420 python -m flashattn.measure.bench --dtypes bf16 fp16 --providers flashattn sdpa sdpa-flash sdpa-cudnn sdpa-efficient --out "$out/bench.csv" --plots "$out"
+
+tf32x3_checks() {  # the causal and the non-causal half of the grid, each in two processes at once
+    local causal part
+    for causal in 0 1; do
+        for part in 0/2 1/2; do
+            python -m flashattn.measure.gpu_checks fp32 --precision highest --causal $causal --part $part &
+        done
+    done
+    wait
+}
+export -f tf32x3_checks
+part tf32x3-checks 300 env FLASHATTN_TF32X3=1 bash -c tf32x3_checks
+part bench-tf32x3 200 env FLASHATTN_TF32X3=1 python -m flashattn.measure.bench --dtypes fp32 --head-dims 64 128 --seq-lens 4096 --causal 0 1 --providers flashattn sdpa --no-warm --plots "" --out "$out/bench_fp32_tf32x3.csv"
+part first-call-tf32x3 120 env FLASHATTN_TF32X3=1 python tools/first_call.py --quick

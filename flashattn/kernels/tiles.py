@@ -79,11 +79,28 @@ def store_tile(base, tile, rows, cols, stride_row, stride_col, n_rows, n_cols,
 
 
 @triton.jit
+def round_tf32(x):
+    """x rounded to the nearest TF32 number (10 mantissa bits; ties away from zero), x itself
+    where x is not finite or would round past float32's largest number.
+
+    A TF32 tensor core ignores the 13 low mantissa bits of what it is given, which rounds toward
+    zero: always the same way, so in a long sum the errors add up instead of cancelling, and at
+    twice the error. Adding half a TF32 step (bit 12) before clearing the bits rounds to nearest."""
+    r = ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.where((tl.abs(x) <= 3.4028234663852886e38) & (tl.abs(r) <= 3.4028234663852886e38), r, x)
+
+
+@triton.jit
 def split_tf32(x):
-    """``(hi, lo)`` of a float32 tile: ``hi`` is x with its 13 low mantissa bits cleared, a TF32
-    number that a TF32 tensor core reads exactly, and ``lo = x - hi``, exact in float32."""
-    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return hi, tl.where(x == hi, 0.0, x - hi)  # an infinite x is its own hi (inf - inf would be NaN)
+    """``(hi, lo)`` of a float32 tile, both TF32 numbers, with ``hi + lo`` within 2^-22 of x.
+
+    ``hi`` is x rounded to TF32, so ``x - hi`` is exact in float32 and at most half a TF32 step
+    (2^-11 of x); ``lo`` is that rounded to TF32 too, off by at most 2^-11 of itself. (Leaving
+    the rounding of both to the tensor core, which cuts, would be off by up to 2^-20, always
+    toward zero.)"""
+    hi = round_tf32(x)
+    same = x == hi  # where x is infinite it is its own hi, and inf - inf would be NaN
+    return hi, round_tf32(tl.where(same, 0.0, x - tl.where(same, 0.0, hi)))
 
 
 @triton.jit
@@ -92,7 +109,7 @@ def dot(a, b, DOT_PRECISION: tl.constexpr):
 
     3xTF32 (``"tf32x3"``) keeps float32's accuracy on TF32 tensor cores: with ``a = a_hi + a_lo``
     and ``b = b_hi + b_lo`` (:func:`split_tf32`), ``a b = a_hi b_hi + a_hi b_lo + a_lo b_hi``
-    plus ``a_lo b_lo``, about 2^-22 of the product, which is left out. The two small products
+    plus ``a_lo b_lo``, at most 2^-22 of the product, which is left out. The two small products
     are summed first. (Triton's own ``input_precision="tf32x3"`` does the same rewrite inside the
     compiler, and with Triton 3.6 some of its tiles computed wrong gradients: docs/performance.md.)
     """

@@ -51,16 +51,17 @@ KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 FIELDS = ["gpu", "torch", "triton", "date", "dtype", "precision", "head_dim", "causal", "batch", "heads",
           "seq_len", "kernel", "BLOCK_Q", "BLOCK_KV", "num_warps", "num_stages", "regs", "spills", "compile_s", "ms",
           "sdpa_ms", "sdpa_over_ms", "ok"]
-PRECISIONS = {"highest": "ieee", "high": "tf32"}
+#: --precision -> the kernels' dot precision; "tf32x3" is 'highest' with FLASHATTN_TF32X3=1
+PRECISIONS = {"highest": "ieee", "high": "tf32", "tf32x3": "tf32x3"}
 
 
-def grid(name, block_d):
+def grid(name, block_d, precision):
     """A wider set than the candidate lists: tiles of 16-64 rows, 2-8 warps, 1-2 stages, pruned by
-    the rules of ``configs.fits`` on the running GPU (float32, IEEE)."""
+    the rules of ``configs.fits`` on the running GPU (float32)."""
     fitting = []
     for bq, bkv, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (2, 4, 8), (1, 2)):
         config = triton.Config({"BLOCK_Q": bq, "BLOCK_KV": bkv}, num_warps=warps, num_stages=stages)
-        if configs.fits(name, config, block_d, 4, "ieee"):
+        if configs.fits(name, config, block_d, 4, precision):
             fitting.append(config)
     return fitting
 
@@ -158,11 +159,12 @@ def show(name, rows, default):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", default="highest", choices=sorted(PRECISIONS),
-                        help="torch.set_float32_matmul_precision: 'highest' is IEEE float32, 'high' TF32")
+                        help="torch.set_float32_matmul_precision: 'highest' is IEEE float32, 'high' TF32; "
+                             "'tf32x3' is 'highest' as 3xTF32 (FLASHATTN_TF32X3=1)")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     parser.add_argument("--configs", default="candidates", choices=["candidates", "grid"],
-                        help="the kernel's candidate list, or a wider grid (float32 IEEE only)")
+                        help="the kernel's candidate list, or a wider grid")
     parser.add_argument("--only", nargs="+", default=None, metavar="KERNEL:D:BQxBKVwWsS",
                         help="time these configurations only (and their kernels and head dims)")
     parser.add_argument("--batch", type=int, default=2)
@@ -172,7 +174,9 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="CSV file to write")
     args = parser.parse_args(argv)
 
-    torch.set_float32_matmul_precision(args.precision)
+    if args.precision == "tf32x3":
+        os.environ["FLASHATTN_TF32X3"] = "1"
+    torch.set_float32_matmul_precision("highest" if args.precision == "tf32x3" else args.precision)
     precision, dtype, causal = PRECISIONS[args.precision], torch.float32, bool(args.causal)
     versions = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     date=datetime.date.today().isoformat())
@@ -194,7 +198,7 @@ def main(argv=None):
             if only is not None:
                 candidates = only.get((name, d), [])
             elif args.configs == "grid":
-                candidates = grid(name, block_d)
+                candidates = grid(name, block_d, precision)
             else:
                 candidates = configs.candidates(name, dtype, precision)
             if not candidates:

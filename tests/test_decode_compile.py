@@ -45,11 +45,15 @@ MERGES = [(128, 2), (128, 64), (256, 2), (256, 64)]  # (head dim, splits): MAX_S
 # differs (a page holds one tile of 16 keys, or several tiles).
 VARIANT_CASES = [("bf16", 128, "ieee", 16), ("bf16", 256, "ieee", 64), ("fp32", 256, "ieee", 32),
                  ("fp32", 256, "tf32", 32)]
-# (Head dim 256 with 64-row tiles is left out on sm_86 and sm_89: there the plain kernel too needs
-# more shared memory than a block has, as decode_config's stage rule does not count the query tile.)
 ARCH_VARIANT_CASES = {75: [("fp16", 128, "ieee", 16), ("fp32", 128, "ieee", 32)],
                       80: [("bf16", 128, "ieee", 64), ("bf16", 256, "ieee", 64), ("fp32", 128, "tf32", 32)],
-                      86: [("bf16", 128, "ieee", 16), ("bf16", 256, "ieee", 32)], 89: [("fp16", 128, "ieee", 64)]}
+                      86: [("bf16", 128, "ieee", 16), ("bf16", 256, "ieee", 32)],
+                      89: [("fp16", 128, "ieee", 64), ("bf16", 256, "ieee", 64)]}
+# The plain kernel at head dim 256 on the GPUs whose blocks have 100 KB (sm_86, sm_89) or 163 KB
+# (sm_80) of shared memory: one stage of 64-key K/V tiles fills most of it, so decode_config must
+# count the query and score tiles too.
+ARCH_PLAIN_CASES = {80: [("fp32", 256, "tf32", 32)], 86: [("bf16", 256, "ieee", 64), ("fp32", 256, "tf32", 32)],
+                    89: [("fp32", 256, "tf32", 16)]}
 
 
 def run_child(*args):
@@ -92,6 +96,9 @@ def check_decode(compiled):
     launches += [(f"D={d}, {splits} splits", "bf16", compiled.decode_merge_launch(d, splits))
                  for d, splits in MERGES]
     launches = [(label, dtype, launch, 90) for label, dtype, launch in launches]
+    launches += [(f"sm_{capability} {dtype} D={d} {precision} {rows} rows", dtype, launch, capability)
+                 for capability, cases in ARCH_PLAIN_CASES.items() for dtype, d, precision, rows in cases
+                 for launch in compiled.decode_launches(dtype, d, precision, rows, arch=archs.ARCHS[capability])]
     for capability, cases in {90: VARIANT_CASES, **ARCH_VARIANT_CASES}.items():
         for (dtype, d, precision, rows), page_size in itertools.product(cases, (16, 256)):
             variants = dict(compiled.DECODE_ALL_VARIANTS, PAGE_SIZE=page_size)

@@ -365,7 +365,9 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
     (8 from 32 rows on: at 64 rows and 4 warps the compiler needs 254 registers, and at 32 rows
     Triton 3.6's spills 8 bytes per thread at head dim 128); the stages are cut to what shared
     memory holds (Triton keeps num_stages - 1 K and V tiles in flight: at most 70 % of what a block
-    may use on ``arch``, 160 KB on sm_90, leaving the rest to the query tile and the compiler).
+    may use on ``arch``, 160 KB on sm_90, leaving the rest to the query tile and the compiler), then
+    the stages and key tiles to what the whole block fits in (on GPUs of 100 KB a block, head dim
+    256 takes smaller key tiles).
     A ``paged`` cache halves that bound (at most 64 x 32): the gathered rows' 64-bit offsets cost
     registers, and 64 x 64 tiles spill on sm_80 and sm_89 (tests/test_decode_compile.py)."""
     if INTERPRET:
@@ -378,7 +380,17 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
     warps = max(warps, 8 if block_r >= 32 else 4)
     if dtype == torch.float32 and block_d >= 256:  # TF32 tiles of 32 rows spill at 4 warps
         warps = max(warps, 8)
-    stage_bytes = 2 * block_kv * block_d * dtype.itemsize
-    while stages > 2 and (stages - 1) * stage_bytes > arch.smem_per_block * 7 // 10:
+        if block_r >= 32 and arch.capability < 90:  # and on sm_80 at 32 keys, 8 warps (24 bytes)
+            block_kv = 16
+    stage_bytes = lambda: 2 * block_kv * block_d * dtype.itemsize  # noqa: E731  (a K and a V tile)
+    while stages > 2 and (stages - 1) * stage_bytes() > arch.smem_per_block * 7 // 10:
         stages -= 1
+    # and what the whole block holds, 4 KB to spare: the tiles in flight, the query tile and the
+    # float32 score tile (at head dim 256 one K/V stage alone can fill a GPU with 100 KB a block)
+    held = lambda: (stages - 1) * stage_bytes() + block_r * (block_d * dtype.itemsize + block_kv * 4)  # noqa: E731
+    while held() > arch.smem_per_block - 4096 and (stages > 2 or block_kv > 16):
+        if stages > 2:
+            stages -= 1
+        else:
+            block_kv //= 2
     return dict(BLOCK_KV=block_kv, num_warps=warps, num_stages=stages)

@@ -287,9 +287,10 @@ def dot_precision(dtype: torch.dtype, block_d=None) -> str:
       tensor-core products summed, by hand in ``kernels.tiles.dot``) is taken only when
       FLASHATTN_TF32X3=1 asks for it, on GPUs with tensor cores and head dims up to
       ``TF32X3_MAX_BLOCK_D``. It is experimental: Triton's own split gave wrong gradients on some
-      tiles on an H200, and the split by hand, checked there on the causal half of the float32
-      grid, exceeded the rule's bound by up to 1.22x in 4 of 27 cases (docs/performance.md), so
-      :func:`warn_tf32x3` warns once when it is used.
+      tiles on an H200; the split by hand, both parts rounded to nearest, is within the rule on
+      the whole float32 test grid there, but it was checked on no other GPU, and with these tiles
+      it is faster than IEEE at head dim 64 only (docs/performance.md), so :func:`warn_tf32x3`
+      warns once when it is used.
 
     GPUs before sm_80 have no TF32: there float32 is always ``"ieee"``. 16-bit inputs always use
     their tensor-core path and ignore this."""
@@ -317,8 +318,8 @@ def warn_tf32x3():
     if not _TF32X3_WARNED:
         _TF32X3_WARNED.append(True)
         warnings.warn("FLASHATTN_TF32X3=1: float32 at 'highest' runs as 3xTF32, which is "
-                      "experimental: on an H200 a few cases of the float32 test grid exceeded its "
-                      "error bound (docs/performance.md). Unset it for IEEE float32.",
+                      "experimental: checked on an H200 only, and faster than IEEE float32 there at "
+                      "head dim 64, not 128 (docs/performance.md). Unset it for IEEE float32.",
                       RuntimeWarning, stacklevel=3)
 
 

@@ -13,6 +13,7 @@ import torch
 from ..gpu.runtime import DEVICE, INTERPRET, RUNTIME
 from ..kernels.decode import HOST, Plan
 from . import kv_cache
+from .attention import check_window_size
 from .modifiers import check_alibi, check_softcap
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -127,15 +128,12 @@ def decode(q, k_cache, v_cache, cache_seqlens, scale=None, return_lse=False, *, 
 
 def _check_mods(softcap, window_size):
     """decode's score modifications as ``Plan.run`` takes them, or an error naming the argument."""
-    softcap = check_softcap(softcap)  # as flashattn.attention checks it
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = window_size
-    if left < -1 or right not in (-1, 0):
-        raise ValueError(f"window_size is {tuple(window_size)}: left must be -1 (unbounded) or >= 0, and "
-                         "right -1 or 0 (decode's queries are the newest tokens: no key comes after them)")
-    return dict(softcap=softcap, window=int(left))
+    softcap = check_softcap(softcap)  # both as flashattn.attention checks them
+    left, right = check_window_size(window_size)
+    if right not in (-1, 0):
+        raise ValueError(f"window_size is {tuple(window_size)}: right must be -1 or 0 (decode's queries "
+                         "are the newest tokens: no key comes after them)")
+    return dict(softcap=softcap, window=left)
 
 
 def _step(plan, q, k_cache, v_cache, cache_seqlens, scale, return_lse, max_seqlen,

@@ -110,8 +110,17 @@ FALLBACK_CONFIGS = {
 #: compile took at most 3 s on that machine, so that a first call stays within 5 s (the backward's
 #: kernels compile side by side, after about 0.8 s of Triton's own set-up). The one it passes over:
 #: dQ at head dim 128 in 32 x 64 tiles, a backward 1.26x as fast, 3.6 s to compile (autotuning,
-#: FLASHATTN_AUTOTUNE=1, finds it and keeps it on disk).
+#: FLASHATTN_AUTOTUNE=1, finds it and keeps it on disk). 3xTF32 ("tf32x3"): the fastest of
+#: TF32X3_CONFIGS that did not spill with Triton 3.6 in the tile sweep of
+#: gpu-record/2026-12-02-1250-tile-sweep-tf32x3.txt (causal, N = 2048), except dK/dV at head dim
+#: 64, whose 32 x 32 tiles on 4 warps spill 16 bytes and still ran the backward 1.5x as fast as
+#: the best that does not (gpu-record/2026-12-02-1257-3xtf32-measured-tiles.txt).
 MEASURED_DEFAULTS = {
+    (90, "fwd", "tf32x3", 64): triton.Config({"BLOCK_Q": 128, "BLOCK_KV": 32}, num_warps=8, num_stages=2),
+    (90, "fwd", "tf32x3", 128): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 32}, num_warps=4, num_stages=3),
+    (90, "bwd_dkdv", "tf32x3", 128): triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 16}, num_warps=8, num_stages=2),
+    (90, "bwd_dq", "tf32x3", 64): triton.Config({"BLOCK_Q": 64, "BLOCK_KV": 16}, num_warps=4, num_stages=2),
+    (90, "bwd_dq", "tf32x3", 128): triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 32}, num_warps=4, num_stages=2),
     (90, "fwd", "fma", 64): triton.Config({"BLOCK_Q": 64, "BLOCK_KV": 32}, num_warps=8, num_stages=2),
     (90, "fwd", "fma", 128): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 64}, num_warps=8, num_stages=2),
     (90, "bwd_dkdv", "fma", 64): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 32}, num_warps=8, num_stages=2),

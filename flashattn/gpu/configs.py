@@ -392,12 +392,16 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
         warps = max(warps, 8)
         if block_r >= 32 and arch.capability < 90:  # and on sm_80 at 32 keys, 8 warps (24 bytes)
             block_kv = 16
-    stage_bytes = lambda: 2 * block_kv * block_d * dtype.itemsize  # noqa: E731  (a K and a V tile)
-    while stages > 2 and (stages - 1) * stage_bytes() > arch.smem_per_block * 7 // 10:
+    def in_flight():  # the K and V tiles Triton keeps in shared memory
+        return (stages - 1) * 2 * block_kv * block_d * dtype.itemsize
+
+    def held():  # and the query tile and the float32 score tile beside them
+        return in_flight() + block_r * (block_d * dtype.itemsize + block_kv * 4)
+
+    while stages > 2 and in_flight() > arch.smem_per_block * 7 // 10:
         stages -= 1
-    # and what the whole block holds, 4 KB to spare: the tiles in flight, the query tile and the
-    # float32 score tile (at head dim 256 one K/V stage alone can fill a GPU with 100 KB a block)
-    held = lambda: (stages - 1) * stage_bytes() + block_r * (block_d * dtype.itemsize + block_kv * 4)  # noqa: E731
+    # then all of it within the block's shared memory, 4 KB to spare (at head dim 256 one stage of
+    # K/V tiles alone can fill a GPU of 100 KB a block)
     while held() > arch.smem_per_block - 4096 and (stages > 2 or block_kv > 16):
         if stages > 2:
             stages -= 1

@@ -84,8 +84,9 @@ def round_tf32(x):
     where x is not finite or would round past float32's largest number.
 
     A TF32 tensor core ignores the 13 low mantissa bits of what it is given, which rounds toward
-    zero: always the same way, so in a long sum the errors add up instead of cancelling, and at
-    twice the error. Adding half a TF32 step (bit 12) before clearing the bits rounds to nearest."""
+    zero: up to twice the error of rounding to nearest, and always in the same direction, so in a
+    long sum the errors add up instead of cancelling. Adding half a TF32 step (bit 12) before
+    clearing the bits rounds to nearest."""
     r = ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
     return tl.where((tl.abs(x) <= 3.4028234663852886e38) & (tl.abs(r) <= 3.4028234663852886e38), r, x)
 

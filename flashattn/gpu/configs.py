@@ -297,9 +297,9 @@ def dot_precision(dtype: torch.dtype, block_d=None) -> str:
       FLASHATTN_TF32X3=1 asks for it, on GPUs with tensor cores and head dims up to
       ``TF32X3_MAX_BLOCK_D``. It is experimental: Triton's own split gave wrong gradients on some
       tiles on an H200; the split by hand, both parts rounded to nearest, is within the rule on
-      the whole float32 test grid there, but it was checked on no other GPU, and with these tiles
-      it is faster than IEEE at head dim 64 only (docs/performance.md), so :func:`warn_tf32x3`
-      warns once when it is used.
+      the whole float32 test grid there and faster than IEEE, but it was checked on no other GPU
+      and its backward runs at 0.2-0.5x SDPA's float32 (docs/performance.md), so
+      :func:`warn_tf32x3` warns once when it is used.
 
     GPUs before sm_80 have no TF32: there float32 is always ``"ieee"``. 16-bit inputs always use
     their tensor-core path and ignore this."""
@@ -327,8 +327,8 @@ def warn_tf32x3():
     if not _TF32X3_WARNED:
         _TF32X3_WARNED.append(True)
         warnings.warn("FLASHATTN_TF32X3=1: float32 at 'highest' runs as 3xTF32, which is "
-                      "experimental: checked on an H200 only, and faster than IEEE float32 there at "
-                      "head dim 64, not 128 (docs/performance.md). Unset it for IEEE float32.",
+                      "experimental: checked on an H200 only (docs/performance.md). Unset it for "
+                      "IEEE float32.",
                       RuntimeWarning, stacklevel=3)
 
 

@@ -29,7 +29,9 @@ def _kernels_defined_outside_triton():
         return []
     found = []
     for obj in gc.get_objects():
-        if isinstance(obj, kind):
+        # type(), not isinstance(): isinstance also reads obj.__class__, which some objects
+        # answer with a deprecation warning (torch.distributed.reduce_op)
+        if issubclass(type(obj), kind):
             module = getattr(getattr(obj, "fn", None), "__module__", None) or ""
             if module.split(".")[0] != "triton":
                 found.append(f"{module}.{getattr(obj, '__name__', '?')}")

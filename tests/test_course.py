@@ -42,6 +42,12 @@ def test_first_code_cell_is_the_canonical_one(path):
                     "run `python tools/sync_course.py`", pytrace=False)
 
 
+def test_first_cell_is_short():
+    """Every chapter opens with it: a short set-up a reader takes in at a glance."""
+    lines = site.first_cell().splitlines()
+    assert len(lines) <= 12 and max(map(len, lines)) <= 120, site.first_cell()
+
+
 def test_first_cell_and_colab_links_are_current():
     result = subprocess.run([sys.executable, "tools/sync_course.py", "--check"], cwd=ROOT, capture_output=True,
                             text=True, env=env_with_package())
@@ -64,9 +70,13 @@ def test_course_addresses():
 # installed. The pip install Colab would run is recorded, not run: it then puts the checkout on the
 # path, as an installed package would be.
 FIRST_CELL_SCENARIO = r"""
-import importlib.util, json, subprocess, sys, types
+import importlib.util, json, os, subprocess, sys, types
 real_find_spec = importlib.util.find_spec
-importlib.util.find_spec = lambda name, *args: None if name == "flashattn" else real_find_spec(name, *args)
+def find_spec(name, *args):  # flashattn is found only in a folder on the path, as if not installed
+    if name == "flashattn" and not any(os.path.isfile(os.path.join(p, "flashattn", "__init__.py")) for p in sys.path):
+        return None
+    return real_find_spec(name, *args)
+importlib.util.find_spec = find_spec
 scenario, package_root, cell = sys.argv[1], sys.argv[2], sys.stdin.read()
 sys.path = [p for p in sys.path if p not in ("", package_root)]
 pip = []
@@ -76,12 +86,13 @@ if scenario == "colab":
         pip.append(command)
         sys.path.append(package_root)
     subprocess.run = fake_run
+scope = {}
 try:
-    exec(compile(cell, "first cell", "exec"), {})
+    exec(compile(cell, "first cell", "exec"), scope)
     outcome = "imported"
 except ModuleNotFoundError as error:
     outcome = str(error)
-print(json.dumps(dict(outcome=outcome, pip=pip, path0=sys.path[0])))
+print(json.dumps(dict(outcome=outcome, pip=pip, imported=getattr(scope.get("flashattn"), "__file__", None))))
 """
 
 
@@ -96,7 +107,7 @@ def run_first_cell(scenario, cwd):
 def test_first_cell_in_the_checkout_uses_it():
     seen = run_first_cell("checkout", ROOT / "notebooks")
     assert seen["outcome"] == "imported" and seen["pip"] == [], seen
-    assert Path(seen["path0"]) == ROOT, seen
+    assert Path(seen["imported"]) == ROOT / "flashattn" / "__init__.py", seen
 
 
 def test_first_cell_on_colab_installs_from_the_repository(tmp_path):

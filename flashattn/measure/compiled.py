@@ -256,19 +256,27 @@ def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False):
     return compile_gluon(hopper.attn_fwd_sm90, signature, constexprs, aligned=["LSE"], **options)
 
 
-def compile_hopper_backward(head_dim, dtype, causal, config=None):
-    """The Gluon dK/dV kernel (``flashattn.hopper.backward``) compiled as a launch compiles it."""
+def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False):
+    """The Gluon backward kernel (``flashattn.hopper.backward``) compiled as a launch compiles it:
+    dK/dV only, or with ``dq`` its variant that adds dQ too (TMA reduce-adds, Triton >= 3.8)."""
     bwd = _gluon("backward")
-    cfg = bwd.tile_config(head_dim, config)
+    if dq and not bwd.has_dq_reduce():
+        raise CannotCompile(f"Triton {triton.__version__}'s Gluon has no TMA reduce-add (tma.async_atomic_add)")
+    cfg = (bwd.dq_config if dq else bwd.tile_config)(head_dim, config)
     regs, options = bwd.launch_options(cfg)
     q, kv = (_descriptor_type(bwd, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
-    signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv,
+    signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv, desc_dq="constexpr",
                      LSE="*fp32", Delta="*fp32", n_heads="i32", n_group="i32", n_q="i32", n_kv="i32",
                      scale="fp32", qk_scale="fp32")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), **regs)
-    return compile_gluon(bwd.attn_bwd_dkdv_sm90, signature, constexprs, aligned=["LSE", "Delta"],
-                         **options)
+                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), DQ=bool(dq), desc_dq=None,
+                      P_SMEM=bool(cfg.get("P_SMEM", False)), **regs)
+    if dq:
+        block = [1, 1, cfg["BLOCK_M"], head_dim // 2]
+        layout = bwd.gl.NVMMASharedLayout.get_default_for(block, bwd.gl.float32)
+        signature["desc_dq"] = f"tensordesc<fp32{block},{layout!r}>"
+        del constexprs["desc_dq"]
+    return compile_gluon(bwd.attn_bwd_sm90, signature, constexprs, aligned=["LSE", "Delta"], **options)
 
 
 def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), causal=(False, True),
@@ -277,7 +285,8 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
     compilation: its settings and :func:`facts`, or ``error``. ``causal`` may hold "window" for
     the forward: its sliding-window variant. CannotCompile when the first one
     fails in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
-    compile_one = {"fwd": compile_hopper_forward, "bwd": compile_hopper_backward}[kernel]
+    compile_one = {"fwd": compile_hopper_forward, "bwd": compile_hopper_backward,
+                   "bwd_dq": lambda *a: compile_hopper_backward(*a, dq=True)}[kernel]
     rows = []
     for head_dim in head_dims:
         for dtype in dtypes:

@@ -21,7 +21,7 @@ MAX_HEAD_DIM = 256
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
               return_lse=False, window_size=(-1, -1), causal_alignment="top_left", softcap=0.0,
-              alibi_slopes=None):
+              alibi_slopes=None, deterministic=False):
     """Scaled dot-product attention, ``softmax(q @ k^T * scale) @ v``, computed by FlashAttention.
 
     A drop-in for ``torch.nn.functional.scaled_dot_product_attention``: its arguments in its order,
@@ -67,6 +67,12 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         alibi_slopes: None, or float32 slopes of shape ``(H_q,)`` or ``(..., H_q)`` (q's leading
             dims): the score of query ``i`` and key ``j`` gets ``- slope * |pos(i) - j|`` (ALiBi,
             added after the softcap). No gradient flows to the slopes.
+        deterministic: gradients bit-identical from run to run. By default the backward may add
+            dQ's shares from different key blocks in an order that varies (on Hopper with Triton
+            >= 3.8: one fused kernel, five tile products per pair of tiles), so dQ can differ in
+            its last bits between runs; ``True`` (or ``torch.use_deterministic_algorithms(True)``)
+            computes dQ in a kernel of its own instead, in a fixed order, at a cost the docs state
+            (docs/performance.md). The forward is deterministic either way.
 
     A query that sees no key (outside every window, or masked out entirely) gets the output 0, the
     lse -inf and zero gradients (SDPA would give NaN for a fully masked row). Pairs are modified in
@@ -111,7 +117,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
                       batch, heads)
     q4 = q.reshape(batch, heads, q.shape[-2], head_dim)
     k4, v4 = (t.reshape(batch, heads_kv, *t.shape[-2:]) for t in (k, v))
-    out, lse2 = attention_op(q4, k4, v4, is_causal, scale, window_size, None, mods)
+    out, lse2 = attention_op(q4, k4, v4, is_causal, scale, window_size, None, mods, deterministic)
     out = out.reshape(*q.shape[:-1], v.shape[-1])
     return (out, natural_lse(lse2).reshape(q.shape[:-1])) if return_lse else out
 

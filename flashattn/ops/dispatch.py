@@ -57,13 +57,25 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
 
 
 def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
-                       window_size=(-1, -1), sequences=None, mods=None):
-    """``(dq, dk, dv)`` as :func:`flashattn.kernels.backward.attention_backward` computes them,
-    dK/dV from the Gluon kernel where it applies (see the module's docstring)."""
+                       window_size=(-1, -1), sequences=None, mods=None, deterministic=False):
+    """``(dq, dk, dv)`` as :func:`flashattn.kernels.backward.attention_backward` computes them.
+
+    On Hopper, for the calls the Gluon kernels compute (see the module's docstring): with a Triton
+    whose Gluon has TMA reduce-adds (3.8 and later) and unless ``deterministic`` (or
+    ``torch.use_deterministic_algorithms``) asks for gradients bit-identical from run to run, one
+    Gluon kernel computes dK, dV and dQ (:func:`flashattn.hopper.backward.attention_backward`,
+    five tile products per pair of tiles); else dK/dV come from the Gluon kernel at the head dims
+    of :data:`GLUON_DKDV_HEAD_DIMS` and dQ from the Triton kernel (seven tile products)."""
     plain, _, _ = _plain(q, k, v, is_causal, window_size, sequences, mods)
-    gluon = None
-    if plain and (configs or {}).get("bwd_dkdv") is None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS:
-        gluon = hopper.load("backward")
-    dkdv = gluon.attention_backward_dkdv if gluon is not None and gluon.supports(q, k, v) else None
+    configs = configs or {}
+    gluon = hopper.load("backward") if plain and configs.get("bwd_dkdv") is None else None
+    if gluon is not None and not gluon.supports(q, k, v):
+        gluon = None
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if gluon is not None and not deterministic and configs.get("bwd_dq") is None and gluon.has_dq_reduce():
+        return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,
+                                           window_size, sequences, fused=gluon.attention_backward)
+    use_dkdv = gluon is not None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS
     return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,
-                                       window_size, sequences, dkdv=dkdv, mods=mods)
+                                       window_size, sequences, mods=mods,
+                                       dkdv=gluon.attention_backward_dkdv if use_dkdv else None)

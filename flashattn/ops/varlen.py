@@ -36,7 +36,8 @@ from .modifiers import check_alibi, check_alignment, check_dropout, check_softca
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
                      scale=None, return_lse=False, enable_gqa=False, window_size=(-1, -1), *,
-                     dropout_p=0.0, causal_alignment="top_left", softcap=0.0, alibi_slopes=None):
+                     dropout_p=0.0, causal_alignment="top_left", softcap=0.0, alibi_slopes=None,
+                     deterministic=False):
     """Attention over a batch of packed sequences of different lengths (no padding), in the layout
     of FlashAttention's ``flash_attn_varlen_func``.
 
@@ -60,6 +61,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             keys sits at key position ``i + n_k - n_q``).
         alibi_slopes: float32 ``(H_q,)`` or ``(batch, H_q)`` (one row per sequence), as in
             :func:`flashattn.attention`.
+        deterministic: as in :func:`flashattn.attention` (packed sequences always take the
+            Triton kernels, whose gradients are bit-identical from run to run).
 
     Returns:
         ``out`` of shape ``(total_q, H_q, D_v)`` in ``q``'s dtype, or ``(out, lse)`` with ``lse`` of shape
@@ -100,7 +103,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     # One "batch" of H heads whose rows are all sequences' tokens: views, no copies.
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out, lse2 = attention_op(q4, k4, v4, is_causal, scale, window_size, sequences,
-                             mods if mods.active else None)
+                             mods if mods.active else None, deterministic)
     out = out[0].transpose(0, 1)
     return (out, natural_lse(lse2[0])) if return_lse else out
 

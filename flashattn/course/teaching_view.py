@@ -306,7 +306,8 @@ class _Pruner:
                 if not all(isinstance(n, (ast.Name, ast.Tuple, ast.Store)) for t in targets for n in ast.walk(t)):
                     continue
                 own = _names(stmt.value, ast.Load)
-                if _pure(stmt.value) and all(loads[n] - own[n] == 0 for n in names):
+                same = isinstance(stmt, ast.Assign) and ast.unparse(stmt.value) == ast.unparse(targets[0])
+                if _pure(stmt.value) and (same or all(loads[n] - own[n] == 0 for n in names)):
                     self.remove(stmts, stmt)
                     return True
                 if isinstance(stmt, ast.Assign) and len(names) == 1 and stores[names[0]] == 1 \
@@ -510,11 +511,11 @@ class _Pruner:
             out.append(line.rstrip())
         return out
 
-    @staticmethod
-    def runs(elements, offset):
-        """Character ranges to delete for the removed elements of a comma-separated list: each run
-        of removed ones from the end of the element kept before it (with its comma) to its own end,
-        or, at the start of the list, up to the next element kept."""
+    def runs(self, elements, offset):
+        """Character ranges to delete for the removed elements of a comma-separated list. A run of
+        removed elements that starts a line goes up to the next element kept, so that the line
+        breaks stay where they were; any other run goes from the end of the element kept before it
+        (with its comma) to its own end."""
         out, i = [], 0
         while i < len(elements):
             if not elements[i][1]:
@@ -523,15 +524,15 @@ class _Pruner:
             j = i
             while j + 1 < len(elements) and elements[j + 1][1]:
                 j += 1
-            last = elements[j][0]
-            if i > 0:
+            first, last = elements[i][0], elements[j][0]
+            starts_line = not self.lines[first[0] - 1][:first[1]].strip()
+            if j + 1 < len(elements) and (starts_line or i == 0):
+                nxt = elements[j + 1][0]
+                out.append((offset(first[0], first[1]), offset(nxt[0], nxt[1])))
+            elif i > 0:
                 prev = elements[i - 1][0]
                 out.append((offset(prev[2], prev[3]), offset(last[2], last[3])))
-            elif j + 1 < len(elements):
-                nxt, first = elements[j + 1][0], elements[i][0]
-                out.append((offset(first[0], first[1]), offset(nxt[0], nxt[1])))
             else:
-                first = elements[i][0]
                 out.append((offset(first[0], first[1]), offset(last[2], last[3])))
             i = j + 1
         return out

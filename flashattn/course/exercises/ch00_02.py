@@ -398,6 +398,11 @@ _ORDER = {"tl.exp(x)": ("mul", "ex2", "fma", "add"), "tl.exp2(x)": ("ex2", "mul"
           "tl.exp2(x * c - m)": ("fma", "mul", "add", "ex2")}
 
 
+#: The counts per element that the explanations above describe.
+EXPECTED_COUNTS = {"tl.exp(x)": dict(ex2=1, mul=1, fma=0, add=0), "tl.exp2(x)": dict(ex2=1, mul=0, fma=0, add=0),
+                   "tl.exp2(x * c - m)": dict(ex2=1, mul=0, fma=1, add=0)}
+
+
 @functools.lru_cache(maxsize=1)
 def exp_forms_ptx():
     """{form: its PTX for sm_90}, the three forms of :func:`exp_forms` compiled once per process
@@ -441,14 +446,10 @@ def check_ptx_prediction(fn):
                 continue
             why = _EX2 if kind == "ex2" else _WHY.get((form, kind), "")
             unit = {"add": "add.f32 or sub.f32", "ex2": "ex2.approx.f32"}.get(kind, f"{kind}.f32")
-            raise ExerciseError(f"{form}: you predicted {predicted:g} {unit} per element, the PTX for sm_90 has "
-                                f"{measured:g}" + (f": {why}" if why and measured == EXPECTED_COUNTS[form][kind] else ""))
+            explained = why and measured == EXPECTED_COUNTS[form][kind]
+            raise ExerciseError(f"{name}: for {form} you predicted {predicted:g} {unit} per element, the PTX "
+                                f"for sm_90 has {measured:g}" + (f": {why}" if explained else ""))
     passed(f"{name} predicts the float32 instructions of all three forms, as the compiler emits them for sm_90")
-
-
-#: What the explanations above describe: the counts per element they explain.
-EXPECTED_COUNTS = {"tl.exp(x)": dict(ex2=1, mul=1, fma=0, add=0), "tl.exp2(x)": dict(ex2=1, mul=0, fma=0, add=0),
-             "tl.exp2(x * c - m)": dict(ex2=1, mul=0, fma=1, add=0)}
 
 
 def check_block_alphas(fn):

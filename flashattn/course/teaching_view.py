@@ -327,8 +327,7 @@ class _Pruner(Text):
             if len(name) < len(value.id) and value.id not in params and not self.mentioned(value.id) \
                     and _names(self.func, ast.Store)[value.id] == 1:  # keep the shorter name: head, not kv_head
                 self.substitute(self.func.body, value.id, lambda old: self.replace(old, ast.Name(name, old.ctx)))
-                self.remove(stmts, next(s for s in stmts if isinstance(s, ast.Assign)
-                                        and ast.unparse(s) == f"{name} = {name}"))
+                self.remove(stmts, stmt)  # now `name = name`
                 return True
             self.substitute(later, name, lambda old: self.replace(old, ast.Name(value.id, ast.Load())))
         elif (isinstance(value, ast.Call) and ast.unparse(value.func) == "tl.full" and len(value.args) >= 2
@@ -344,17 +343,22 @@ class _Pruner(Text):
         return True
 
     def factor_uses(self, stmts, name):
-        """[(BinOp, its other operand)] for each use of ``name`` as a factor ``x * name[...]``, or None
-        if it is used any other way."""
+        """[(product, its other factor)] for each use of ``name`` as a factor of a product that
+        itself multiplies something (``dq *= scale * name[:, None]``), where a factor of ones changes
+        nothing but that factor's shape; None if ``name`` is used any other way."""
         found, uses = [], 0
         for node in (n for s in stmts for n in ast.walk(s)):
-            if isinstance(node, ast.Name) and node.id == name:
-                uses += 1
+            uses += isinstance(node, ast.Name) and node.id == name
+            products = [node.value] if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Mult) else []
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-                for this, other in ((node.left, node.right), (node.right, node.left)):
+                products += [node.left, node.right]
+            for product in products:
+                if not (isinstance(product, ast.BinOp) and isinstance(product.op, ast.Mult)):
+                    continue
+                for this, other in ((product.left, product.right), (product.right, product.left)):
                     base = this.value if isinstance(this, ast.Subscript) else this
                     if isinstance(base, ast.Name) and base.id == name:
-                        found.append((node, other))
+                        found.append((product, other))
         return found if len(found) == uses else None
 
     def substitute(self, stmts, old, make):

@@ -38,15 +38,15 @@ class Text:
             any(re.search(rf"(?<![\w]){re.escape(w)}", sentence, re.I) for w in self.words)
 
     def prose(self, lines, prefix):
-        """Paragraph ``lines`` (text without ``prefix``) with the sentences that name removed things
-        left out; unchanged lines if none does, else the rest wrapped to the widest original line."""
+        """Paragraph ``lines`` (the text after ``prefix``) with the sentences that name removed things
+        left out: the lines as they were if none does, else the rest wrapped as wide as they were."""
         text = " ".join(line.strip() for line in lines)
         sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z`(\"'\[])", text)
         sentences = [re.sub(r"\s*\([^()]*\)", lambda m: "" if self.hides(m.group()) else m.group(), s)
                      for s in sentences]  # a parenthesis that names something removed goes first
         kept = [s for s in sentences if not self.hides(s)]
         if " ".join(kept) == text:
-            return [prefix + line.strip() for line in lines]
+            return [(prefix + line).rstrip() for line in lines]
         if not kept:
             return []
         width = max(len(prefix) + len(line.strip()) for line in lines)
@@ -68,10 +68,11 @@ class Text:
         block = []
         for n in numbers + [None]:
             if n is not None and self.lines[n - 1].strip():
-                block.append(self.lines[n - 1].strip()[1:])
+                text = self.lines[n - 1].strip()[1:]
+                block.append(text[1:] if text.startswith(" ") else text)  # the text after "# "
                 continue
             if block:
-                out.extend(self.prose([b.strip() for b in block], " " * indent + "# "))
+                out.extend(self.prose(block, " " * indent + "# "))
                 block = []
 
     def segment(self, node, start_line, end_line, indent):
@@ -213,8 +214,9 @@ class Text:
         quote = raw.lstrip()[:3]
         body = raw.strip()[3:-3]
         closing_alone = raw.rstrip().splitlines()[-1].strip() == quote
-        pad = " " * indent
-        paragraphs = [p.split("\n") for p in re.split(r"\n\s*\n", body.strip("\n"))]
+        pad, was = " " * indent, len(raw) - len(raw.lstrip())
+        paragraphs = [[line[min(was, len(line) - len(line.lstrip())):] for line in p.split("\n")]
+                      for p in re.split(r"\n\s*\n", body.strip("\n"))]
         kept = [self.prose(p, pad) for p in paragraphs]
         kept = [p for p in kept if p]
         if not kept:

@@ -64,8 +64,10 @@ def test_the_views_keep_what_is_taught():
                  "# -inf is safe: key 0 comes first", "MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr"):
         assert line in inner, line
     assert "dq *= scale\n" in dq and "lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)" in dq
-    assert fwd.count("fwd_inner(") == 2 and all(line.rstrip().endswith(("DOT_PRECISION)", ",")) or "fwd_inner" not in line
-                                                for line in fwd.splitlines())
+    # each call of the inner loop passes exactly the parameters its view keeps, none by keyword
+    kept = teaching_view.pruned_source(forward.fwd_inner, LATER, ()).params
+    calls = [n for n in ast.walk(ast.parse(fwd)) if isinstance(n, ast.Call) and ast.unparse(n.func) == "fwd_inner"]
+    assert len(calls) == 2 and all(len(c.args) == len(kept) and not c.keywords for c in calls)
 
 
 def test_the_caption_says_what_was_hidden_and_where_it_is_taught():

@@ -161,7 +161,7 @@ def test_every_view_of_the_kernels_compiles_and_decides_every_flag(module):
     for name, kernel in kernels_of(module):
         for only in (LATER, {"WINDOW": False}, {"VARLEN": False, "PAGED": False}):
             try:
-                view = notebook.teaching_view(kernel, only)[0]
+                view = notebook.view_of(kernel, only)[0]
             except ValueError:  # uses none of them
                 continue
             tree = ast.parse(view.text)

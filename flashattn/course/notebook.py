@@ -4,7 +4,7 @@ import inspect
 import os
 
 from ..gpu.runtime import INTERPRET
-from . import teaching_view as teaching_view_module
+from . import teaching_view
 
 
 #: How show_source draws code: Pygments' "default" style, whose colours all reach WCAG's 4.5:1
@@ -73,11 +73,11 @@ FEATURES = {
 }
 
 
-def teaching_view(obj, only):
+def view_of(obj, only):
     """``(view, caption)``: the :class:`flashattn.course.teaching_view.View` of ``obj`` with the
     values of ``only``, and the one line that says what it hides and where that is taught."""
     words = tuple(w for key in only if key in FEATURES for w in FEATURES[key][2])
-    view = teaching_view_module.pruned_source(obj, only, words)
+    view = teaching_view.pruned_source(obj, only, words)
     where = {}
     for key in view.flags:
         feature, chapter, _ = FEATURES.get(key, (key, None, ()))
@@ -92,7 +92,7 @@ def source_text(obj, only=None, note=None):
     if not only:
         lines, first = inspect.getsourcelines(getattr(obj, "fn", obj))
         return "".join(lines), first, note
-    view, caption = teaching_view(obj, only)
+    view, caption = view_of(obj, only)
     return view.text, view.first, caption + (f"; {note}" if note else "")
 
 

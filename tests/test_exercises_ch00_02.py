@@ -135,15 +135,32 @@ def test_lse_from_state_catches(solutions, edits, message):
         ex.check_lse_from_state(solutions("02", edits).lse_from_state)
 
 
+EXP = '"tl.exp(x)":          {"ex2": 1, "mul": 1, "fma": 0, "add": 0}'
+EXP2 = '"tl.exp2(x)":         {"ex2": 1, "mul": 0, "fma": 0, "add": 0}'
+FMA = '"tl.exp2(x * c - m)": {"ex2": 1, "mul": 0, "fma": 1, "add": 0}'
+
+
 @mistakes(
-    ("no log2e", [("qk_scale = scale * LOG2E", "qk_scale = scale")], "ln 2"),
-    ("no scale", [("qk_scale = scale * LOG2E", "qk_scale = LOG2E")], "scale is missing"),
-    ("no max subtracted", [("p = torch.exp2(s * qk_scale - m)", "p = torch.exp2(s * qk_scale)")], "inf or NaN"),
-    ("exp", [("p = torch.exp2(s * qk_scale - m)", "p = torch.exp(s * qk_scale - m)")], "did you use exp"),
+    ("e^x native", [(EXP, EXP.replace('"mul": 1', '"mul": 0'))], "has no e\\^x, so tl.exp\\(x\\) is computed as 2\\^"),
+    ("exp2 with a multiply", [(EXP2, EXP2.replace('"mul": 0', '"mul": 1'))], "the hardware's own exponential"),
+    ("not fused", [(FMA, FMA.replace('"mul": 0, "fma": 1, "add": 0', '"mul": 1, "fma": 0, "add": 1'))],
+     "fuses the multiply and the subtraction"),
+    ("fused and multiplied", [(FMA, FMA.replace('"mul": 0', '"mul": 1'))], "multiplies x by c itself"),
+    ("fused and subtracted", [(FMA, FMA.replace('"add": 0', '"add": 1'))], "happens inside the fma"),
+    ("two exponentials", [(EXP, EXP.replace('"ex2": 1', '"ex2": 2'))], "one exponential per element"),
+    ("a form missing", [(FMA + "}", "}")], "one entry per form"),
+    ("an instruction missing", [(EXP2, EXP2.replace(', "add": 0', ""))], "a dict of numbers with the keys"),
 )
-def test_softmax_exp2_catches(solutions, edits, message):
+def test_ptx_prediction_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
-        ex.check_softmax_exp2(solutions("02", edits).softmax_exp2)
+        ex.check_ptx_prediction(solutions("02", edits).predicted_instructions)
+
+
+def test_ptx_prediction_counts_what_the_compiler_emits():
+    """The counts the check compares with are the compiler's own (the explanations describe them)."""
+    from flashattn.course.exercises import ch00_02
+
+    assert ch00_02.instruction_counts(ex.exp_forms_ptx()) == ch00_02.EXPECTED_COUNTS
 
 
 def test_shortcuts_are_put_back(solutions):

@@ -237,6 +237,11 @@ FWD_LSE = "tl.store(LSE2 + offs_q, m_i + tl.log2(l_i), mask=offs_q < n_q)"
 
 @mistakes(
     ("stage 2 without its mask", [(FWD_STAGE2, FWD_STAGE2.replace("True", "False"))], "without the causal mask"),
+    ("acc not rescaled", [("acc = alpha[:, None] * acc + tl.dot(", "acc = acc + tl.dot(")], "acc is not rescaled"),
+    ("L not rescaled", [("l_i = alpha * l_i + tl.sum(p, axis=1)", "l_i = l_i + tl.sum(p, axis=1)")],
+     "L is not rescaled"),
+    ("neither rescaled", [("acc = alpha[:, None] * acc + tl.dot(", "acc = acc + tl.dot("),
+                          ("l_i = alpha * l_i + tl.sum(p, axis=1)", "l_i = l_i + tl.sum(p, axis=1)")], "alpha is missing"),
     ("LSE in natural log", [(FWD_LSE, FWD_LSE.replace("m_i + tl.log2(l_i)", "(m_i + tl.log2(l_i)) * 0.6931471805599453"))],
      "stored in natural log"),
     ("LSE with tl.log", [(FWD_LSE, FWD_LSE.replace("tl.log2(l_i)", "tl.log(l_i)"))], "mixes two bases"),
@@ -279,6 +284,10 @@ def test_my_attn_fwd_catches(solutions, edits, message):
     ("is_causal not passed", [("IS_CAUSAL=bool(is_causal))", "IS_CAUSAL=False)")], "is not causal"),
     ("the course's own launcher", [("    return o, lse2\n", "    o, lse2 = forward.attention_forward(q, k, v, is_causal, scale)\n    return o, lse2\n")],
      "uses flashattn.kernels.forward.attention_forward"),
+    ("the kernel never launched", [("    my_attn_fwd[grid](", "    (lambda *args, **kwargs: None)(")],
+     "never launches my_attn_fwd"),
+    ("the kernel launched only sometimes", [("    my_attn_fwd[grid](", "    if n_q < 0:\n        my_attn_fwd[grid](")],
+     "did not launch my_attn_fwd"),
 )
 def test_my_attention_forward_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
@@ -288,3 +297,7 @@ def test_my_attention_forward_catches(solutions, edits, message):
 def test_my_attention_forward_says_when_the_kernel_is_missing(solutions):
     with pytest.raises(ex.ExerciseError, match="launches my_attn_fwd, which is not implemented yet"):
         ex.check_my_attention_forward(solutions("05", stub="ch05-my-attn-fwd").my_attention_forward)
+    # a launcher that does not launch the kernel is told so, not that the kernel is missing
+    without = [("    my_attn_fwd[grid](", "    (lambda *args, **kwargs: None)(")]
+    with pytest.raises(ex.ExerciseError, match="never launches my_attn_fwd"):
+        ex.check_my_attention_forward(solutions("05", without, stub="ch05-my-attn-fwd").my_attention_forward)

@@ -11,7 +11,8 @@ are available from here.
 """
 from .ch00_02 import (check_block_alphas, check_lse_from_state, check_merge_softmax_states,
                       check_naive_causal_attention, check_online_softmax, check_online_softmax_weighted_sum,
-                      check_score_bytes, check_softmax_exp2)
+                      EXP_FORMS, check_ptx_prediction, check_score_bytes, exp_forms, exp_forms_ptx,
+                      instruction_counts)
 from .ch03_05 import (FORWARD_MISTAKES, check_causal_tiles, check_classify_tiles, check_fwd_inner,
                       check_kv_stage_bounds, check_tiled_attention, fwd_exercise_kernel, run_fwd_inner,
                       tiled_forward_with_mistake)
@@ -34,8 +35,8 @@ __all__ = [
     "ExerciseError", "attempt", "expect_close",
     # chapters 00-02
     "check_naive_causal_attention", "check_score_bytes", "check_online_softmax", "check_block_alphas",
-    "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_lse_from_state",
-    "check_softmax_exp2",
+    "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_ptx_prediction",
+    "exp_forms", "EXP_FORMS", "exp_forms_ptx", "instruction_counts", "check_lse_from_state",
     # chapters 03 and 05 (the tiles; the stage bounds and the inner loop)
     "check_classify_tiles", "check_causal_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
     "fwd_exercise_kernel", "run_fwd_inner", "tiled_forward_with_mistake", "FORWARD_MISTAKES",

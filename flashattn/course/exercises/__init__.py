@@ -16,7 +16,7 @@ from .ch03_05 import (FORWARD_MISTAKES, check_causal_tiles, check_classify_tiles
                       check_kv_stage_bounds, check_tiled_attention, fwd_exercise_kernel, run_fwd_inner,
                       tiled_forward_with_mistake)
 from .ch05_kernel import check_my_attention_forward, check_my_attn_fwd, launch_my_attn_fwd
-from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_matmul_kernel,
+from .ch04_ladder import (check_attention_tile_kernel, check_causal_mask_kernel, check_matmul_kernel,
                           check_row_softmax_kernel, check_stream_kv_kernel)
 from .ch06_08 import (check_attention_backward, check_my_attention, check_row_lse_kernel, check_rule_test,
                       check_slip_factors, check_softmax_backward)
@@ -40,7 +40,7 @@ __all__ = [
     "check_classify_tiles", "check_causal_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
     "fwd_exercise_kernel", "run_fwd_inner", "tiled_forward_with_mistake", "FORWARD_MISTAKES",
     # chapter 04's Triton ladder
-    "check_block_shift_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",
+    "check_causal_mask_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",
     "check_stream_kv_kernel", "check_matmul_kernel",
     # chapter 05's whole forward kernel and its launcher
     "check_my_attn_fwd", "check_my_attention_forward", "launch_my_attn_fwd",

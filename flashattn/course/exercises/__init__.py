@@ -9,9 +9,9 @@ its launcher; ``ch06_08``, ``ch07``, ``ch09``, ``ch10``, ``ch11``, ``ch12``, ``c
 ``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
 are available from here.
 """
-from .ch00_02 import (check_block_alphas, check_lse_from_state, check_merge_softmax_states,
+from .ch00_02 import (check_block_alphas, check_lse_from_state, check_max_context, check_merge_softmax_states,
                       check_naive_causal_attention, check_online_softmax, check_online_softmax_weighted_sum,
-                      check_score_bytes, check_softmax_exp2)
+                      check_softmax_exp2)
 from .ch03_05 import (FORWARD_MISTAKES, check_causal_tiles, check_classify_tiles, check_fwd_inner,
                       check_kv_stage_bounds, check_tiled_attention, fwd_exercise_kernel, run_fwd_inner,
                       tiled_forward_with_mistake)
@@ -33,7 +33,7 @@ from .common import ExerciseError, attempt, expect_close
 __all__ = [
     "ExerciseError", "attempt", "expect_close",
     # chapters 00-02
-    "check_naive_causal_attention", "check_score_bytes", "check_online_softmax", "check_block_alphas",
+    "check_naive_causal_attention", "check_max_context", "check_online_softmax", "check_block_alphas",
     "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_lse_from_state",
     "check_softmax_exp2",
     # chapters 03 and 05 (the tiles; the stage bounds and the inner loop)

@@ -118,11 +118,9 @@ def check_causal_mask_kernel(causal_mask_kernel):
         if transposed:  # S as the transpose of a (n_kv, n_q) matrix: stride_q = 1, stride_k = rows
             buffer = torch.full((cols, rows), UNTOUCHED)
             buffer[:n_kv, :n_q] = values.T
-            big = buffer.T
         else:
             buffer = torch.full((rows, cols), UNTOUCHED)
             buffer[:n_q, :n_kv] = values
-            big = buffer
         storage = buffer.flatten().clone()  # as it was before the kernel ran
         on_device = buffer.to(DEVICE, copy=True)
         s = (on_device.T if transposed else on_device)[:n_q, :n_kv]

@@ -130,7 +130,8 @@ def check_exercises(compiled):
 
     # (what, expected outcome, name the checker uses, (kernel, pointers, constexprs, float args))
     cases = [
-        ("block_shift_kernel", "compiles", "block_shift_kernel", ladder(ch04.block_shift_kernel, "XY", dict(BLOCK=16))),
+        ("causal_mask_kernel", "compiles", "causal_mask_kernel",
+         ladder(ch04.causal_mask_kernel, "S", dict(BLOCK_Q=32, BLOCK_KV=16))),
         ("row_softmax_kernel, BLOCK=64", "compiles", "row_softmax_kernel",
          ladder(ch04.row_softmax_kernel, "XY", dict(BLOCK=64))),
         ("row_softmax_kernel, BLOCK=1", "compiles", "row_softmax_kernel",
@@ -141,8 +142,8 @@ def check_exercises(compiled):
          ladder(ch04.attention_tile_kernel, "QKVO", dict(BLOCK_Q=32, BLOCK_KV=64, D=32), ("qk_scale",))),
         ("stream_kv_kernel, 32x16, D=16", "compiles", "stream_kv_kernel",
          ladder(ch04.stream_kv_kernel, "QKVO", dict(BLOCK_Q=32, BLOCK_KV=16, D=16), ("qk_scale",))),
-        ("block_shift_kernel stub", "not implemented", "block_shift_kernel",
-         ladder(notebook("04", stub="ch04-block-shift").block_shift_kernel, "XY", dict(BLOCK=16))),
+        ("causal_mask_kernel stub", "not implemented", "causal_mask_kernel",
+         ladder(notebook("04", stub="ch04-causal-mask").causal_mask_kernel, "S", dict(BLOCK_Q=32, BLOCK_KV=16))),
         ("fwd_inner, fp32, D=32, not causal, 32x16", "compiles", "fwd_inner", fwd(ch05.fwd_inner, 32, False, "fp32", 32, 16)),
         ("fwd_inner, fp32, D=16, causal, 16x32", "compiles", "fwd_inner", fwd(ch05.fwd_inner, 16, True, "fp32", 16, 32)),
         ("fwd_inner, fp16, D=32, causal, 32x16", "compiles", "fwd_inner", fwd(ch05.fwd_inner, 32, True, "fp16", 32, 16)),

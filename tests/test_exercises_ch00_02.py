@@ -26,20 +26,27 @@ def test_naive_causal_attention_catches(solutions, edits, message):
         ex.check_naive_causal_attention(solutions("00", edits).naive_causal_attention)
 
 
-BYTES = "torch.empty((), dtype=dtype).element_size()"
+PER_PAIR = "per_pair = 2 * batch * heads * element"
+ROOT = "return math.isqrt(memory_bytes // per_pair)"
 
 
 @mistakes(
-    ("one matrix", [("return 2 * batch", "return batch")], "ONE matrix"),
-    ("4 bytes", [(BYTES, "4")], "4 bytes per element"),
-    ("not squared", [("n * n *", "n *")], "squared"),
-    ("bits", [(BYTES, BYTES + " * 8")], "bits"),
-    ("fractional", [(BYTES, BYTES + " * 1.25")], "expected"),
-    ("not a number", [("return 2 * batch * heads * n * n * " + BYTES, 'return "many"')], "return a number"),
+    ("one matrix", [(PER_PAIR, "per_pair = batch * heads * element")], "ONE N x N matrix"),
+    ("batch and heads forgotten", [(PER_PAIR, "per_pair = 2 * element")], "every sequence of the batch and every head"),
+    ("4 bytes", [("element = torch.empty((), dtype=dtype).element_size()", "element = 4")], "4 bytes per element"),
+    ("1 byte", [("element = torch.empty((), dtype=dtype).element_size()", "element = 1")], "1 byte per element"),
+    ("bits", [("element = torch.empty((), dtype=dtype).element_size()",
+               "element = torch.empty((), dtype=dtype).element_size() * 8")], "bits"),
+    ("not squared", [(ROOT, "return memory_bytes // per_pair")], "square root"),
+    ("rounded up", [(ROOT, "return math.ceil(math.sqrt(memory_bytes / per_pair))")], "rounded down"),
+    ("one short", [(ROOT, "return math.isqrt(memory_bytes // per_pair) - 1")], "fits too"),
+    ("strict", [(ROOT, "return math.isqrt(memory_bytes // per_pair - 1)")], "fill the memory exactly"),
+    ("a float", [(ROOT, "return math.sqrt(memory_bytes / per_pair)")], "whole number of positions"),
+    ("not a number", [(ROOT, 'return "long"')], "return a number"),
 )
-def test_score_bytes_catches(solutions, edits, message):
+def test_max_context_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
-        ex.check_score_bytes(solutions("00", edits).score_bytes)
+        ex.check_max_context(solutions("00", edits).max_context)
 
 
 # --- chapter 01 -----------------------------------------------------------------------------------

@@ -76,26 +76,37 @@ def test_causal_tiles_catches(solutions, edits, message):
 
 # --- Chapter 04: the Triton ladder -----------------------------------------------------------------
 
-SHIFT_LOAD = 'x = tl.load(X + offs, mask=offs < n, other=float("-inf"))'
-SHIFT_STORE = "tl.store(Y + offs, x - tl.max(x, axis=0), mask=offs < n)"
+MASK_ROWS = "rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)"
+MASK_KEYS = "keys = tl.program_id(1) * BLOCK_KV + tl.arange(0, BLOCK_KV)"
+MASK_INSIDE = "inside = (rows[:, None] < n_q) & (keys[None, :] < n_kv)"
+MASK_FUTURE = "future = keys[None, :] > rows[:, None]"
+MASK_ADDRESS = "S + rows[:, None] * stride_q + keys[None, :] * stride_k"
 
 
 @mistakes(
-    ("load without a mask", [(SHIFT_LOAD, "x = tl.load(X + offs)")], "read past the end of X"),
-    ("other=0", [('other=float("-inf"))   # -inf', "other=0.0)   # -inf")], "read as 0"),
-    ("store without a mask", [(SHIFT_STORE, "tl.store(Y + offs, x - tl.max(x, axis=0))")], "wrote past the end of Y"),
-    ("off by one", [(SHIFT_LOAD, 'x = tl.load(X + offs, mask=offs <= n, other=float("-inf"))'),
-                    (SHIFT_STORE, "tl.store(Y + offs, x - tl.max(x, axis=0), mask=offs <= n)")], "wrote past the end of Y"),
-    ("every program on block 0", [("offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK)")],
-     "left Y\\[16\\] unwritten"),
-    ("nothing subtracted", [(SHIFT_STORE, "tl.store(Y + offs, x, mask=offs < n)")], "y equals x"),
-    ("the course's own code", [("@triton.jit\ndef block_shift_kernel", "from flashattn.kernels import tiles\n\n\n"
-                                "@triton.jit\ndef block_shift_kernel"),  # chapter 04 does not import it
-                               (SHIFT_STORE, SHIFT_STORE + "\n    tiles.store_tile")], "uses flashattn.kernels.tiles.store_tile"),
+    ("diagonal hidden", [(MASK_FUTURE, "future = keys[None, :] >= rows[:, None]")], "diagonal was hidden"),
+    ("wrong triangle", [(MASK_FUTURE, "future = keys[None, :] < rows[:, None]")], "wrong triangle"),
+    ("positions in the tile", [(MASK_FUTURE, "future = tl.arange(0, BLOCK_KV)[None, :] > tl.arange(0, BLOCK_Q)[:, None]")],
+     "inside the tile"),
+    ("rows do not move", [(MASK_ROWS, "rows = tl.arange(0, BLOCK_Q)")], "first block of rows"),
+    ("keys do not move", [(MASK_KEYS, "keys = tl.arange(0, BLOCK_KV)")], "first block of keys"),
+    ("axes swapped", [(MASK_ROWS, MASK_ROWS.replace("program_id(0)", "program_id(1)")),
+                      (MASK_KEYS, MASK_KEYS.replace("program_id(1)", "program_id(0)"))], "axes were swapped"),
+    ("no row mask", [(MASK_INSIDE, "inside = keys[None, :] < n_kv")], "past the last row"),
+    ("no column mask", [(MASK_INSIDE, "inside = rows[:, None] < n_q")], "past the end of a row"),
+    ("no mask", [(MASK_INSIDE, "inside = True")], "past the last row and past the end"),
+    ("contiguous assumed", [(MASK_ADDRESS, "S + rows[:, None] * n_kv + keys[None, :]")], "i \\* n_kv \\+ j"),
+    ("stride_k ignored", [(MASK_ADDRESS, "S + rows[:, None] * stride_q + keys[None, :]")], "as if stride_k were 1"),
+    ("0 for -inf", [('minus_inf = tl.full([BLOCK_Q, BLOCK_KV], float("-inf")', 'minus_inf = tl.full([BLOCK_Q, BLOCK_KV], 0.0')], "0 was written"),
+    ("visible entries changed", [("mask=inside & future)", "mask=inside)")], "leave that score as it is"),
+    ("nothing written", [("mask=inside & future)", "mask=inside & future & (rows[:, None] < 0))")], "must be -inf"),
+    ("the course's own code", [("@triton.jit\ndef causal_mask_kernel", "from flashattn.kernels import tiles\n\n\n"
+                                "@triton.jit\ndef causal_mask_kernel"),  # chapter 04 does not import it
+                               (MASK_FUTURE, MASK_FUTURE + "\n    tiles.store_tile")], "uses flashattn.kernels.tiles.store_tile"),
 )
-def test_block_shift_kernel_catches(solutions, edits, message):
+def test_causal_mask_kernel_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
-        ex.check_block_shift_kernel(solutions("04", edits).block_shift_kernel)
+        ex.check_causal_mask_kernel(solutions("04", edits).causal_mask_kernel)
 
 
 SOFTMAX_LOAD = 'x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))'

@@ -20,10 +20,19 @@ DS = "return p * (dp - (p * dp).sum(dim=-1, keepdim=True))"
 
 
 @mistakes(
-    ("no row sum", [(DS, "return p * dp")], "forgot to subtract the row sum"),
+    ("the delta term alone", [(DS, "return p * dp")], "delta_jk term of the sum alone"),
+    ("the diagonal alone", [(DS, "return p * (1 - p) * dp")], "only the Jacobian's diagonal"),
     ("wrong dimension", [("(p * dp).sum(dim=-1", "(p * dp).sum(dim=-2")], "wrong dimension"),
     ("unweighted row sum", [("(p * dp).sum(dim=-1", "dp.sum(dim=-1")], re.escape("rowsum(P * dP)")),
+    ("sign", [(DS, "return p * (dp + (p * dp).sum(dim=-1, keepdim=True))")], "minus sign"),
+    ("no factor in front", [(DS, "return dp - (p * dp).sum(dim=-1, keepdim=True)")], "factor P_ik in front"),
     ("slightly off", [(DS, DS + " * 1.001")], "wrong at"),
+    ("the Jacobian built", [(DS, "jacobian = torch.diag_embed(p) - p[..., :, None] * p[..., None, :]\n"
+                                 "    return (jacobian.transpose(-1, -2) @ dp[..., None])[..., 0]")], "calls torch.diag_embed"),
+    ("the Jacobian built, as a method", [(DS, "jacobian = p.diag_embed() - p[..., :, None] * p[..., None, :]\n"
+                                              "    return (jacobian @ dp[..., None])[..., 0]")], "calls Tensor.diag_embed"),
+    ("autograd asked", [(DS, "s = torch.log(p).requires_grad_()\n"
+                             "    return torch.autograd.grad(torch.softmax(s, -1), s, dp)[0]")], "calls torch.autograd.grad"),
 )
 def test_softmax_backward_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):

@@ -9,15 +9,14 @@ its launcher; ``ch06_08``, ``ch07``, ``ch09``, ``ch10``, ``ch11``, ``ch12``, ``c
 ``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
 are available from here.
 """
-from .ch00_02 import (check_block_alphas, check_lse_from_state, check_merge_softmax_states,
+from .ch00_02 import (check_block_alphas, check_lse_from_state, check_max_context, check_merge_softmax_states,
                       check_naive_causal_attention, check_online_softmax, check_online_softmax_weighted_sum,
-                      EXP_FORMS, check_ptx_prediction, check_score_bytes, exp_forms, exp_forms_ptx,
-                      instruction_counts)
+                      EXP_FORMS, check_ptx_prediction, exp_forms, exp_forms_ptx, instruction_counts)
 from .ch03_05 import (FORWARD_MISTAKES, check_causal_tiles, check_classify_tiles, check_fwd_inner,
                       check_kv_stage_bounds, check_tiled_attention, fwd_exercise_kernel, run_fwd_inner,
                       tiled_forward_with_mistake)
 from .ch05_kernel import check_my_attention_forward, check_my_attn_fwd, launch_my_attn_fwd
-from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel, check_matmul_kernel,
+from .ch04_ladder import (check_attention_tile_kernel, check_causal_mask_kernel, check_matmul_kernel,
                           check_row_softmax_kernel, check_stream_kv_kernel)
 from .ch06_08 import (check_attention_backward, check_my_attention, check_row_lse_kernel, check_rule_test,
                       check_slip_factors, check_softmax_backward)
@@ -34,14 +33,14 @@ from .common import ExerciseError, attempt, expect_close
 __all__ = [
     "ExerciseError", "attempt", "expect_close",
     # chapters 00-02
-    "check_naive_causal_attention", "check_score_bytes", "check_online_softmax", "check_block_alphas",
+    "check_naive_causal_attention", "check_max_context", "check_online_softmax", "check_block_alphas",
     "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_ptx_prediction",
     "exp_forms", "EXP_FORMS", "exp_forms_ptx", "instruction_counts", "check_lse_from_state",
     # chapters 03 and 05 (the tiles; the stage bounds and the inner loop)
     "check_classify_tiles", "check_causal_tiles", "check_tiled_attention", "check_kv_stage_bounds", "check_fwd_inner",
     "fwd_exercise_kernel", "run_fwd_inner", "tiled_forward_with_mistake", "FORWARD_MISTAKES",
     # chapter 04's Triton ladder
-    "check_block_shift_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",
+    "check_causal_mask_kernel", "check_row_softmax_kernel", "check_attention_tile_kernel",
     "check_stream_kv_kernel", "check_matmul_kernel",
     # chapter 05's whole forward kernel and its launcher
     "check_my_attn_fwd", "check_my_attention_forward", "launch_my_attn_fwd",

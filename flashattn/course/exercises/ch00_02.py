@@ -1,11 +1,13 @@
-"""Checkers of chapters 00-02: naive causal attention and the bytes of S and P (00), the online
-softmax and merging softmax states (01), the instructions each form of the exponential compiles to
-(a prediction, checked against the PTX for sm_90) and the LSE from a base-2 state (02).
+"""Checkers of chapters 00-02: naive causal attention and the longest context whose S and P fit
+(00), the online softmax and merging softmax states (01), the instructions each form of the
+exponential compiles to (a prediction, checked against the PTX for sm_90) and the LSE from a
+base-2 state (02).
 
 Each is named check_<exercise> and draws its own inputs (several shapes, including awkward ones) so
 that a hard-coded answer cannot pass; a wrong answer that matches a known mistake is named.
 """
 import functools
+import math
 import re
 
 import torch
@@ -104,38 +106,62 @@ def check_naive_causal_attention(fn):
            "(N_q = N_kv, N_q < N_kv, N_q > N_kv, 3-D and 4-D inputs, several scales)")
 
 
-def check_score_bytes(fn):
-    """Chapter 00: ``fn(batch, heads, n, dtype)`` must return the bytes of S and P together: two
-    tensors of shape (batch, heads, n, n) in ``dtype``."""
-    name = getattr(fn, "__name__", "score_bytes")
-    cases = [(1, 1, 1, torch.float32), (2, 8, 1024, torch.float16), (1, 32, 8192, torch.bfloat16),
-             (4, 16, 4096, torch.float32), (3, 5, 17, torch.float64), (1, 1, 131072, torch.float16),
-             (7, 3, 100, torch.bfloat16)]
-    for b, h, n, dtype in cases:
-        got = attempt(fn, b, h, n, dtype, name=name, forbid=("flashattn",))
-        size = torch.empty((), dtype=dtype).element_size()
-        want = 2 * b * h * n * n * size
-        call = f"{name}({b}, {h}, {n}, {dtype})"
+def check_max_context(fn):
+    """Chapter 00: ``fn(batch, heads, dtype, memory_bytes)`` must return the largest N (an int) for
+    which S and P of self-attention, two (batch, heads, N, N) tensors of ``dtype``, fit together in
+    ``memory_bytes`` bytes (they may fill it exactly)."""
+    name = getattr(fn, "__name__", "max_context")
+    gb, gib = 10 ** 9, 2 ** 30
+    cases = [(1, 32, torch.float16, 141 * gb),     # one sequence, 32 heads, an H200's 141 GB
+             (1, 32, torch.float16, 128 * gib),    # S and P at N = 32768 fill it exactly
+             (8, 16, torch.bfloat16, 80 * gb), (2, 8, torch.float32, 24 * gb), (3, 5, torch.float64, 10 ** 7),
+             (1, 1, torch.float32, 2 * 4 * 17 * 17 + 7), (4, 12, torch.float16, 2 * gib)]
+    # The slips, each as what it returns for (batch, heads, bytes per element, memory): a wrong answer
+    # is named by the slip that gives all of its results (one case alone can fit two slips).
+    slips = [
+        (lambda b, h, e, m: math.isqrt(m // (b * h * e)), "that counts ONE N x N matrix: S and P are two"),
+        (lambda b, h, e, m: math.isqrt(m // (2 * e)), "S and P exist for every sequence of the batch and every "
+                                                      "head: multiply by both"),
+        (lambda b, h, e, m: math.isqrt(m // (2 * b * h * 4)), "that assumes 4 bytes per element; element_size() "
+                                                              "gives each dtype's own"),
+        (lambda b, h, e, m: math.isqrt(m // (2 * b * h)), "that counts 1 byte per element; element_size() gives "
+                                                          "each dtype's own"),
+        (lambda b, h, e, m: math.isqrt(m // (2 * b * h * e * 8)), "that counts bits; element_size() is in bytes"),
+        (lambda b, h, e, m: m // (2 * b * h * e), "S is N x N: its bytes grow as N squared, so N is a square "
+                                                  "root (math.isqrt)"),
+    ]
+    results = []
+    for b, h, dtype, memory in cases:
+        got = attempt(fn, b, h, dtype, memory, name=name, forbid=("flashattn",))
+        call = f"{name}({b}, {h}, {dtype}, {memory:,})"
         try:
             value = float(got)
         except (TypeError, ValueError):
-            raise ExerciseError(f"{call} returned {type(got).__name__}; return a number of bytes "
+            raise ExerciseError(f"{call} returned {type(got).__name__}; return a number of positions "
                                 "(an int)") from None
-        if value != round(value):
-            raise ExerciseError(f"{call} returned {value}, which is not a whole number of bytes")
-        value = int(round(value))
-        if value == want:
-            continue
-        hints = {want // 2: "that is the size of ONE matrix: count S and P (two of them)",
-                 2 * b * h * n * n * 4: f"that assumes 4 bytes per element; {dtype} has {size} "
-                                        "(torch.empty((), dtype=dtype).element_size())",
-                 2 * b * h * n * size: "S is N x N per (batch, head): the length appears squared",
-                 2 * n * n * size: "S and P exist for every batch and every head: multiply by both",
-                 want * 8: "that is bits; divide by 8 for bytes (or use element_size(), in bytes)"}
-        hint = hints.get(value) if value != want else None
-        raise ExerciseError(f"{call} returned {value:,}, expected {want:,}" + (f": {hint}" if hint else ""))
-    passed(f"{name} gives the exact bytes of S and P on {len(cases)} cases "
-           "(float16, bfloat16, float32, float64; N from 1 to 131072)")
+        if value != int(value):
+            raise ExerciseError(f"{call} returned {value}: a context holds a whole number of positions, "
+                                "the largest N that fits (round down)")
+        size = torch.empty((), dtype=dtype).element_size()
+        results.append((call, int(value), (b, h, size, memory)))
+    def longest(b, h, e, m):  # the largest N with 2 * b * h * N * N * e <= m
+        return math.isqrt(m // (2 * b * h * e))
+
+    wrong = [(call, n, args) for call, n, args in results if n != longest(*args)]
+    if not wrong:
+        passed(f"{name} finds the longest context on {len(cases)} cases (float16, bfloat16, float32, float64; "
+               "from an H200's 141 GB down to a few hundred bytes, one filled exactly)")
+        return
+    call, n, (b, h, size, memory) = wrong[0]
+    want = longest(b, h, size, memory)
+    hint = next((text for slip, text in slips if all(slip(*args) == got for _, got, args in results)), None)
+    if hint is None and n > want:
+        hint = (f"at N = {n:,} S and P need {2 * b * h * n * n * size:,} bytes, more than the {memory:,} given: "
+                "the largest N that fits is the square root rounded down")
+    if hint is None:
+        hint = (f"N = {n + 1:,} fits too (S and P need {2 * b * h * (n + 1) ** 2 * size:,} bytes of the "
+                f"{memory:,}): return the largest N that fits; S and P may fill the memory exactly")
+    raise ExerciseError(f"{call} returned {n:,}, expected {want:,}: {hint}")
 
 
 def _row_pieces(g, rows, n, scale, shift=0.0):

@@ -105,9 +105,16 @@ SHORTCUTS = {
                 ("torch.Tensor", "softmax"), ("torch.Tensor", "log_softmax"), ("torch.Tensor", "logsumexp"),
                 ("triton.language", "softmax")],
     "sdpa": [("torch.nn.functional", "scaled_dot_product_attention")],
+    # what builds a row's N x N softmax Jacobian, or asks autograd for the gradient instead
+    "jacobian": [("torch", "diag_embed"), ("torch", "diag"), ("torch", "outer"), ("torch", "ger"),
+                 ("torch.Tensor", "diag_embed"), ("torch.Tensor", "diag"), ("torch.Tensor", "outer"),
+                 ("torch.autograd", "grad"), ("torch.autograd", "backward"), ("torch.Tensor", "backward"),
+                 ("torch.autograd.functional", "jacobian"), ("torch.autograd.functional", "vjp"),
+                 ("torch.func", "jacrev"), ("torch.func", "jacfwd"), ("torch.func", "vjp"), ("torch.func", "grad")],
 }
 _WHY = {"softmax": "this exercise asks you to compute the softmax yourself",
         "sdpa": "this exercise asks you to compute attention yourself",
+        "jacobian": "this exercise asks you to derive dS without building any row's Jacobian or asking autograd",
         "flashattn": "this exercise asks you to write it yourself, not to call the course's own code"}
 
 

@@ -28,7 +28,8 @@ UNTAUGHT = (
     "win_left win_right kv_window_bounds q_window_bounds n_group kv_head Programs CuSeqQ CuSeqK "
     "sequence_of_program q_offset kv_offset n_rows score_mod_setup modified_scores softcap dcap dcapT "
     "Slopes slope stride_sb stride_sh shift Mask Mask_h stride_mb stride_mh stride_mq stride_mk "
-    "dropout_keep seed p_drop drop_row0 drop_col0 n_cols_all keep keepT pT_kept Pages n_pages "
+    "dropout_keep seed p_drop drop_row0 drop_col0 keep keepT pT_kept Pages n_pages LISTED Tiles Lists "
+    "tile_next listed n_full n_listed stride_lb stride_lh stride_lr "
     "stride_kp stride_vp s_scale m_ref lse_hi lse_lo row_factor finite").split()
 UNTAUGHT_WORDS = ["window", "packed", "grouped", "dropout", "softcap", "alibi", "paged", "float64",
                   "score modification", "bottom-right"]

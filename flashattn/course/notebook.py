@@ -47,14 +47,14 @@ def source_html(obj, only=None, note=None) -> str:
 
 #: The values that switch off what the first chapters leave for later: chapter 10's windows, packed
 #: sequences (EMPTY_ROWS: rows that see no key, which only they make) and grouped heads (one query
-#: head per K/V head: ``n_group`` = 1), the score modifications (masks, softcap, ALiBi, dropout, the
-#: bottom-right alignment), decode's paged cache (PAGED, which the course does not teach) and the
+#: head per K/V head: ``n_group`` = 1), the score modifications (masks and the tile lists LISTED
+#: walks for them, softcap, ALiBi, dropout, the bottom-right alignment), decode's paged cache (PAGED, which the course does not teach) and the
 #: float64 LSE of float32 inputs (an accuracy detail of flashattn.attention). ``show_source(kernel,
 #: only=LATER)`` shows a kernel as chapters 05-09 teach it.
 LSE64 = "LSE.dtype.element_ty == tl.float64"
 LATER = {"WINDOW": False, "VARLEN": False, "EMPTY_ROWS": False, "n_group": 1, "SOFTCAP": False,
-         "ALIBI": False, "MASK_KIND": 0, "DROPOUT": False, "BOTTOM_RIGHT": False, "PAGED": False,
-         LSE64: False}
+         "ALIBI": False, "MASK_KIND": 0, "LISTED": False, "DROPOUT": False, "BOTTOM_RIGHT": False,
+         "PAGED": False, LSE64: False}
 
 #: For each key of LATER: the feature it switches off, where the course teaches it, and the words
 #: that name it in a kernel's comments (the teaching view drops the sentences that hold one).
@@ -66,6 +66,7 @@ FEATURES = {
     "SOFTCAP": ("softcap", "chapter 14", ("softcap", "score modification")),
     "ALIBI": ("ALiBi", "chapter 14", ("alibi", "score modification")),
     "MASK_KIND": ("attn_mask", "chapter 14", ("attn_mask", "score modification")),
+    "LISTED": ("attn_mask", "chapter 14", ("attn_mask", "tile list")),
     "DROPOUT": ("dropout", "chapter 14", ("dropout", "dropped")),
     "BOTTOM_RIGHT": ("the bottom-right alignment", "chapter 14", ("bottom-right", "bottom_right")),
     "PAGED": ("paged KV caches", "not taught", ("page",)),

@@ -269,13 +269,58 @@ def modified_scores(s, rows, cols, n_q, n_kv, qk_scale, softcap, slope, shift,
     return s2, dcap
 
 
+#: DROPOUT: how the kernels draw dropout's mask (0: no dropout). Both draw the same bits for a pair.
+DROP_TILE = 1  # a tile's columns start at a multiple of 8: one Philox call draws 8 pairs of a row
+DROP_PAIR = 2  # columns start anywhere (packed sequences): each pair runs the Philox call of its 8
+
+
 @triton.jit
-def dropout_keep(seed, p_drop, rows, cols, n_cols):
-    """Which pairs of the tile dropout keeps: True with probability ``1 - p_drop``, from Philox on
-    the pair's element id ``rows * n_cols + cols`` (64-bit). The forward and both backward kernels
-    call it with the same ids, so the backward regenerates the forward's mask instead of reading
-    one: nothing N_q x N_kv is stored. ``rows`` already carries the (batch, head) slice."""
-    return tl.rand(seed, rows.to(tl.int64) * n_cols + cols.to(tl.int64)) >= p_drop
+def dropout_threshold(p_drop):
+    """Dropout compares 16 random bits per pair with ``round(p_drop * 2**16)``: a pair is dropped
+    with a probability within 2**-17 of ``p_drop`` (the kept ones are still scaled by
+    ``1 / (1 - p_drop)``)."""
+    return tl.cast(p_drop * 65536.0 + 0.5, tl.int32)
+
+
+@triton.jit
+def philox_bits(seed, rows, groups):
+    """Four random 32-bit numbers (Philox, 10 rounds) for each (row, group of 8 columns): the
+    counter is ``(group, row's low 32 bits, row's high 32 bits, 0)``, the key the seed."""
+    rows = rows.to(tl.int64)
+    groups = groups.to(tl.uint32)
+    return tl.philox(seed, groups, rows.to(tl.uint32), (rows >> 32).to(tl.uint32), groups * 0)
+
+
+@triton.jit
+def dropout_keep(seed, p_drop, rows, col0, BLOCK_KV: tl.constexpr, DROPOUT: tl.constexpr):
+    """Which pairs of a tile dropout keeps, ``(len(rows), BLOCK_KV)``: True with probability
+    ``1 - p_drop``. ``rows`` are the tile's row ids (the (batch, head) slice's rows of the whole
+    tensors, 64-bit), its columns ``col0 .. col0 + BLOCK_KV - 1``.
+
+    Column ``c`` of row ``r`` takes 16 bits of the Philox call of ``(r, c // 8)``: bits
+    ``16 * (c % 2)`` on of its number ``(c % 8) // 2``. The forward and both backward kernels draw
+    the same pairs, so the backward regenerates the forward's mask instead of reading one: nothing
+    N_q x N_kv is stored. With DROP_TILE (``col0`` a multiple of 8) the tile runs one call per 8
+    pairs and spreads its 128 bits; DROP_PAIR runs one per pair and keeps its 16."""
+    threshold = dropout_threshold(p_drop)
+    if DROPOUT == 1:
+        groups = col0 // 8 + tl.arange(0, BLOCK_KV // 8)
+        r0, r1, r2, r3 = philox_bits(seed, rows[:, None], groups[None, :])
+        # each number's two halves are the two pairs of columns 2t, 2t + 1 of its group
+        k0, k1 = (r0 & 0xFFFF).to(tl.int32) >= threshold, (r0 >> 16).to(tl.int32) >= threshold
+        k2, k3 = (r1 & 0xFFFF).to(tl.int32) >= threshold, (r1 >> 16).to(tl.int32) >= threshold
+        k4, k5 = (r2 & 0xFFFF).to(tl.int32) >= threshold, (r2 >> 16).to(tl.int32) >= threshold
+        k6, k7 = (r3 & 0xFFFF).to(tl.int32) >= threshold, (r3 >> 16).to(tl.int32) >= threshold
+        # (rows, groups, 2, 2, 2), c % 8 = 4a + 2b + c' at [.., a, b, c']: tl.join adds the last dim
+        keep = tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7)))
+        keep = tl.reshape(keep, [rows.shape[0], BLOCK_KV])
+    else:
+        cols = (col0 + tl.arange(0, BLOCK_KV))[None, :]
+        r0, r1, r2, r3 = philox_bits(seed, rows[:, None], cols // 8)
+        lane = cols % 8
+        word = tl.where(lane < 4, tl.where(lane < 2, r0, r1), tl.where(lane < 6, r2, r3))
+        keep = ((word >> ((lane % 2) * 16).to(tl.uint32)) & 0xFFFF).to(tl.int32) >= threshold
+    return keep
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """The kernels with their variants switched on (grouped-query attention, sliding windows, packed
-sequences; softcap, ALiBi, attn_mask, dropout, bottom-right alignment) compile for sm_90 on a CPU: the interpreter runs them but never compiles them, and a
+sequences; softcap, ALiBi, attn_mask (with its tile lists), dropout, bottom-right alignment) compile for sm_90 on a CPU: the interpreter runs them but never compiles them, and a
 compile error would otherwise first show on a GPU."""
 import pytest
 
@@ -14,7 +14,7 @@ def test_variants_compile_for_sm90():
         pytest.skip(str(e))
     assert {(r["kernel"], r["variant"]) for r in rows} == {
         (k, v) for k in ("fwd", "bwd_dkdv", "bwd_dq") for v in ("gqa", "window", "varlen", "all", "mods", "mods-varlen",
-                                                                 "float-mask")}
+                                                                 "float-mask", "bool-mask", "dropout")}
     for r in rows:
         print(r)
         assert r["smem"] <= compiled.SMEM_PER_BLOCK, r

@@ -91,10 +91,10 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), target=SM90, *
 #: The tables of packed sequences (flashattn.ops.varlen): ``constexprs`` of :func:`compile_kernel`
 #: gives them as "pointer" to compile the VARLEN kernels.
 VARIANT_POINTERS = ("Programs", "CuSeqQ", "CuSeqK")
-#: The score modifications' tensors (flashattn.kernels.mods) and decode's block table: ``constexprs``
-#: gives their element type ("fp32", "u8", "i32") to compile the kernels with ALIBI, MASK_KIND or
-#: PAGED on.
-MOD_POINTERS = ("Slopes", "Mask", "Pages")
+#: The score modifications' tensors (flashattn.kernels.mods; Lists: an attn_mask's tile lists) and
+#: decode's block table: ``constexprs`` gives their element type ("fp32", "u8", "i32") to compile
+#: the kernels with ALIBI, MASK_KIND or PAGED on.
+MOD_POINTERS = ("Slopes", "Mask", "Lists", "Pages")
 #: decode with every variant on: a paged cache (pages of 16 keys), ALiBi, softcap and a window.
 DECODE_ALL_VARIANTS = dict(PAGED=True, PAGE_SIZE=16, ALIBI=True, SOFTCAP=True, WINDOW=True,
                            Pages="i32", Slopes="fp32")
@@ -112,7 +112,7 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
     # ``constexprs`` may override them (a table is then an int32 pointer, see VARIANT_POINTERS).
     variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False,
-                "VARLEN": False, "Slopes": None, "Mask": None, "Pages": None}
+                "VARLEN": False, "Slopes": None, "Mask": None, "Lists": None, "Pages": None}
     constexprs = {**{arg: value for arg, value in variants.items() if arg in fn.arg_names}, **constexprs}
     # Every other switch at its default (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT off), as a
     # launch that does not pass it: left out here, it would compile as a run-time int.
@@ -132,10 +132,10 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
         constexprs["stride_mk"] = 1
     if constexprs.get("n_group") == "runtime":  # grouped-query attention: a run-time int
         del constexprs["n_group"]
-    # The mask's and the slopes' strides are plain ints (0 on broadcast dims), not multiples of 16,
-    # nor is the block table's (its row: max_blocks pages).
+    # The mask's, its tile lists' and the slopes' strides are plain ints (0 on broadcast dims), not
+    # multiples of 16, nor is the block table's (its row: max_blocks pages).
     aligned = set(pointers) | {arg for arg in fn.arg_names if arg.startswith("stride_")
-                               and not arg.startswith(("stride_m", "stride_s", "stride_p"))}
+                               and not arg.startswith(("stride_m", "stride_s", "stride_p", "stride_l"))}
     return compile_sm90(fn, pointers, constexprs, floats=("scale", "qk_scale", "softcap", "p_drop"),
                         aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages)
 
@@ -315,7 +315,7 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
 def variant_report(dtype="bf16", head_dim=128, arch=90):
     """The attention kernels compiled for sm_``arch`` with each variant switched on (grouped heads,
     a sliding window, packed sequences, and all three; the score modifications and dropout with a
-    bottom-right window, with packed sequences, and a float mask), in ``dtype`` with the default tiles of
+    bottom-right window, with packed sequences; a float mask, a boolean one, causal dropout), in ``dtype`` with the default tiles of
     ``flashattn.gpu.defaults`` for that architecture: one dict per kernel and variant with its registers,
     spilled bytes and shared memory. Run it through :func:`in_child` from the interpreter."""
     torch_dtype = TORCH_DTYPES[dtype]
@@ -331,11 +331,13 @@ def variant_report(dtype="bf16", head_dim=128, arch=90):
                                             Programs="pointer", CuSeqQ="pointer", CuSeqK="pointer")),
                                ("mods", dict(n_group="runtime", WINDOW=True, IS_CAUSAL=False, BOTTOM_RIGHT=True,
                                              SOFTCAP=True, ALIBI=True, Slopes="fp32", MASK_KIND=1, Mask="u8",
-                                             DROPOUT=True)),
+                                             Lists="i32", DROPOUT=1)),
                                ("mods-varlen", dict(WINDOW=True, VARLEN=True, IS_CAUSAL=False, BOTTOM_RIGHT=True,
                                                     Programs="pointer", CuSeqQ="pointer", CuSeqK="pointer",
-                                                    ALIBI=True, Slopes="fp32", DROPOUT=True)),
-                               ("float-mask", dict(IS_CAUSAL=False, MASK_KIND=2, Mask="fp32"))):
+                                                    ALIBI=True, Slopes="fp32", DROPOUT=2)),
+                               ("float-mask", dict(IS_CAUSAL=False, MASK_KIND=2, Mask="fp32", Lists="i32")),
+                               ("bool-mask", dict(IS_CAUSAL=False, MASK_KIND=1, Mask="u8", Lists="i32")),
+                               ("dropout", dict(IS_CAUSAL=True, DROPOUT=1))):
             constexprs = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION=precision,
                               **extra)
             kernel = compile_kernel(name, dtype, constexprs, num_warps=config.num_warps,

@@ -315,9 +315,9 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
 def variant_report(dtype="bf16", head_dim=128, arch=90):
     """The attention kernels compiled for sm_``arch`` with each variant switched on (grouped heads,
     a sliding window, packed sequences, and all three; the score modifications and dropout with a
-    bottom-right window, with packed sequences; a float mask, a boolean one, causal dropout), in ``dtype`` with the default tiles of
-    ``flashattn.gpu.defaults`` for that architecture: one dict per kernel and variant with its registers,
-    spilled bytes and shared memory. Run it through :func:`in_child` from the interpreter."""
+    bottom-right window, with packed sequences; a float mask, a boolean one, causal dropout), in ``dtype``
+    with the default tiles of ``flashattn.gpu.defaults`` for that architecture: one dict per kernel and
+    variant with its registers, spilled bytes and shared memory. Run it through :func:`in_child`."""
     torch_dtype = TORCH_DTYPES[dtype]
     rows = []
     for name in ("fwd", "bwd_dkdv", "bwd_dq"):
@@ -504,8 +504,6 @@ def dtype_paths(arch):
 def table_keys(arch, block_ds=BLOCK_DS):
     """The (kernel, dtype, dot precision, BLOCK_D) entries ``flashattn.gpu.defaults`` holds for ``arch``
     (the Delta kernel has no dot: its precision is None)."""
-    from ..gpu import configs
-
     keys = {}
     for dtype, precision in dtype_paths(arch):
         for name in ATTENTION_KERNELS:
@@ -522,10 +520,6 @@ def default_candidates(arch, name, dtype, precision, block_d):
     H200 measured them, those whose tiles fit the architecture's shared memory by the rule (the
     registers are left to the compiler, which counts them exactly), then the fallback and the
     smallest tiles."""
-    import torch
-
-    from ..gpu import configs
-
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     candidates = configs.candidates(name, torch_dtype, precision, arch) + [configs.FALLBACK_CONFIGS[name]]
     if name == "bwd_preprocess":
@@ -546,10 +540,6 @@ def choosable(arch, block_ds=BLOCK_DS):
     """Every distinct (kernel, dtype, BLOCK_D, dot precision, configuration) that runs on ``arch``
     without timing (configs.default_config), one per compile: the masking mode and head dims of one
     class share a compile here (HEAD_DIM = BLOCK_D, causal)."""
-    import torch
-
-    from ..gpu import configs
-
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     items = []
     for name, dtype, precision, block_d in table_keys(arch, block_ds):

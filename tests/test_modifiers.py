@@ -10,9 +10,12 @@ from functools import partial
 import flashattn  # first: it picks the interpreter before triton is imported
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flashattn.kernels import traversal
 from flashattn.kernels.mods import dropout_mask
+from flashattn.kernels.tiles import DROP_PAIR, DROP_TILE, dropout_keep
 from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
 from flashattn.ops.modifiers import check_mask, draw_seed
 from flashattn.testing.reference import naive_attention, window_mask
@@ -349,3 +352,58 @@ def test_dropout_check_can_fail():
     keep = kernel_keep_mask(22, (2, 2, N_Q, N_KV), 0.25)  # another seed than the call's
     torch.manual_seed(21)
     assert not all(c.ok for c in checks_of(q, k, v, ref_kwargs=dict(dropout_keep=keep), dropout_p=0.25))
+
+
+def philox(seed, c0, c1, c2, c3, rounds=10):
+    """Philox 4x32 in plain numpy (Salmon et al., SC 2011), with the constants of triton.language's:
+    the four 32-bit numbers of counter (c0, c1, c2, c3) under key ``seed``."""
+    import numpy as np
+
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    low = np.uint64(0xFFFFFFFF)
+    for _ in range(rounds):
+        a, b = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = (b >> np.uint64(32)) ^ c1 ^ k0, b & low, (a >> np.uint64(32)) ^ c3 ^ k1, a & low
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    return c0, c1, c2, c3
+
+
+def keep_by_numpy(seed, p, rows, cols):
+    """Dropout's keep-mask by its definition (tiles.dropout_keep): pair (r, c) takes the 16 bits
+    16 * (c % 2) on of number (c % 8) // 2 of Philox's counter (c // 8, r's low and high 32 bits,
+    0), kept where they reach round(p * 2**16) (in float32, as the kernels compute it)."""
+    import numpy as np
+
+    r, c = np.meshgrid(np.asarray(rows, dtype=np.uint64), np.asarray(cols, dtype=np.uint64), indexing="ij")
+    words = philox(seed, c // np.uint64(8), r & np.uint64(0xFFFFFFFF), r >> np.uint64(32), r * np.uint64(0))
+    lane = (c % np.uint64(8)).astype(np.int64)
+    word = np.choose(lane // 2, words)
+    bits = (word >> (np.uint64(16) * (c % np.uint64(2)))) & np.uint64(0xFFFF)
+    threshold = int(np.float32(p) * np.float32(65536.0) + np.float32(0.5))
+    return torch.from_numpy(bits.astype(np.int64) >= threshold)
+
+
+@triton.jit
+def _keep_probe(Keep, seed, p_drop, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr, DROPOUT: tl.constexpr):
+    keep = dropout_keep(seed, p_drop, row0 + tl.arange(0, ROWS).to(tl.int64), col0, COLS, DROPOUT)
+    tl.store(Keep + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :], keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("row0, col0", [(0, 0), (5, 8), (2 ** 33 + 7, 4096 + 24)])
+def test_dropout_bits_are_philox_by_its_definition(row0, col0):
+    """Both ways the kernels draw a tile (one Philox call per 8 pairs of a row, or one per pair for
+    packed sequences, whose columns start anywhere) give the mask of the definition, computed here
+    in plain numpy; and the debug path (mods.dropout_mask) too."""
+    seed, p = 123456789, 0.3
+    want = keep_by_numpy(seed, p, range(row0, row0 + 16), range(col0, col0 + 32))
+    for kind in (DROP_TILE, DROP_PAIR):
+        keep = torch.empty(16, 32, dtype=torch.int8, device=DEVICE)
+        _keep_probe[(1,)](keep, seed, p, row0, col0, 16, 32, kind)
+        assert torch.equal(keep.bool().cpu(), want), kind
+    keep = torch.empty(16, 32, dtype=torch.int8, device=DEVICE)
+    _keep_probe[(1,)](keep, seed, p, row0, col0 + 3, 16, 32, DROP_PAIR)  # a start that is no multiple of 8
+    assert torch.equal(keep.bool().cpu(), keep_by_numpy(seed, p, range(row0, row0 + 16), range(col0 + 3, col0 + 35)))
+    if row0 == 5:
+        mask = dropout_mask((1, 1, 21, 70), p, seed, DEVICE).cpu()
+        assert torch.equal(mask, keep_by_numpy(seed, p, range(21), range(70)).reshape(1, 1, 21, 70))

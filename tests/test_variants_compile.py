@@ -18,3 +18,20 @@ def test_variants_compile_for_sm90():
     for r in rows:
         print(r)
         assert r["smem"] <= compiled.SMEM_PER_BLOCK, r
+
+
+def test_dropout_draws_eight_pairs_per_philox_call():
+    """Compiled for sm_90, the forward draws dropout's bits with an eighth of the Philox rounds per
+    tile when one call serves 8 pairs of a row (DROP_TILE) as when each pair runs its own
+    (DROP_PAIR, packed sequences): two ``mul.hi.u32`` per round."""
+    import re
+
+    jobs = [dict(kernel="fwd", dtype="bf16", num_warps=8, num_stages=3,
+                 constexprs=dict(BLOCK_Q=128, BLOCK_KV=64, HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=True,
+                                 DOT_PRECISION="ieee", DROPOUT=kind)) for kind in (1, 2)]
+    try:
+        tile, pair = (len(re.findall(r"\bmul\.hi\.u32\b", ptx)) for ptx in compiled.ptx_of_many(jobs, timeout=900))
+    except compiled.CannotCompile as e:
+        pytest.skip(str(e))
+    print(f"mul.hi.u32: {tile} drawing 8 pairs per call, {pair} pair by pair")
+    assert 0 < 8 * tile <= pair * 1.1 and 8 * tile >= pair * 0.9

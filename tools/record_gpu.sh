@@ -6,8 +6,8 @@
 #
 # Parts: tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
 # compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants,
-# tests-mods (masks, softcap, ALiBi, dropout, bottom-right, SDPA's signature, the KV-cache step),
-# bench-mods (those modifications timed next to PyTorch's counterparts),
+# tests-mods (masks and their tile lists, softcap, ALiBi, dropout, bottom-right, SDPA's signature, the
+# KV-cache step), bench-mods (those modifications timed next to PyTorch's and FlexAttention's),
 # decode-host, decode-paged (a paged KV cache's decoding step next to the contiguous one and SDPA),
 # tests-gpu (every other GPU test: tile configurations, long sequences, decode, the
 # Gluon kernels), first-call, first-call-timeline (where a first call's seconds go), chapters;
@@ -47,8 +47,8 @@ part() {  # part NAME SECONDS COMMAND...
 part tests-variants 150 $pytest $variant_tests
 part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_decode.py
 part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"
-part tests-mods 240 $pytest tests/test_modifiers.py tests/test_sdpa_dropin.py tests/test_kv_cache.py tests/test_paged_decode.py
-part bench-mods 150 python -m flashattn.measure.score_mods --out "$out/score_mods.csv"
+part tests-mods 300 $pytest tests/test_modifiers.py tests/test_mask_tiles.py tests/test_sdpa_dropin.py tests/test_kv_cache.py tests/test_paged_decode.py
+part bench-mods 600 python -m flashattn.measure.score_mods --out "$out/score_mods.csv"
 part decode-host 50 python -m flashattn.measure.bench_decode --host-ab --out "$out/decode_host_ab.csv"
 part decode-paged 180 python -m flashattn.measure.bench_decode --paged --lengths 4096 16384 --out "$out/decode_paged.csv"
 # the other modules with GPU tests (collecting every module would need the notebook tools too)

@@ -371,39 +371,38 @@ def philox(seed, c0, c1, c2, c3, rounds=10):
 
 def keep_by_numpy(seed, p, rows, cols):
     """Dropout's keep-mask by its definition (tiles.dropout_keep): pair (r, c) takes the 16 bits
-    16 * (c % 2) on of number (c % 8) // 2 of Philox's counter (c // 8, r's low and high 32 bits,
-    0), kept where they reach round(p * 2**16) (in float32, as the kernels compute it)."""
+    16 * (c % 2) on of number c // 8 % 4 of Philox's counter (4 * (c // 32) + c % 8 // 2, r's low
+    and high 32 bits, 0), kept where they reach round(p * 2**16) (in float32, as the kernels)."""
     import numpy as np
 
     r, c = np.meshgrid(np.asarray(rows, dtype=np.uint64), np.asarray(cols, dtype=np.uint64), indexing="ij")
-    words = philox(seed, c // np.uint64(8), r & np.uint64(0xFFFFFFFF), r >> np.uint64(32), r * np.uint64(0))
-    lane = (c % np.uint64(8)).astype(np.int64)
-    word = np.choose(lane // 2, words)
-    bits = (word >> (np.uint64(16) * (c % np.uint64(2)))) & np.uint64(0xFFFF)
+    u = np.uint64
+    words = philox(seed, (c >> u(5)) * u(4) + ((c >> u(1)) & u(3)), r & u(0xFFFFFFFF), r >> u(32), r * u(0))
+    word = np.choose(((c >> u(3)) & u(3)).astype(np.int64), words)
+    bits = (word >> (u(16) * (c & u(1)))) & u(0xFFFF)
     threshold = int(np.float32(p) * np.float32(65536.0) + np.float32(0.5))
     return torch.from_numpy(bits.astype(np.int64) >= threshold)
 
 
 @triton.jit
 def _keep_probe(Keep, seed, p_drop, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr, DROPOUT: tl.constexpr):
-    keep = dropout_keep(seed, p_drop, row0 + tl.arange(0, ROWS).to(tl.int64), col0, COLS, DROPOUT)
+    keep = dropout_keep(seed, p_drop, row0 + tl.arange(0, ROWS).to(tl.int64)[:, None], tl.arange(0, COLS)[None, :],
+                        col0, COLS, DROPOUT)
     tl.store(Keep + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :], keep.to(tl.int8))
 
 
-@pytest.mark.parametrize("row0, col0", [(0, 0), (5, 8), (2 ** 33 + 7, 4096 + 24)])
+@pytest.mark.parametrize("row0, col0", [(0, 0), (5, 32), (2 ** 33 + 7, 4096 + 64)])
 def test_dropout_bits_are_philox_by_its_definition(row0, col0):
-    """Both ways the kernels draw a tile (one Philox call per 8 pairs of a row, or one per pair for
-    packed sequences, whose columns start anywhere) give the mask of the definition, computed here
-    in plain numpy; and the debug path (mods.dropout_mask) too."""
+    """Both ways the kernels find a pair's bits (from the offsets in a tile whose first column is
+    a multiple of 32, or from the whole column, where packed sequences start anywhere) give the
+    mask of the definition, computed here in plain numpy; and the debug path (mods.dropout_mask)."""
     seed, p = 123456789, 0.3
-    want = keep_by_numpy(seed, p, range(row0, row0 + 16), range(col0, col0 + 32))
-    for kind in (DROP_TILE, DROP_PAIR):
-        keep = torch.empty(16, 32, dtype=torch.int8, device=DEVICE)
-        _keep_probe[(1,)](keep, seed, p, row0, col0, 16, 32, kind)
-        assert torch.equal(keep.bool().cpu(), want), kind
-    keep = torch.empty(16, 32, dtype=torch.int8, device=DEVICE)
-    _keep_probe[(1,)](keep, seed, p, row0, col0 + 3, 16, 32, DROP_PAIR)  # a start that is no multiple of 8
-    assert torch.equal(keep.bool().cpu(), keep_by_numpy(seed, p, range(row0, row0 + 16), range(col0 + 3, col0 + 35)))
+    for kind, start, width in ((DROP_TILE, col0, 64), (DROP_TILE, col0, 32), (DROP_PAIR, col0, 32),
+                               (DROP_PAIR, col0 + 3, 32), (DROP_PAIR, col0 + 13, 16)):
+        keep = torch.empty(16, width, dtype=torch.int8, device=DEVICE)
+        _keep_probe[(1,)](keep, seed, p, row0, start, 16, width, kind)
+        want = keep_by_numpy(seed, p, range(row0, row0 + 16), range(start, start + width))
+        assert torch.equal(keep.bool().cpu(), want), (kind, start, width)
     if row0 == 5:
         mask = dropout_mask((1, 1, 21, 70), p, seed, DEVICE).cpu()
         assert torch.equal(mask, keep_by_numpy(seed, p, range(21), range(70)).reshape(1, 1, 21, 70))

@@ -78,7 +78,8 @@ def dkdv_inner(dk, dv, k, v,
                 n_kv=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
                 seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, kv_start=0, Tiles=None,
                 SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
-                MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = 0, LISTED: tl.constexpr = False):
+                MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = 0, LISTED: tl.constexpr = False,
+                BLOCK_KV: tl.constexpr = 16):
     """Accumulate into dK and dV the query blocks ``[q_lo, q_hi)``.
 
     Everything here is transposed (keys along rows, queries along columns) because the key block
@@ -132,8 +133,8 @@ def dkdv_inner(dk, dv, k, v,
             pT = tl.exp2(sT * s_scale - lse[None, :])                # P^T, rebuilt from the LSE
         pT_kept = pT
         if DROPOUT:  # O = (P * keep / (1 - p)) V: the same factor on dV's P and on dP
-            keepT = tl.trans(dropout_keep(seed, p_drop, drop_row0 + offs_q, drop_col0 + kv_start,
-                                          offs_kv.shape[0], DROPOUT))
+            keepT = dropout_keep(seed, p_drop, drop_row0 + offs_q[None, :], tl.arange(0, BLOCK_KV)[:, None],
+                                 drop_col0 + kv_start, BLOCK_KV, DROPOUT)
             pT_kept = tl.where(keepT, pT * (1.0 / (1.0 - p_drop)), 0.0)
         dv = dot_acc(pT_kept.to(do.dtype), do, dv, DOT_PRECISION)               # dV += P^T dO
         dpT = dot(v, tl.trans(do), DOT_PRECISION)            # dP^T = V dO^T
@@ -246,7 +247,7 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                                  WINDOW, True, win_left, win_right, n_kv=n_kv, shift=shift, softcap=softcap,
                                  slope=slope, seed=seed, p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0,
                                  kv_start=kv_start, Tiles=Tiles + 2, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT,
-                                 LISTED=True)
+                                 LISTED=True, BLOCK_KV=BLOCK_KV)
             dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
                                  stride_don, stride_dod, offs_kv, offs_d, offs_dv, n_full * BLOCK_Q,
                                  n_listed * BLOCK_Q, n_q, qk_scale,
@@ -255,7 +256,7 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                                  slope=slope, Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed,
                                  p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, kv_start=kv_start,
                                  Tiles=Tiles + 2, SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
-                                 LISTED=True)
+                                 LISTED=True, BLOCK_KV=BLOCK_KV)
         else:
             dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
                                  stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_lo, tl.minimum(q_full_lo, n_q),
@@ -263,21 +264,21 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                                  DOT_PRECISION, WINDOW, WINDOW or VARLEN, win_left, win_right,
                                  n_kv=n_kv, shift=shift, softcap=softcap, slope=slope, seed=seed, p_drop=p_drop,
                                  drop_row0=drop_row0, drop_col0=drop_col0, kv_start=kv_start,
-                                 SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT)
+                                 SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT, BLOCK_KV=BLOCK_KV)
             dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
                                  stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_full_lo, q_full_hi, n_q, qk_scale,
                                  HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
                                  WINDOW, WINDOW or VARLEN, win_left, win_right,
                                  n_kv=n_kv, shift=shift, softcap=softcap, slope=slope, seed=seed, p_drop=p_drop,
                                  drop_row0=drop_row0, drop_col0=drop_col0, kv_start=kv_start,
-                                 SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT)
+                                 SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT, BLOCK_KV=BLOCK_KV)
             dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
                                  stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_full_hi, q_hi, n_q, qk_scale,
                                  HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
                                  WINDOW, WINDOW or VARLEN, win_left, win_right,
                                  n_kv=n_kv, shift=shift, softcap=softcap, slope=slope, seed=seed, p_drop=p_drop,
                                  drop_row0=drop_row0, drop_col0=drop_col0, kv_start=kv_start,
-                                 SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT)
+                                 SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT, BLOCK_KV=BLOCK_KV)
 
     # Every program stores its whole tile, zeros included: keys no query sees get dK = dV = 0.
     dk *= scale  # S = scale * Q K^T, so dK carries the scale once
@@ -329,7 +330,8 @@ def dq_inner(dq, q, do, lse, delta,
         p = tl.exp2(s * s_scale - lse[:, None])                       # P, rebuilt from the LSE
         dp = dot(do, tl.trans(v), DOT_PRECISION)    # dP = dO V^T
         if DROPOUT:
-            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q, drop_col0 + kv_start, BLOCK_KV, DROPOUT)
+            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], tl.arange(0, BLOCK_KV)[None, :],
+                                drop_col0 + kv_start, BLOCK_KV, DROPOUT)
             dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
         ds = p * (dp - delta[:, None])                                 # dS (unscaled)
         if SOFTCAP:

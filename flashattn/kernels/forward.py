@@ -132,7 +132,8 @@ def fwd_inner(acc, m_i, l_i, q,
         alpha = tl.exp2(m_i - m_ref)                                # rescales what came before
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q, drop_col0 + kv_start, BLOCK_KV, DROPOUT)
+            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], tl.arange(0, BLOCK_KV)[None, :],
+                                drop_col0 + kv_start, BLOCK_KV, DROPOUT)
             p = tl.where(keep, p, 0.0)
         if PAGED:
             v = load_rows(V, page * stride_vp + in_page * stride_vn, offs_kv, offs_dv, stride_vd, n_kv,

@@ -100,9 +100,8 @@ NO_MODS = ScoreMods()
 def _dropout_mask_kernel(Keep, n_q, n_kv, seed, p_drop, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)           # (batch * heads + head) * n_q + query row
     col0 = tl.program_id(1) * BLOCK
-    # pair by pair (DROP_PAIR), the definition the kernels' tiles follow
-    keep = dropout_keep(seed, p_drop, row + tl.arange(0, 1), col0, BLOCK, DROP_PAIR)
-    cols = col0 + tl.arange(0, BLOCK)[None, :]
+    keep = dropout_keep(seed, p_drop, row, tl.arange(0, BLOCK), col0, BLOCK, DROP_PAIR)
+    cols = col0 + tl.arange(0, BLOCK)
     tl.store(Keep + row * n_kv + cols, keep.to(tl.int8), mask=cols < n_kv)
 
 

@@ -269,9 +269,9 @@ def modified_scores(s, rows, cols, n_q, n_kv, qk_scale, softcap, slope, shift,
     return s2, dcap
 
 
-#: DROPOUT: how the kernels draw dropout's mask (0: no dropout). Both draw the same bits for a pair.
-DROP_TILE = 1  # a tile's columns start at a multiple of 8: one Philox call draws 8 pairs of a row
-DROP_PAIR = 2  # columns start anywhere (packed sequences): each pair runs the Philox call of its 8
+#: DROPOUT: how the kernels find a pair's bits (0: no dropout). Both give every pair the same bits.
+DROP_TILE = 1  # the tile's first column is a multiple of 32 (whenever BLOCK_KV is): offsets in the tile
+DROP_PAIR = 2  # columns start anywhere (packed sequences): each pair's column in full
 
 
 @triton.jit
@@ -283,44 +283,31 @@ def dropout_threshold(p_drop):
 
 
 @triton.jit
-def philox_bits(seed, rows, groups):
-    """Four random 32-bit numbers (Philox, 10 rounds) for each (row, group of 8 columns): the
-    counter is ``(group, row's low 32 bits, row's high 32 bits, 0)``, the key the seed."""
-    rows = rows.to(tl.int64)
-    groups = groups.to(tl.uint32)
-    return tl.philox(seed, groups, rows.to(tl.uint32), (rows >> 32).to(tl.uint32), groups * 0)
+def dropout_keep(seed, p_drop, rows, cols, col0, BLOCK_KV: tl.constexpr, DROPOUT: tl.constexpr):
+    """Which pairs of a tile dropout keeps: True with probability ``1 - p_drop``. ``rows`` are the
+    pairs' row ids (the (batch, head) slice's rows of the whole tensors), ``col0 + cols`` their
+    columns, ``cols`` the offsets in a tile of ``BLOCK_KV`` columns; the two broadcast against
+    each other, either way round (the dK/dV kernel's tiles are transposed).
 
-
-@triton.jit
-def dropout_keep(seed, p_drop, rows, col0, BLOCK_KV: tl.constexpr, DROPOUT: tl.constexpr):
-    """Which pairs of a tile dropout keeps, ``(len(rows), BLOCK_KV)``: True with probability
-    ``1 - p_drop``. ``rows`` are the tile's row ids (the (batch, head) slice's rows of the whole
-    tensors, 64-bit), its columns ``col0 .. col0 + BLOCK_KV - 1``.
-
-    Column ``c`` of row ``r`` takes 16 bits of the Philox call of ``(r, c // 8)``: bits
-    ``16 * (c % 2)`` on of its number ``(c % 8) // 2``. The forward and both backward kernels draw
-    the same pairs, so the backward regenerates the forward's mask instead of reading one: nothing
-    N_q x N_kv is stored. With DROP_TILE (``col0`` a multiple of 8) the tile runs one call per 8
-    pairs and spreads its 128 bits; DROP_PAIR runs one per pair and keeps its 16."""
-    threshold = dropout_threshold(p_drop)
-    if DROPOUT == 1:
-        groups = col0 // 8 + tl.arange(0, BLOCK_KV // 8)
-        r0, r1, r2, r3 = philox_bits(seed, rows[:, None], groups[None, :])
-        # each number's two halves are the two pairs of columns 2t, 2t + 1 of its group
-        k0, k1 = (r0 & 0xFFFF).to(tl.int32) >= threshold, (r0 >> 16).to(tl.int32) >= threshold
-        k2, k3 = (r1 & 0xFFFF).to(tl.int32) >= threshold, (r1 >> 16).to(tl.int32) >= threshold
-        k4, k5 = (r2 & 0xFFFF).to(tl.int32) >= threshold, (r2 >> 16).to(tl.int32) >= threshold
-        k6, k7 = (r3 & 0xFFFF).to(tl.int32) >= threshold, (r3 >> 16).to(tl.int32) >= threshold
-        # (rows, groups, 2, 2, 2), c % 8 = 4a + 2b + c' at [.., a, b, c']: tl.join adds the last dim
-        keep = tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7)))
-        keep = tl.reshape(keep, [rows.shape[0], BLOCK_KV])
+    One Philox call (``tl.philox``, 10 rounds) gives four 32-bit numbers: 8 pairs of 16 bits. The
+    pair (r, c) takes the call of counter ``(4 * (c // 32) + c % 8 // 2, r's low and high 32 bits,
+    0)``, its number ``c // 8 % 4``, bits ``16 * (c % 2)`` on. The columns of one call, ``c % 8 // 2``
+    fixed within 32, are those a thread holds in a tensor core's tile of results (pairs of
+    neighbours, 8 apart): computed pair by pair, the compiler runs each call once for them all.
+    The forward and both backward kernels draw the same pairs, so the backward regenerates the
+    forward's mask instead of reading one: nothing N_q x N_kv is stored."""
+    if DROPOUT == 1 and BLOCK_KV % 32 == 0:  # the offsets alone say where a pair sits in its call
+        c = cols
     else:
-        cols = (col0 + tl.arange(0, BLOCK_KV))[None, :]
-        r0, r1, r2, r3 = philox_bits(seed, rows[:, None], cols // 8)
-        lane = cols % 8
-        word = tl.where(lane < 4, tl.where(lane < 2, r0, r1), tl.where(lane < 6, r2, r3))
-        keep = ((word >> ((lane % 2) * 16).to(tl.uint32)) & 0xFFFF).to(tl.int32) >= threshold
-    return keep
+        c = col0 % 32 + cols
+    group = (col0 // 32 + (c >> 5)) * 4 + ((c >> 1) & 3)
+    rows = rows.to(tl.int64)
+    r0, r1, r2, r3 = tl.philox(seed, group.to(tl.uint32), rows.to(tl.uint32), (rows >> 32).to(tl.uint32),
+                               group.to(tl.uint32) * 0)
+    word = (c >> 3) & 3
+    bits = tl.where(word < 2, tl.where(word == 0, r0, r1), tl.where(word == 2, r2, r3))
+    bits = (bits >> ((c & 1) * 16).to(tl.uint32)) & 0xFFFF
+    return bits.to(tl.int32) >= dropout_threshold(p_drop)
 
 
 @triton.jit

@@ -31,27 +31,28 @@ from .traversal import FULL, MASKED as PARTIAL, SKIPPED as EMPTY, cdiv
 def _mask_classes_kernel(Mask, Classes, n_rows, n_cols, n_col_tiles,
                          stride_mb, stride_mh, stride_mq, stride_mk, stride_cb, stride_ch, stride_cq,
                          IS_BOOL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
-    # Grid: (row tiles, heads, batch) of the mask (1 where it broadcasts); one program walks a row.
-    row_tile, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Grid: (tiles of the mask's rows and columns, heads, batch), 1 where the mask broadcasts; one
+    # program classifies one tile.
+    row_tile, col_tile = tl.program_id(0) // n_col_tiles, tl.program_id(0) % n_col_tiles
+    head, batch = tl.program_id(1), tl.program_id(2)
     Mask += batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
-    Classes += batch.to(tl.int64) * stride_cb + head.to(tl.int64) * stride_ch + row_tile.to(tl.int64) * stride_cq
     rows = row_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    for col_tile in range(0, n_col_tiles):
-        cols = col_tile * BLOCK_KV + tl.arange(0, BLOCK_KV)
-        inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        x = tl.load(Mask + rows[:, None].to(tl.int64) * stride_mq + cols[None, :].to(tl.int64) * stride_mk,
-                    mask=inside, other=0)
-        if IS_BOOL:
-            kept = x != 0
-            unchanged = kept
-        else:  # -inf hides a pair; NaN counts as kept, so that it reaches the output as in SDPA
-            x = x.to(tl.float32)
-            kept = x != float("-inf")
-            unchanged = x == 0.0
-        any_kept = tl.max(tl.max((inside & kept).to(tl.int32), 1), 0)
-        all_unchanged = tl.min(tl.min((unchanged | ~inside).to(tl.int32), 1), 0)
-        cls = tl.where(all_unchanged == 1, 2, tl.where(any_kept == 1, 1, 0))
-        tl.store(Classes + col_tile, cls.to(tl.int8))
+    cols = col_tile * BLOCK_KV + tl.arange(0, BLOCK_KV)
+    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(Mask + rows[:, None].to(tl.int64) * stride_mq + cols[None, :].to(tl.int64) * stride_mk,
+                mask=inside, other=0)
+    if IS_BOOL:
+        kept = x != 0
+        unchanged = kept
+    else:  # -inf hides a pair; NaN counts as kept, so that it reaches the output as in SDPA
+        x = x.to(tl.float32)
+        kept = x != float("-inf")
+        unchanged = x == 0.0
+    any_kept = tl.max(tl.max((inside & kept).to(tl.int32), 1), 0)
+    all_unchanged = tl.min(tl.min((unchanged | ~inside).to(tl.int32), 1), 0)
+    cls = tl.where(all_unchanged == 1, 2, tl.where(any_kept == 1, 1, 0))
+    tl.store(Classes + batch.to(tl.int64) * stride_cb + head.to(tl.int64) * stride_ch
+             + row_tile.to(tl.int64) * stride_cq + col_tile, cls.to(tl.int8))
 
 
 def mask_classes(mask, n_q, n_kv, block_q, block_kv):
@@ -65,13 +66,15 @@ def mask_classes(mask, n_q, n_kv, block_q, block_kv):
     is_bool = mask.dtype == torch.bool
     data = mask.view(torch.uint8) if is_bool else mask
     strides = [0 if mask.shape[d] == 1 else mask.stride(d) for d in range(4)]
-    grid = (classes.shape[2], heads, batch)
+    grid = (classes.shape[2] * classes.shape[3], heads, batch)
     args = (data, classes, rows, cols, classes.shape[3], *strides, *classes.stride()[:3])
+    # a broadcast dim is read in tiles of 1
+    tiles = dict(IS_BOOL=is_bool, BLOCK_Q=1 if rows == 1 else block_q, BLOCK_KV=1 if cols == 1 else block_kv)
     if INTERPRET:
         with INTERPRETER_LOCK:
-            _mask_classes_kernel[grid](*args, IS_BOOL=is_bool, BLOCK_Q=block_q, BLOCK_KV=block_kv)
+            _mask_classes_kernel[grid](*args, **tiles)
     else:
-        _mask_classes_kernel[grid](*args, IS_BOOL=is_bool, BLOCK_Q=block_q, BLOCK_KV=block_kv)
+        _mask_classes_kernel[grid](*args, **tiles)
     return classes
 
 

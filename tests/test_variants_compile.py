@@ -14,7 +14,7 @@ def test_variants_compile_for_sm90():
         pytest.skip(str(e))
     assert {(r["kernel"], r["variant"]) for r in rows} == {
         (k, v) for k in ("fwd", "bwd_dkdv", "bwd_dq") for v in ("gqa", "window", "varlen", "all", "mods", "mods-varlen",
-                                                                 "float-mask", "bool-mask", "dropout")}
+                                                                 "float-mask", "bool-mask", "key-padding", "dropout")}
     for r in rows:
         print(r)
         assert r["smem"] <= compiled.SMEM_PER_BLOCK, r

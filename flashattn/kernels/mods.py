@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..gpu.runtime import INTERPRET, INTERPRETER_LOCK
 from . import masks
-from .tiles import DROP_PAIR, DROP_TILE, MASK_BOOL, MASK_FLOAT, MASK_NONE, dropout_keep
+from .tiles import DROP_PAIR, DROP_TILE, MASK_BOOL, MASK_FLOAT, MASK_KEYS, MASK_NONE, dropout_keep
 from .traversal import aligned_bounds
 
 
@@ -61,6 +61,8 @@ class ScoreMods:
                 mask, args["MASK_KIND"] = mask.view(torch.uint8), MASK_BOOL
             else:
                 args["MASK_KIND"] = MASK_FLOAT
+            if mask.shape[2] == 1:  # one row for every query: a key-padding mask
+                args["MASK_KIND"] += MASK_KEYS
             args.update(Mask=mask, stride_mb=_stride(mask, 0), stride_mh=_stride(mask, 1),
                         stride_mq=_stride(mask, 2), stride_mk=_stride(mask, 3))
         if self.dropout_p > 0:

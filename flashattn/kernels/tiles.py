@@ -216,6 +216,7 @@ def sequence_of_program(Programs, CuSeqQ, CuSeqK, program):
 # off by default, so that a kernel without them compiles to what it was before they existed.
 
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # MASK_KIND: no attn_mask, a boolean one, an additive one
+MASK_KEYS = 4  # added to MASK_KIND: the mask has one row for every query (a key-padding mask)
 
 
 @triton.jit
@@ -247,7 +248,8 @@ def modified_scores(s, rows, cols, n_q, n_kv, qk_scale, softcap, slope, shift,
     (``shift = N_kv - N_q`` aligned bottom-right, else 0). The cap acts on the natural-log scaled
     score, as in the formula: ``qk_scale * ln 2`` is the softmax scale again. A boolean mask hides
     a pair with -inf; an additive one is read as float32 and added before the conversion to base 2.
-    Pairs outside the sequences read no mask (the kernels hide them anyway)."""
+    Pairs outside the sequences read no mask (the kernels hide them anyway). A mask with one row
+    for every query (MASK_KEYS) is read once per key of the tile, not once per pair."""
     if SOFTCAP:
         t = tanh(s * (qk_scale * 0.6931471805599453 / softcap))
         s2 = t * (softcap * 1.4426950408889634)
@@ -258,9 +260,13 @@ def modified_scores(s, rows, cols, n_q, n_kv, qk_scale, softcap, slope, shift,
     if ALIBI:
         s2 = s2 - (slope * 1.4426950408889634) * tl.abs(rows + shift - cols).to(tl.float32)
     if MASK_KIND != 0:
-        ptrs = Mask + rows.to(tl.int64) * stride_mq + cols.to(tl.int64) * stride_mk
-        inside = (rows < n_q) & (cols < n_kv)
-        if MASK_KIND == 1:
+        if MASK_KIND & 4:  # one row for every query: read as a row (or column) of keys, broadcast
+            ptrs = Mask + cols.to(tl.int64) * stride_mk
+            inside = cols < n_kv
+        else:
+            ptrs = Mask + rows.to(tl.int64) * stride_mq + cols.to(tl.int64) * stride_mk
+            inside = (rows < n_q) & (cols < n_kv)
+        if MASK_KIND & 1:
             keep = tl.load(ptrs, mask=inside, other=0)
             s2 = tl.where(keep != 0, s2, float("-inf"))
         else:

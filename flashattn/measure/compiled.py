@@ -313,18 +313,17 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
 
 
 def variant_report(dtype="bf16", head_dim=128, arch=90):
-    """The attention kernels compiled for sm_``arch`` with each variant switched on (grouped heads,
-    a sliding window, packed sequences, and all three; the score modifications and dropout with a
-    bottom-right window, with packed sequences; a float mask, a boolean one, causal dropout), in ``dtype``
-    with the default tiles of ``flashattn.gpu.defaults`` for that architecture: one dict per kernel and
-    variant with its registers, spilled bytes and shared memory. Run it through :func:`in_child`."""
+    """The attention kernels compiled for sm_``arch`` with each variant on (grouped heads, a window,
+    packed sequences, all three; the score modifications and dropout with a bottom-right window, with
+    packed sequences; a float, a boolean and a key-padding mask; causal dropout), in ``dtype`` with the
+    default tiles of ``flashattn.gpu.defaults`` there: one dict per kernel and variant with its
+    registers, spilled bytes and shared memory. Run it through :func:`in_child`."""
     torch_dtype = TORCH_DTYPES[dtype]
     rows = []
     for name in ("fwd", "bwd_dkdv", "bwd_dq"):
         precision = configs.dot_precision(torch_dtype, head_dim)
         config = configs.default_config(name, torch_dtype, precision, head_dim, archs.ARCHS[arch])
-        for variant, extra in (("gqa", dict(n_group="runtime", IS_CAUSAL=True)),
-                               ("window", dict(WINDOW=True, IS_CAUSAL=False)),
+        for variant, extra in (("gqa", dict(n_group="runtime", IS_CAUSAL=True)), ("window", dict(WINDOW=True, IS_CAUSAL=False)),
                                ("varlen", dict(VARLEN=True, IS_CAUSAL=True, Programs="pointer",
                                                CuSeqQ="pointer", CuSeqK="pointer")),
                                ("all", dict(n_group="runtime", WINDOW=True, VARLEN=True, IS_CAUSAL=False,
@@ -337,6 +336,7 @@ def variant_report(dtype="bf16", head_dim=128, arch=90):
                                                     ALIBI=True, Slopes="fp32", DROPOUT=2)),
                                ("float-mask", dict(IS_CAUSAL=False, MASK_KIND=2, Mask="fp32", Lists="i32")),
                                ("bool-mask", dict(IS_CAUSAL=False, MASK_KIND=1, Mask="u8", Lists="i32")),
+                               ("key-padding", dict(IS_CAUSAL=False, MASK_KIND=5, Mask="u8", Lists="i32")),
                                ("dropout", dict(IS_CAUSAL=True, DROPOUT=1))):
             constexprs = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION=precision,
                               **extra)

@@ -22,7 +22,8 @@ packed sequences the kernels take the forward's ranges and tables (see flashattn
 program stores its tile, zeros included, so keys that no query sees get dK = dV = 0.
 The score modifications and dropout of the forward (see flashattn.kernels.forward) are rebuilt
 the same way, dropout's mask from the seed and each pair's index, and a softcap multiplies dS by
-its derivative ``1 - tanh**2``.
+its derivative ``1 - tanh**2``. With an attn_mask both kernels walk its tile lists, as the forward
+does: the dQ kernel per query block, the dK/dV kernel per key block (flashattn.kernels.masks).
 FlashAttention-2 instead lets the dK/dV program add its share of dQ into memory with atomic adds
 (5 tile matmuls per tile pair instead of 7); docs/performance.md compares the two.
 

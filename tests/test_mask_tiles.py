@@ -292,3 +292,29 @@ def test_listed_kernels_with_window_bottom_right_gqa_softcap_dropout(dtype):
     assert_rule(compare_with_reference(q, k, v, impl=partial(flashattn.attention, dropout_p=0.2, **kwargs),
                                        reference=partial(naive_attention, dropout_p=0.2, dropout_keep=keep,
                                                          **kwargs)))
+
+
+@pytest.mark.gpu
+def test_a_masked_call_waits_on_no_host_and_replays_in_a_cuda_graph():
+    """The summary is made on the device: a masked call makes no host sync, and a CUDA graph that
+    captured it follows the mask's new contents when replayed."""
+    q, k, v = make_qkv(300, 520, 64, torch.bfloat16)
+    mask = key_lengths_mask([520, 200], 520).to(DEVICE)
+    flashattn.attention(q, k, v, attn_mask=mask)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flashattn.attention(q, k, v, attn_mask=mask)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flashattn.attention(q, k, v, attn_mask=mask)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashattn.attention(q, k, v, attn_mask=mask)
+    mask.copy_(key_lengths_mask([100, 520], 520).to(DEVICE))
+    graph.replay()
+    torch.testing.assert_close(out, flashattn.attention(q, k, v, attn_mask=mask), atol=0, rtol=0)

@@ -14,6 +14,7 @@ import torch
 
 from flashattn.kernels import masks, traversal
 from flashattn.kernels.mods import ScoreMods
+from flashattn.kernels.tiles import MASK_BOOL, MASK_FLOAT, MASK_KEYS
 from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
 from flashattn.ops.modifiers import check_mask
 from flashattn.testing.reference import naive_attention
@@ -156,6 +157,19 @@ def test_tile_lists_hold_full_then_partial_tiles():
     assert lists.shape == (1, 1, 4, 4)
     assert [row[:2].tolist() for row in lists[0, 0]] == [[1, 0], [0, 0], [0, 1], [0, 1]]
     assert lists[0, 0, 2, 2] == 0 and lists[0, 0, 3, 2] == 0
+
+
+def test_a_key_padding_mask_is_read_as_a_row_of_keys():
+    """A mask with one row for every query gets MASK_KEYS: the kernels read it once per key of a
+    tile; a mask with a row per query does not."""
+    q, k, _ = make_qkv(37, 45)
+    tiles = {"fwd": dict(BLOCK_Q=32, BLOCK_KV=16), "bwd_dkdv": dict(BLOCK_Q=16, BLOCK_KV=32)}
+    for mask, kind in ((key_lengths_mask([45, 20], 45), MASK_BOOL + MASK_KEYS),
+                       (torch.zeros(2, 1, 1, 45), MASK_FLOAT + MASK_KEYS), (torch.ones(2, 1, 37, 45) > 0, None)):
+        mods = ScoreMods(attn_mask=check_mask(mask.to(DEVICE), q, k))
+        args = mods.mask_lists(37, 45, tiles, False, False, 82, 82)
+        assert all(a.get("MASK_KIND") == kind for a in args.values()), (mask.shape, mask.dtype)
+        assert mods.kernel_args(37, 45, False)["MASK_KIND"] == (MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT)
 
 
 # -- The kernels walking it -----------------------------------------------------------------------

@@ -546,13 +546,13 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
             "bwd_dkdv", attn_bwd_dkdv, grid,
             (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
              *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
-            dict(masking, **mod_args, **lists.get("bwd_dkdv", {})), seq_len, _checked_dkdv(config))
+            dict(masking, **{**mod_args, **lists.get("bwd_dkdv", {})}), seq_len, _checked_dkdv(config))
     config, grid, tables = grid_and_tables("bwd_dq", "q", "BLOCK_Q", n_q, heads)
     launcher.launch(
         "bwd_dq", attn_bwd_dq, grid,
         (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
          *dq.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
-        dict(masking, **mod_args, **lists.get("bwd_dq", {})), seq_len, config)
+        dict(masking, **{**mod_args, **lists.get("bwd_dq", {})}), seq_len, config)
     return tuple(t.to(d) for t, d in zip((dq, dk, dv), dtypes))
 
 

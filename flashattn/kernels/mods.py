@@ -46,7 +46,8 @@ class ScoreMods:
         return self.bottom_right and (packed or n_q != n_kv)
 
     def kernel_args(self, n_q, n_kv, packed):
-        """The keyword arguments of the forward and backward kernels."""
+        """The keyword arguments of the forward and backward kernels (with an attn_mask, a launch
+        adds those of :meth:`mask_lists`)."""
         args = dict(SOFTCAP=self.softcap > 0, ALIBI=self.alibi_slopes is not None,
                     MASK_KIND=MASK_NONE, DROPOUT=0,
                     BOTTOM_RIGHT=self.aligned_bottom_right(n_q, n_kv, packed))
@@ -61,8 +62,6 @@ class ScoreMods:
                 mask, args["MASK_KIND"] = mask.view(torch.uint8), MASK_BOOL
             else:
                 args["MASK_KIND"] = MASK_FLOAT
-            if mask.shape[2] == 1:  # one row for every query: a key-padding mask
-                args["MASK_KIND"] += MASK_KEYS
             args.update(Mask=mask, stride_mb=_stride(mask, 0), stride_mh=_stride(mask, 1),
                         stride_mq=_stride(mask, 2), stride_mk=_stride(mask, 3))
         if self.dropout_p > 0:
@@ -75,7 +74,8 @@ class ScoreMods:
         each kernel of ``tiles`` (``{name: configuration}``, "bwd_dkdv" walking key tiles, the
         others query tiles), under the kernels' masking (``traversal.window_masking``'s result).
         The mask is read once, in tiles as small as the smallest of them; the larger ones are
-        pooled from those."""
+        pooled from those. A mask with one row for every query (a key-padding mask) also gets
+        MASK_KEYS added to its MASK_KIND: the kernels read it once per key of a tile."""
         if self.aligned_bottom_right(n_q, n_kv, False):
             win_left, win_right = aligned_bounds(win_left, win_right, n_q, n_kv)
         block_q = min(c["BLOCK_Q"] for c in tiles.values())
@@ -88,6 +88,8 @@ class ScoreMods:
                                                 win_left, win_right, dkdv, classes.device)
             own = masks.pooled(classes, c["BLOCK_Q"] // block_q, c["BLOCK_KV"] // block_kv)
             args[name] = masks.list_args(masks.tile_lists(own, structure, dkdv))
+            if self.attn_mask.shape[2] == 1:
+                args[name]["MASK_KIND"] = (MASK_BOOL if self.attn_mask.dtype == torch.bool else MASK_FLOAT) + MASK_KEYS
         return args
 
 

@@ -47,7 +47,7 @@ part() {  # part NAME SECONDS COMMAND...
 part tests-variants 150 $pytest $variant_tests
 part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_decode.py
 part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"
-part tests-mods 300 $pytest tests/test_modifiers.py tests/test_mask_tiles.py tests/test_sdpa_dropin.py tests/test_kv_cache.py tests/test_paged_decode.py
+part tests-mods 420 $pytest tests/test_modifiers.py tests/test_mask_tiles.py tests/test_sdpa_dropin.py tests/test_kv_cache.py tests/test_paged_decode.py
 part bench-mods 600 python -m flashattn.measure.score_mods --out "$out/score_mods.csv"
 part decode-host 50 python -m flashattn.measure.bench_decode --host-ab --out "$out/decode_host_ab.csv"
 part decode-paged 180 python -m flashattn.measure.bench_decode --paged --lengths 4096 16384 --out "$out/decode_paged.csv"

@@ -32,7 +32,8 @@ def test_the_quick_run_writes_every_modification(tmp_path):
     # each row is timed against its provider's baseline, key padding against the dense kernel
     for r in rows:
         assert r["baseline"] == ("dense" if r["modification"] in ("dense", "key-padding") else "causal")
-        assert (float(r["ratio_to_baseline"]) == 1.0) == (r["modification"] == r["baseline"])
+        assert float(r["ratio_to_baseline"]) > 0
+        assert r["modification"] != r["baseline"] or float(r["ratio_to_baseline"]) == 1.0
 
 
 def test_key_padding_keeps_n_three_quarters_half_a_quarter():

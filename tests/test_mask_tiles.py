@@ -12,6 +12,7 @@ import flashattn  # first: it picks the interpreter before triton is imported
 import pytest
 import torch
 
+from flashattn.gpu import configs, launcher
 from flashattn.kernels import masks, traversal
 from flashattn.kernels.mods import ScoreMods
 from flashattn.kernels.tiles import MASK_BOOL, MASK_FLOAT, MASK_KEYS
@@ -179,21 +180,33 @@ def key_lengths_mask(lengths, n_kv):
     return (torch.arange(n_kv)[None, :] < torch.tensor(lengths)[:, None]).reshape(len(lengths), 1, 1, n_kv)
 
 
+def tiles_of(dtype, head_dim):
+    """The tiles ``{kernel: (BLOCK_Q, BLOCK_KV)}`` a masked call runs with here (the interpreter's,
+    or the GPU's defaults)."""
+    constexprs = dict(configs.head_dims(head_dim, head_dim),
+                      DOT_PRECISION=configs.dot_precision(dtype, configs.block_d(head_dim)))
+    return {name: (c["BLOCK_Q"], c["BLOCK_KV"]) for name in ("fwd", "bwd_dkdv", "bwd_dq")
+            for c in [launcher.fixed_config(name, dtype, constexprs)]}
+
+
 @pytest.mark.parametrize("case", ["plain", "window", "bottom-right", "gqa-float"])
 def test_tiles_past_the_last_kept_key_are_never_loaded(case):
     """Keys in whole tiles past a sequence's last kept key are NaN: had a kernel loaded them, NaN
     would reach the output or the gradients. (A sequence with no kept key at all: zeros.)"""
-    n_q, n_kv, lengths = 37, 101, [101, 29, 0]
+    widest = max(kv for _, kv in tiles_of(torch.float32, 24).values())  # every kernel's key tiles
+    n_q, n_kv = 37, 2 * widest + 37
+    lengths = [n_kv, widest - 3, 0]
     q, k, v = make_qkv(n_q, n_kv, batch=3, heads_q=4 if "gqa" in case else 2)
     mask = key_lengths_mask(lengths, n_kv).to(DEVICE)
     kwargs = {"window": dict(window_size=(40, 7)),
-              "bottom-right": dict(window_size=(60, 0), causal_alignment="bottom_right")}.get(case, {})
+              "bottom-right": dict(window_size=(n_kv, 0), causal_alignment="bottom_right")}.get(case, {})
     if "float" in case:
         mask = torch.zeros(mask.shape, device=DEVICE).masked_fill(~mask, float("-inf"))
     for b, n in enumerate(lengths):
-        unseen = -(-n // 32) * 32  # whole tiles of every kernel's key tiles (16 and 32 here)
+        unseen = -(-n // widest) * widest
         k[b, :, unseen:] = float("nan")
         v[b, :, unseen:] = float("nan")
+    assert torch.isnan(k[1]).any() and torch.isnan(k[2]).all()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flashattn.attention(*leaves, attn_mask=mask, enable_gqa="gqa" in case, return_lse=True, **kwargs)
     clean = [torch.nan_to_num(t) for t in (q, k, v)]
@@ -202,7 +215,7 @@ def test_tiles_past_the_last_kept_key_are_never_loaded(case):
     assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
     dq, dk, dv = torch.autograd.grad(out.sum(), leaves)
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
-    assert (dk[1, :, 32:] == 0).all() and (dv[1, :, 32:] == 0).all() and (dk[2] == 0).all()
+    assert (dk[1, :, widest:] == 0).all() and (dv[1, :, widest:] == 0).all() and (dk[2] == 0).all()
 
 
 def lying_lists(monkeypatch, summarised):
@@ -219,21 +232,25 @@ def lying_lists(monkeypatch, summarised):
     monkeypatch.setattr(ScoreMods, "mask_lists", lists)
 
 
-def tiled_masks(n_q, n_kv, g):
-    """``(summarised, read)``: a mask whose 32 x 32 blocks are FULL, EMPTY or PARTIAL, with rows
-    that see no key, and a mask equal to it in its PARTIAL blocks and in every tile some kernel
-    masks for its positions (the ragged ends), and different in its FULL and EMPTY blocks."""
+def tiled_masks(tiles, g):
+    """``(summarised, read)`` for the kernels' ``tiles`` (:func:`tiles_of`): a mask whose blocks, as
+    large as the largest tiles, are FULL, EMPTY or PARTIAL, with rows that see no key; and a mask
+    equal to it in its PARTIAL blocks and in every tile a kernel masks for its positions (the
+    ragged ends), and different in its FULL and EMPTY blocks."""
+    rows, cols = max(q for q, _ in tiles.values()), max(kv for _, kv in tiles.values())
+    n_q, n_kv = 2 * rows + 13, 3 * cols + 5
     kinds = torch.tensor([[FULL, EMPTY, PARTIAL], [EMPTY, EMPTY, EMPTY]])
-    kind = kinds.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    kind = kinds.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
     kind = torch.nn.functional.pad(kind, (0, n_kv - kind.shape[1], 0, n_q - kind.shape[0]), value=PARTIAL)
     noise = torch.rand(2, 1, n_q, n_kv, generator=g) > 0.4
     summarised = torch.where(kind == FULL, True, torch.where(kind == EMPTY, False, noise))
     read = torch.where(kind == PARTIAL, summarised, ~summarised)
     ends = torch.zeros(n_q, n_kv, dtype=torch.bool)
-    ends[n_q // 16 * 16:, :] = ends[:, n_kv // 16 * 16:] = True  # the interpreter's tiles: 16 and 32
+    ends[:, min(n_kv // kv * kv for name, (_, kv) in tiles.items() if name != "bwd_dkdv"):] = True
+    ends[n_q // tiles["bwd_dkdv"][0] * tiles["bwd_dkdv"][0]:, :] = True
     read = torch.where(ends, summarised, read)
-    summarised[:, :, 32:64, 96:] = False  # rows 32..63 see no key
-    read[:, :, 32:64, 96:] = False
+    summarised[:, :, rows:2 * rows, 3 * cols:] = False  # the second block of rows sees no key
+    read[:, :, rows:2 * rows, 3 * cols:] = False
     return summarised.to(DEVICE), read.to(DEVICE)
 
 
@@ -242,9 +259,9 @@ def test_kernels_skip_empty_tiles_and_read_no_mask_in_full_ones(monkeypatch):
     only in tiles the lists call FULL or EMPTY: the outputs and gradients are those of the first,
     bit for bit, so no kernel read the mask in a FULL tile nor visited an EMPTY one. Made from the
     mask they read, they differ: the test can fail."""
-    n_q, n_kv = 77, 101
-    summarised, read = tiled_masks(n_q, n_kv, torch.Generator().manual_seed(7))
-    q, k, v = make_qkv(n_q, n_kv)
+    tiles = tiles_of(torch.float32, 24)
+    summarised, read = tiled_masks(tiles, torch.Generator().manual_seed(7))
+    q, k, v = make_qkv(*summarised.shape[2:])
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(DEVICE)
 
     def run(mask):
@@ -259,7 +276,8 @@ def test_kernels_skip_empty_tiles_and_read_no_mask_in_full_ones(monkeypatch):
     got = run(read)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
-    assert (want[1][:, :, 32:64] == float("-inf")).all()
+    rows = max(q for q, _ in tiles.values())
+    assert (want[1][:, :, rows:2 * rows] == float("-inf")).all()
 
 
 def mask_case(name, n_q, n_kv, batch, heads, dtype):

@@ -65,7 +65,7 @@ class ScoreMods:
             args.update(Mask=mask, stride_mb=_stride(mask, 0), stride_mh=_stride(mask, 1),
                         stride_mq=_stride(mask, 2), stride_mk=_stride(mask, 3))
         if self.dropout_p > 0:
-            # columns start at a multiple of 8 in every tile but where packed sequences start anywhere
+            # a tile's first column is a multiple of BLOCK_KV, but where packed sequences start anywhere
             args.update(seed=int(self.seed), p_drop=self.dropout_p, DROPOUT=DROP_PAIR if packed else DROP_TILE)
         return args
 

@@ -49,8 +49,9 @@ def source_html(obj, only=None, note=None) -> str:
 #: sequences (EMPTY_ROWS: rows that see no key, which only they make) and grouped heads (one query
 #: head per K/V head: ``n_group`` = 1), the score modifications (masks and the tile lists LISTED
 #: walks for them, softcap, ALiBi, dropout, the bottom-right alignment), decode's paged cache
-#: (PAGED, which the course does not teach) and the float64 LSE of float32 inputs (an accuracy detail of flashattn.attention). ``show_source(kernel,
-#: only=LATER)`` shows a kernel as chapters 05-09 teach it.
+#: (PAGED, which the course does not teach) and the float64 LSE of float32 inputs (an accuracy
+#: detail of flashattn.attention). ``show_source(kernel, only=LATER)`` shows a kernel as chapters
+#: 05-09 teach it.
 LSE64 = "LSE.dtype.element_ty == tl.float64"
 LATER = {"WINDOW": False, "VARLEN": False, "EMPTY_ROWS": False, "n_group": 1, "SOFTCAP": False,
          "ALIBI": False, "MASK_KIND": 0, "LISTED": False, "DROPOUT": False, "BOTTOM_RIGHT": False,

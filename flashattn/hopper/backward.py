@@ -60,7 +60,7 @@ REGISTERS = dict(launch=168, consumer=240, producer=24)
 #: The same for the kernel's DQ variant (dQ too, five tile products): wgmma multiplies at least
 #: 64 rows, so dQ's tile of queries is 64.
 DQ_CONFIGS = {
-    64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
+    64: dict(BLOCK_M=128, BLOCK_N=64, STAGES=2),
     128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
 }
 
@@ -108,7 +108,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, pt_smem,
                   kv_ready, ready, empty, ds_ready, done,
                   LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -139,14 +139,18 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
     mbarrier.wait(kv_ready.index(C), 0)
     k = k_smem.index(C).reshape([BLOCK_N, HEAD_DIM])
     v = v_smem.index(C).reshape([BLOCK_N, HEAD_DIM])
-    HALF: gl.constexpr = HEAD_DIM // 2
-    if DQ:  # dQ's columns C * HALF onwards need both consumers' keys
+    if DQ:  # consumer C's share of a tile's dQ needs both consumers' keys
+        DQ_ROWS: gl.constexpr = desc_dq.block_type.shape[2]
+        DQ_COLS: gl.constexpr = desc_dq.block_type.shape[3]
+        SPLIT_ROWS: gl.constexpr = DQ_ROWS < BLOCK_M     # else the head dim is split
         mbarrier.wait(kv_ready.index(1 - C), 0)
-        k_cols0 = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(C * HALF, HALF, dim=1)
-        k_cols1 = k_smem.index(1).reshape([BLOCK_N, HEAD_DIM]).slice(C * HALF, HALF, dim=1)
-        dq_out = dq_smem.index(C).reshape([BLOCK_M, HALF])
-    if P_SMEM:
-        pt_smem = ds_smem.index(2 + C).slice(0, BLOCK_N)  # this consumer's P^T
+        k_cols0 = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+        k_cols1 = k_smem.index(1).reshape([BLOCK_N, HEAD_DIM])
+        if not SPLIT_ROWS:
+            k_cols0 = k_cols0.slice(C * DQ_COLS, DQ_COLS, dim=1)
+            k_cols1 = k_cols1.slice(C * DQ_COLS, DQ_COLS, dim=1)
+        dq_out = dq_smem.index(C).reshape([DQ_ROWS, DQ_COLS])
+    pt_mine = pt_smem.index(C)  # this consumer's P^T, with P_SMEM
 
     for t in range(n_group * n_tiles):  # the producer's order: tile j of query head g
         g = t // n_tiles
@@ -161,27 +165,29 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # The accumulators start at -LSE / qk_scale and -Delta, so that the tensor cores leave
+        # S^T - LSE / qk_scale and dP^T - Delta: no row of LSE or Delta stays in registers.
+        lse = stats.index(0).load(col_layout)
+        sT = warpgroup_mma(k, q.permute((1, 0)), s_zero - gl.expand_dims(lse / qk_scale, 0), is_async=True)
+        delta = stats.index(1).load(col_layout)
+        dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0), is_async=True)
         sT = warpgroup_mma_wait(1, deps=[sT])            # S^T is ready; dP^T may still run
         if IS_CAUSAL:
             if q_start < kv_first + BLOCK_N - 1:         # a tile on the diagonal: hide q < kv
                 offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
                 visible = gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_kv, 1)
                 sT = gl.where(visible, sT, float("-inf"))
-        lse = stats.index(0).load(col_layout)
-        pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))              # P^T from the LSE
+        pT = gl.exp2(sT * qk_scale)                                        # P^T from the LSE
         if P_SMEM:  # P^T through shared memory: fewer registers than an operand in registers
-            pt_smem.store(pT.to(dtype))
+            pt_mine.store(pT.to(dtype))
             fence_async_shared()
-            dv = warpgroup_mma(pt_smem, do, dv, is_async=True)             # dV += P^T dO
+            dv = warpgroup_mma(pt_mine, do, dv, is_async=True)             # dV += P^T dO
             pT_op = pT
         else:
             pT_op = gl.convert_layout(pT.to(dtype), a_layout)
             dv = warpgroup_mma(pT_op, do, dv, is_async=True)               # dV += P^T dO
         dpT = warpgroup_mma_wait(1, deps=[dpT])          # dP^T is ready; dV may still run
-        delta = stats.index(1).load(col_layout)
-        dsT = pT * (dpT - gl.expand_dims(delta, 0))                        # dS^T (unscaled)
+        dsT = pT * dpT                                                     # dS^T (unscaled)
         if DQ:
             ds = ds_smem.index(t % 2)                    # [2 x BLOCK_N keys, BLOCK_M queries]
             ds_mine = ds.slice(C * BLOCK_N, BLOCK_N)
@@ -190,17 +196,25 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
             mbarrier.arrive(ds_ready.index(t % 2))
             dk = warpgroup_mma(ds_mine, q, dk, is_async=True)              # dK += dS^T Q
             mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)             # both halves of dS^T
-            dq = warpgroup_mma(ds.slice(0, BLOCK_N).permute((1, 0)), k_cols0,
-                               gl.zeros([BLOCK_M, HALF], gl.float32, layout=mma_layout(HALF)),
-                               use_acc=False, is_async=True)               # dQ = dS K, keys of
-            dq = warpgroup_mma(ds.slice(BLOCK_N, BLOCK_N).permute((1, 0)), k_cols1, dq,
-                               is_async=True)                              # consumer 0, then 1
+            ds0 = ds.slice(0, BLOCK_N)                   # dS^T of consumer 0's keys, then 1's
+            ds1 = ds.slice(BLOCK_N, BLOCK_N)
+            if SPLIT_ROWS:                               # this consumer's queries only
+                ds0 = ds0.slice(C * DQ_ROWS, DQ_ROWS, dim=1)
+                ds1 = ds1.slice(C * DQ_ROWS, DQ_ROWS, dim=1)
+            dq = warpgroup_mma(ds0.permute((1, 0)), k_cols0,
+                               gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=mma_layout(DQ_COLS)),
+                               use_acc=False, is_async=True)               # dQ = dS K
+            dq = warpgroup_mma(ds1.permute((1, 0)), k_cols1, dq, is_async=True)
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
             mbarrier.arrive(empty.index(stage))          # done with Q_j, dO_j
             tma.store_wait(0)                            # the last tile's reduce-add has read dq_out
             dq_out.store(dq)
             fence_async_shared()
-            tma.async_atomic_add(desc_dq, [batch, kv_head * n_group + g, q_start, C * HALF], dq_smem.index(C))
+            if SPLIT_ROWS:
+                dq_at = [batch, kv_head * n_group + g, q_start + C * DQ_ROWS, 0]
+            else:
+                dq_at = [batch, kv_head * n_group + g, q_start, C * DQ_COLS]
+            tma.async_atomic_add(desc_dq, dq_at, dq_smem.index(C))
         else:
             dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
             dk = warpgroup_mma(dsT_op, q, dk, is_async=True)               # dK += dS^T Q
@@ -248,11 +262,15 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # dQ's buffers: dS^T of both consumers (two, by the tile's parity), each consumer's float32
     # share of dQ on its way to the reduce-add, and the mbarriers where the consumers meet.
-    # With P_SMEM, buffers 2 and 3 hold each consumer's P^T.
-    ds_rows: gl.constexpr = 2 * BLOCK_N if DQ or P_SMEM else 8
-    ds_cols: gl.constexpr = BLOCK_M if DQ or P_SMEM else 8
+    ds_rows: gl.constexpr = 2 * BLOCK_N if DQ else 8
+    ds_cols: gl.constexpr = BLOCK_M if DQ else 8
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ds_rows, ds_cols], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [4 if P_SMEM else (2 if DQ else 1), ds_rows, ds_cols], ds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 if DQ else 1, ds_rows, ds_cols], ds_layout)
+    # With P_SMEM, each consumer's P^T.
+    pt_rows: gl.constexpr = BLOCK_N if P_SMEM else 8
+    pt_cols: gl.constexpr = BLOCK_M if P_SMEM else 8
+    pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([pt_rows, pt_cols], dtype)
+    pt_smem = gl.allocate_shared_memory(dtype, [2, pt_rows, pt_cols], pt_layout)
     if DQ:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + desc_dq.block_type.shape, desc_dq.layout)
     else:
@@ -270,12 +288,12 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
     C0: gl.constexpr = 0
     C1: gl.constexpr = 1
     gl.warp_specialize([
-        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, pt_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
                          scale, qk_scale,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, P_SMEM)),
-        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, pt_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
                          scale, qk_scale,
@@ -292,10 +310,17 @@ def has_dq_reduce():
     return hasattr(tma, "async_atomic_add")
 
 
-def dq_descriptor(dq_accum, rows):
-    """A TMA descriptor for the float32 (B, H, N_q, D) accumulator of dQ: blocks of ``rows``
-    queries and half the head dim (each consumer adds its half)."""
-    block = [1, 1, rows, dq_accum.shape[-1] // 2]
+def dq_block(block_m, head_dim):
+    """The (1, 1, rows, columns) block of dQ each consumer adds per query tile of ``block_m`` rows:
+    half the rows (128-row tiles) or half the head dim (64-row tiles: wgmma multiplies at least
+    64 rows)."""
+    return [1, 1, block_m // 2, head_dim] if block_m >= 128 else [1, 1, block_m, head_dim // 2]
+
+
+def dq_descriptor(dq_accum, block_m):
+    """A TMA descriptor for the float32 (B, H, N_q, D) accumulator of dQ, in the blocks of
+    :func:`dq_block`."""
+    block = dq_block(block_m, dq_accum.shape[-1])
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()), block, layout)
 

@@ -272,7 +272,7 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False):
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), DQ=bool(dq), desc_dq=None,
                       P_SMEM=bool(cfg.get("P_SMEM", False)), **regs)
     if dq:
-        block = [1, 1, cfg["BLOCK_M"], head_dim // 2]
+        block = bwd.dq_block(cfg["BLOCK_M"], head_dim)
         layout = bwd.gl.NVMMASharedLayout.get_default_for(block, bwd.gl.float32)
         signature["desc_dq"] = f"tensordesc<fp32{block},{layout!r}>"
         del constexprs["desc_dq"]

@@ -24,8 +24,17 @@ def _report(kernel, **kwargs):
         pytest.skip(str(reason))
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd-window"])
+#: Bytes of stack a kernel may keep. The fused backward (``bwd_dq``) is register-bound: ptxas
+#: keeps a few loop-invariant scalars and wgmma descriptors on the stack (16-112 bytes with Triton
+#: 3.9, reloaded from L1 once per tile; measured on an H100 with them: docs/performance.md). More
+#: than this means a tile's accumulators went to local memory.
+STACK_ALLOWED = {"bwd_dq": 128}
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd-window", "bwd_dq"])
 def test_gluon_kernels_compile_for_sm90(kernel):
+    """``bwd_dq`` is the fused backward, which needs Gluon's TMA reduce-add (Triton >= 3.8): skipped
+    before."""
     if kernel == "fwd-window":  # the forward's sliding window
         rows = _report("fwd", causal=("window",))
         assert len(rows) == 4 and {r["causal"] for r in rows} == {"window"}
@@ -38,7 +47,7 @@ def test_gluon_kernels_compile_for_sm90(kernel):
         if "error" in r:
             problems.append(f"{label}: {r['error']}")
             continue
-        if r["spill"]:
+        if r["spill"] > STACK_ALLOWED.get(kernel, 0):
             problems.append(f"{label}: {r['spill']} bytes of stack (spills)")
         if r["smem"] > SMEM_LIMIT:
             problems.append(f"{label}: {r['smem']} bytes of shared memory")

@@ -1,4 +1,4 @@
-"""The dK/dV backward kernel for Hopper GPUs (sm_90), written in Gluon.
+"""The backward kernel for Hopper GPUs (sm_90), written in Gluon: dK and dV, and with ``DQ`` dQ too.
 
 ``flashattn.backward.attn_bwd_dkdv`` is the kernel the course teaches: one program keeps a block
 of keys and values and streams the queries past it, accumulating
@@ -18,15 +18,20 @@ schedules the forward:
   computes P^T while dP^T is still being multiplied, then issues ``dV += P^T dO`` with P^T from
   registers and computes dS^T while that one runs, then ``dK += dS^T Q``.
 
-LSE and Delta are read with plain loads: a row of them is only 4 bytes per query, and TMA would need
-the sequence length to be a multiple of 4. Rows past the end get ``LSE = +inf``, so that their
-probabilities are exactly 0 whatever their (zero) scores: no mask is needed there. The keys'
-rows past the end compute garbage that the TMA store never writes.
+LSE and Delta are read with plain loads into a little shared memory (a row of them is only 4 bytes
+per query, and TMA would need the sequence length to be a multiple of 4), and start the two
+accumulators: the tensor cores leave ``S^T - LSE / (scale log2 e)`` and ``dP^T - Delta``, so no row
+of either is held in registers. Rows past the end get ``LSE = +inf``, so that their probabilities
+are exactly 0 whatever their (zero) scores: no mask is needed there. The keys' rows past the end
+compute garbage that the TMA store never writes.
 
-dQ stays with the Triton kernel (``flashattn.backward.attn_bwd_dq``), which needs no atomics and
-keeps the gradients bit-identical from run to run (this kernel too: each dK/dV tile is written by
-one program, in a fixed order). Gluon has no interpreter: these kernels run only where they are
-compiled for CUDA (``flashattn.backward`` calls them there).
+Without ``DQ``, dQ is left to the Triton kernel (``flashattn.backward.attn_bwd_dq``), which keeps
+the gradients bit-identical from run to run (each dK/dV tile is written by one program, in a fixed
+order). With ``DQ`` (Triton 3.8 and later: TMA reduce-adds), each query tile's share of
+``dQ = dS K`` is computed here too, a fifth matmul, and added into a float32 accumulator by the copy
+engine, in an order that varies from run to run (:func:`attention_backward`). Gluon has no
+interpreter: these kernels run only where they are compiled for CUDA (``flashattn.ops.dispatch``
+calls them there).
 """
 import torch
 import triton
@@ -34,12 +39,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
-
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..gpu.launcher import run
 from ..kernels.tiles import qk_scale
-
 from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, supports, tma_load,  # noqa: F401
                       tma_ok, tma_store)
 
@@ -58,7 +61,9 @@ REGISTERS = dict(launch=168, consumer=240, producer=24)
 
 
 #: The same for the kernel's DQ variant (dQ too, five tile products): wgmma multiplies at least
-#: 64 rows, so dQ's tile of queries is 64.
+#: 64 rows, so a query tile has 64 (each consumer takes half of dQ's columns) or 128 (half its
+#: rows). Timed on an H100 (triton 3.9, bf16, N = 8192; docs/gpu-record/2026-12-06-0732-*): at head
+#: dim 64, 128 queries 15 % faster than 64; a third stage no faster; at 128 one stage as fast as two.
 DQ_CONFIGS = {
     64: dict(BLOCK_M=128, BLOCK_N=64, STAGES=2),
     128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
@@ -108,12 +113,11 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, pt_smem,
+def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                   kv_ready, ready, empty, ds_ready, done,
                   LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
                   C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
-                  P_SMEM: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
     the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
     along columns), as in ``backward.dkdv_inner``.
@@ -150,7 +154,6 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
             k_cols0 = k_cols0.slice(C * DQ_COLS, DQ_COLS, dim=1)
             k_cols1 = k_cols1.slice(C * DQ_COLS, DQ_COLS, dim=1)
         dq_out = dq_smem.index(C).reshape([DQ_ROWS, DQ_COLS])
-    pt_mine = pt_smem.index(C)  # this consumer's P^T, with P_SMEM
 
     for t in range(n_group * n_tiles):  # the producer's order: tile j of query head g
         g = t // n_tiles
@@ -178,14 +181,8 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
                 visible = gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_kv, 1)
                 sT = gl.where(visible, sT, float("-inf"))
         pT = gl.exp2(sT * qk_scale)                                        # P^T from the LSE
-        if P_SMEM:  # P^T through shared memory: fewer registers than an operand in registers
-            pt_mine.store(pT.to(dtype))
-            fence_async_shared()
-            dv = warpgroup_mma(pt_mine, do, dv, is_async=True)             # dV += P^T dO
-            pT_op = pT
-        else:
-            pT_op = gl.convert_layout(pT.to(dtype), a_layout)
-            dv = warpgroup_mma(pT_op, do, dv, is_async=True)               # dV += P^T dO
+        pT_op = gl.convert_layout(pT.to(dtype), a_layout)
+        dv = warpgroup_mma(pT_op, do, dv, is_async=True)                   # dV += P^T dO
         dpT = warpgroup_mma_wait(1, deps=[dpT])          # dP^T is ready; dV may still run
         dsT = pT * dpT                                                     # dS^T (unscaled)
         if DQ:
@@ -237,7 +234,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LSE, Delta,
                   n_heads, n_group, n_q, n_kv, scale, qk_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, P_SMEM: gl.constexpr,
+                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
     # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
@@ -266,11 +263,6 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
     ds_cols: gl.constexpr = BLOCK_M if DQ else 8
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ds_rows, ds_cols], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2 if DQ else 1, ds_rows, ds_cols], ds_layout)
-    # With P_SMEM, each consumer's P^T.
-    pt_rows: gl.constexpr = BLOCK_N if P_SMEM else 8
-    pt_cols: gl.constexpr = BLOCK_M if P_SMEM else 8
-    pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([pt_rows, pt_cols], dtype)
-    pt_smem = gl.allocate_shared_memory(dtype, [2, pt_rows, pt_cols], pt_layout)
     if DQ:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + desc_dq.block_type.shape, desc_dq.layout)
     else:
@@ -288,16 +280,16 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
     C0: gl.constexpr = 0
     C1: gl.constexpr = 1
     gl.warp_specialize([
-        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, pt_smem,
+        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
                          scale, qk_scale,
-                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, P_SMEM)),
-        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, pt_smem,
+                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ)),
+        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
                          scale, qk_scale,
-                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, P_SMEM)),
+                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
                          ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES)),
@@ -343,8 +335,7 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None):
         None if dq_accum is None else dq_descriptor(dq_accum, bm),
         lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
-        IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, P_SMEM=bool(cfg.get("P_SMEM", False)),
-        **regs, **options)
+        IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, **regs, **options)
     return dk, dv
 
 

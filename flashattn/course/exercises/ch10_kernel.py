@@ -277,7 +277,8 @@ def _nan_heads(name, got, hkv):
     """A message when NaN shows in the query heads past H_kv only: they read K/V heads that do not exist."""
     nan = torch.isnan(got.cpu()).flatten(2).any(-1).any(0)       # per query head
     if nan.any() and not nan[:hkv].any():
-        return (f"{name} has NaN in query heads {hkv} and up, which read K/V heads that do not exist (there "
+        first = int(nan.nonzero()[0])
+        return (f"{name} has NaN from query head {first} on, which read K/V heads that do not exist (there "
                 f"are {hkv}): move K and V to the K/V head of the query head's group, head // n_group")
     return None
 

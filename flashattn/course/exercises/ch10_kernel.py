@@ -14,7 +14,6 @@ hold NaN: a query head that reads a K/V head that does not exist shows, and read
 """
 import math
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -224,13 +223,6 @@ def _passes(got, ref64, pt, upstream):
                                    upstream))
 
 
-def _kernel_args(is_causal, window, n_q, n_kv):
-    """The kernels' IS_CAUSAL, WINDOW and the two bounds, as flashattn's launcher makes them: -1
-    (no bound) becomes a bound past every key, and a causal window folds into win_right = 0."""
-    causal, windowed, left, right = window_masking(is_causal, window, n_q + n_kv)
-    return causal, windowed, left, right
-
-
 def _what(batch, hq, hkv, n_q, n_kv, d, window, causal, bq, bkv):
     return (f"B={batch}, H_q={hq}, H_kv={hkv}, N_q={n_q}, N_kv={n_kv}, D={d}, window_size={window}, "
             f"is_causal={causal}, BLOCK_Q={bq}, BLOCK_KV={bkv}")
@@ -300,7 +292,8 @@ def run_forward(my_attn_fwd, q, k, v, is_causal, window, block_q, block_kv):
     flashattn's launcher would (grid (query blocks, H_q, B))."""
     batch, hq, n_q, d = q.shape
     hkv, n_kv = k.shape[1], k.shape[2]
-    causal, windowed, left, right = _kernel_args(is_causal, window, n_q, n_kv)
+    # as flashattn's launcher: no bound becomes one past every key, a causal window win_right = 0
+    causal, windowed, left, right = window_masking(is_causal, window, n_q + n_kv)
     o = torch.full_like(q, float("nan"))
     lse2 = torch.full((batch, hq, n_q), float("nan"), device=DEVICE)
     launch_learner_kernel(my_attn_fwd, (triton.cdiv(n_q, block_q), hq, batch),
@@ -372,7 +365,8 @@ def run_backward(my_attn_bwd_dq, my_attn_bwd_dkdv, q, k, v, do, is_causal, windo
     """``(dq, dk, dv)`` of the learner's two backward kernels, from the float64 LSE and Delta."""
     batch, hq, n_q, d = q.shape
     hkv, n_kv = k.shape[1], k.shape[2]
-    causal, windowed, left, right = _kernel_args(is_causal, window, n_q, n_kv)
+    # as flashattn's launcher: no bound becomes one past every key, a causal window win_right = 0
+    causal, windowed, left, right = window_masking(is_causal, window, n_q + n_kv)
     o64, lse64 = masked_attention(*(t.cpu().double() for t in (q, k, v)), is_causal=is_causal,
                                   window_size=window, enable_gqa=True)
     lse2 = (lse64 * LOG2E).float().contiguous().to(DEVICE)

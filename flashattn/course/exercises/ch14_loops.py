@@ -191,14 +191,14 @@ def check_mask_strides(mask_strides):
 
 # --- What the loops compute, with or without the likely mistakes -------------------------------------------
 
+BASE2 = ("the cap was applied to the base-2 score s * qk_scale: the formula caps the scaled score scale * s = "
+         "s * qk_scale * ln 2, and the capped score then goes to base 2 (times log2 e)")
+
 #: The mistakes :func:`score_model` knows: {field: {value: what it means}}; the right value is None.
 SLIPS = {
     "score": {
-        "base2": "the cap was applied to the base-2 score s * qk_scale: the formula caps the scaled score "
-                 "scale * s = s * qk_scale * ln 2, and the capped score then goes to base 2 (times log2 e)",
-        "base2, as is": "the cap was applied to the base-2 score s * qk_scale: the formula caps the scaled "
-                        "score scale * s = s * qk_scale * ln 2, and the capped score then goes to base 2 (times "
-                        "log2 e)",
+        "base2": BASE2,
+        "base2, as is": BASE2,
         "raw": "the cap was applied to the raw score q . k: the formula caps the scaled score scale * s "
                "(= s * qk_scale * ln 2)",
         "natural": "the capped score went to exp2 as it is, in natural units: multiply it by log2(e) for "
@@ -227,6 +227,7 @@ def score_model(q, k, v, do, is_causal, cap, keep, slips=None):
     Delta, as the kernels get them. ``keep``: a bool mask broadcastable to the scores, or None."""
     slips = slips or {}
     q, k, v, do = (t.detach().cpu().double() for t in (q, k, v, do))
+    keep = keep.cpu() if keep is not None else None
     scale = 1.0 / math.sqrt(q.shape[-1])
     raw = q @ k.transpose(-2, -1)
     x = raw * scale
@@ -289,7 +290,7 @@ def run_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, strides, q, k, v, do, is
     if keep is None:
         mask, strides = torch.zeros(1, dtype=torch.uint8, device=DEVICE), (0, 0, 0, 0)
     else:
-        mask = keep.view(torch.uint8).to(DEVICE)   # the same bytes, strides kept
+        mask = keep.view(torch.uint8)              # the same bytes, strides kept
     flags = dict(HEAD_DIM=d, IS_CAUSAL=bool(is_causal), SOFTCAP=bool(cap), HAS_MASK=keep is not None)
     common = (*strides, heads, n_q, n_kv)
     o, lse2 = torch.full_like(q, float("nan")), torch.full((batch, heads, n_q), float("nan"), device=DEVICE)
@@ -298,7 +299,8 @@ def run_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, strides, q, k, v, do, is
                           (q, k, v, o, lse2, mask, *q.stride()[:3], *k.stride()[:3], *common, scale * LOG2E,
                            float(cap), my_fwd_tiles), dict(BLOCK_Q=bq, BLOCK_KV=bkv, **flags),
                           "my_fwd_tiles", my_fwd_tiles, forbid=FORBID)
-    right_out, right_lse = modified_attention(*(t.cpu().double() for t in (q, k, v)), attn_mask=keep,
+    right_out, right_lse = modified_attention(*(t.cpu().double() for t in (q, k, v)),
+                                              attn_mask=None if keep is None else keep.cpu(),
                                               is_causal=is_causal, softcap=cap)
     lse_in = (right_lse * LOG2E).float().contiguous().to(DEVICE)
     delta = (right_out * do.cpu().double()).sum(-1).float().contiguous().to(DEVICE)
@@ -328,16 +330,16 @@ CASES = [(1, 2, 40, 40, False, 2.0, None),
 
 
 def _mask(spec, batch, heads, n_q, n_kv, g):
-    """The bool mask of a case, as a view into a larger buffer (so that a wrong stride reads other
-    entries, never memory outside it), or None."""
+    """The bool mask of a case on DEVICE, as a view into a larger buffer (so that a wrong stride reads
+    other entries, never memory outside it), or None."""
     if spec is None:
         return None
     if spec == "per head and query":
-        buffer = torch.rand(3, heads + 2, n_q + 3, n_kv + 5, generator=g) > 0.4
+        buffer = (torch.rand(3, heads + 2, n_q + 3, n_kv + 5, generator=g) > 0.4).to(DEVICE)
         keep = buffer[:1, :heads, :n_q, :n_kv]
         keep[..., 0] = True                                  # every query sees key 0
         return keep
-    buffer = torch.ones(batch + 2, 3, 3, n_kv + 5, dtype=torch.bool)
+    buffer = torch.ones(batch + 2, 3, 3, n_kv + 5, dtype=torch.bool, device=DEVICE)
     keep = buffer[:batch, :1, :1, :n_kv]                     # a key-padding mask, (B, 1, 1, N_kv)
     keep.copy_((torch.arange(n_kv) < torch.tensor(spec)[:, None])[:, None, None, :])
     return keep
@@ -357,7 +359,8 @@ def _reference(q, k, v, do, is_causal, cap, keep):
     results = []
     for dtype in (torch.float64, torch.float32):
         leaves = [t.detach().cpu().to(dtype).requires_grad_() for t in (q, k, v)]
-        out, lse = modified_attention(*leaves, attn_mask=keep, is_causal=is_causal, softcap=cap)
+        out, lse = modified_attention(*leaves, attn_mask=None if keep is None else keep.cpu(),
+                                      is_causal=is_causal, softcap=cap)
         results.append(dict(zip(NAMES, (out.detach(), lse.detach(),
                                         *torch.autograd.grad(out, leaves, do.cpu().to(dtype))))))
     return results
@@ -411,7 +414,9 @@ def check_score_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, mask_strides):
         q, do = (torch.randn(batch, heads, n_q, 16, generator=g).to(DEVICE) for _ in range(2))
         k, v = (torch.randn(batch, heads, n_kv, 16, generator=g).to(DEVICE) for _ in range(2))
         keep = _mask(spec, batch, heads, n_q, n_kv, g)
-        strides = mask_strides(keep) if keep is not None else None
+        strides = None
+        if keep is not None:
+            strides = tuple(int(x) for x in attempt(mask_strides, keep, name="mask_strides", forbid=("flashattn",)))
         got = dict(zip(NAMES, run_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, strides, q, k, v, do, causal,
                                         cap, keep)))
         ref64, pt = _reference(q, k, v, do, causal, cap, keep)

@@ -353,12 +353,11 @@ def check_gqa_window_forward(my_attn_fwd, my_window_bounds, my_in_window):
 # --- Exercise: the backward kernels ---------------------------------------------------------------------
 
 #: As FORWARD_CASES, with the dQ kernel's (BLOCK_Q, BLOCK_KV) and the dK/dV kernel's.
-BACKWARD_CASES = [(1, 4, 2, 40, 40, 16, (-1, -1), False, (16, 16), (16, 32)),
-                  (2, 6, 2, 37, 45, 24, (-1, -1), True, (16, 16), (16, 32)),
+BACKWARD_CASES = [(2, 4, 2, 40, 40, 16, (-1, -1), False, (16, 16), (16, 32)),
+                  (1, 6, 2, 37, 45, 24, (-1, -1), True, (16, 16), (16, 32)),
                   (1, 2, 1, 40, 40, 16, (3, 3), False, (16, 16), (16, 16)),
-                  (1, 4, 2, 45, 45, 16, (7, -1), True, (16, 32), (16, 32)),
-                  (1, 2, 1, 33, 50, 16, (5, 9), False, (16, 16), (16, 16)),
-                  (1, 2, 2, 40, 40, 16, (-1, 4), False, (32, 16), (16, 32))]
+                  (1, 4, 2, 45, 45, 16, (7, -1), True, (32, 16), (16, 32)),
+                  (1, 2, 1, 33, 50, 16, (5, 9), False, (16, 16), (16, 16))]
 
 
 def run_backward(my_attn_bwd_dq, my_attn_bwd_dkdv, q, k, v, do, is_causal, window, dq_blocks, dkdv_blocks):
@@ -502,5 +501,5 @@ def check_gqa_window_backward(my_attn_bwd_dq, my_attn_bwd_dkdv):
                                if window == (-1, -1) else
                                "check its query range under the window and the transposed tile's mask."))
     passed(f"my_attn_bwd_dq and my_attn_bwd_dkdv pass the rule against float64 in all {len(BACKWARD_CASES)} "
-           "cases: grouped heads summed over their group, causal and not, windows on both sides, one side, "
-           "lopsided and causal")
+           "cases: grouped heads summed over their group, causal and not, windows on both sides, lopsided and "
+           "causal")

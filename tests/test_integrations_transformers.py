@@ -35,10 +35,10 @@ def tiny(family, **extra):
     5, shorter than the sequences; "gemma2": logit softcapping and a sliding window), in eval mode."""
     torch.manual_seed(0)
     if family == "llama":
-        config = transformers.LlamaConfig(**TINY, **extra)
+        config = transformers.LlamaConfig(**{**TINY, **extra})
         model = transformers.LlamaForCausalLM(config)
     elif family == "mistral":
-        config = transformers.MistralConfig(**TINY, sliding_window=5, **extra)
+        config = transformers.MistralConfig(**{**TINY, "sliding_window": 5, **extra})
         model = transformers.MistralForCausalLM(config)
     else:  # "gemma2", or "gemma2-nocap": its windows on every other layer and its scaling alone
         options = dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=24, final_logit_softcapping=None,

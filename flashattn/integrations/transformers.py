@@ -174,12 +174,33 @@ def packed_pattern_of(mask_function):
 
 def _closure_value(function, factory, name):
     """The variable ``name`` that ``masking_utils.<factory>`` closed ``function`` over, or None when
-    ``function`` was not made by that factory."""
-    if getattr(function, "__module__", None) != masking_utils.__name__ \
-            or not getattr(function, "__qualname__", "").startswith(f"{factory}.<locals>."):
+    ``function`` was not made by that factory (told by its code, which every function a factory
+    makes shares). While compiling, None: the 4-D mask is made instead, exact as ever."""
+    if torch.compiler.is_compiling():
+        return None   # torch.compile cannot read the closure of a function made in its graph
+    code = getattr(function, "__code__", None)
+    if code is None or code is not _FACTORY_CODES[factory] or name not in code.co_freevars:
         return None
-    names = function.__code__.co_freevars
-    return function.__closure__[names.index(name)].cell_contents if name in names else None
+    return function.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def _made_by(factory):
+    """A function made by ``masking_utils.<factory>`` (arguments that only build it)."""
+    build = getattr(masking_utils, factory, None)
+    if build is None:       # a transformers without it: nothing is recognised as its
+        return None
+    mask, ids = masking_utils.causal_mask_function, torch.zeros(1, 1, dtype=torch.int64)
+    arguments = {"and_masks": (mask, mask), "sliding_window_overlay": (1,),
+                 "sliding_window_bidirectional_overlay": (1,), "chunked_overlay": (1, ids[0]),
+                 "packed_sequence_mask_function": (ids,), "remap_positions_for_packed_sequence": (mask, ids)}
+    return build(*arguments[factory])
+
+
+#: The code of the functions each factory makes, found once, at import (not while tracing).
+_FACTORY_CODES = {factory: getattr(_made_by(factory), "__code__", None)
+                  for factory in ("and_masks", "sliding_window_overlay", "sliding_window_bidirectional_overlay",
+                                  "chunked_overlay", "packed_sequence_mask_function",
+                                  "remap_positions_for_packed_sequence")}
 
 
 def _is_size(value):

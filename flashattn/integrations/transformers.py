@@ -12,12 +12,16 @@ from the pattern transformers describes (``mask_function``: causal, a sliding wi
 image spans, any ``and_mask_function``/``or_mask_function``), the positions of the queries and
 keys (``q_offset``, ``kv_offset``: a cache's) and the 2-D padding mask. It returns one of:
 
-- None: a pattern the kernels place themselves (causal or not, a sliding window), the newest key
-  at the newest query's position (no cache, or a dynamic one), nothing padded;
+- None: a pattern the kernels place themselves (causal or not, a sliding window, chunks that hold
+  every position), the newest key at the newest query's position (no cache, or a dynamic one),
+  nothing padded;
 - the 2-D padding mask ``(B, N_k)`` (True for a token, False for padding), same pattern;
+- the sequence of each token (``SequenceIds``, int ``(B, N)``) where transformers found sequences
+  packed in rows (``position_ids`` that restart): same pattern, within each sequence;
 - a 4-D mask ``(B, 1, N_q, N_k)``, transformers' own (what ``sdpa`` gets) for everything else: a
   static cache (its unwritten slots and its queries' positions are known on the device only),
-  chunked attention, bidirectional spans, custom overlays. It is exact by construction.
+  chunked attention past the first chunk, bidirectional spans, custom overlays, any function of
+  its own. It is exact by construction.
   (A name missing from the mask interface would get no mask at all: a padded batch would
   silently attend its padding.)
 
@@ -45,7 +49,9 @@ What the attention function does with what it gets:
 Under ``torch.compile`` (and CUDA graph capture) nothing is read on the host: the padding mask goes
 to ``flashattn.attention`` as a key mask ``(B, 1, 1, N_k)`` beside the causal mask and window,
 ``position_ids`` are not inspected (transformers then folds packed sequences into the 4-D mask
-itself), and ``decode`` (which reads its lengths) is not used. Only ``cu_seq_lens_q``/``_k`` are
+itself), and ``decode`` (which reads its lengths) is not used. The mask function recognises only
+the plain causal and bidirectional patterns then (the closure of a function made in the graph
+cannot be read): a window or chunks come as the 4-D mask. Only ``cu_seq_lens_q``/``_k`` are
 still read, to size ``varlen_attention``'s launch.
 
 transformers' sliding windows count the query itself: ``sliding_window=w`` lets query ``i`` see

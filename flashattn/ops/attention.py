@@ -166,9 +166,18 @@ def broadcast(q, k, v, enable_gqa):
         heads_q = heads_kv       # q's one head broadcast over k's
     elif heads_kv == 1 and heads_q > 1:
         gqa = True               # one K/V head for all query heads: a group of H_q, in place
-    q = q.reshape(*lead_q, *q.shape[-2:]).expand(*batch, heads_q, *q.shape[-2:])
-    k, v = (t.reshape(*lead_k, *t.shape[-2:]).expand(*batch, heads_kv, *t.shape[-2:]) for t in (k, v))
+    q = _viewed(q, (*batch, heads_q))
+    k, v = (_viewed(t, (*batch, heads_kv)) for t in (k, v))
     return q, k, v, gqa
+
+
+def _viewed(t, lead):
+    """``t`` with leading dims ``lead``: itself if it has them, else a view (1s added in front,
+    dims of 1 expanded)."""
+    if tuple(t.shape[:-2]) == lead:
+        return t
+    t = t.reshape((1,) * (len(lead) + 2 - t.dim()) + tuple(t.shape))
+    return t if tuple(t.shape[:-2]) == lead else t.expand(*lead, *t.shape[-2:])
 
 
 def _autocast(q, k, v):

@@ -206,7 +206,7 @@ def counting_backend(graphs):
 def test_a_model_compiles_in_one_graph_forward_and_backward(family):
     """``torch.compile(model, fullgraph=True)``: one graph, padded and not, forward and backward,
     the same loss and gradients as eager (nothing is read on the host in the call path)."""
-    model = tiny(family).train()
+    model = tiny(family, num_hidden_layers=1).train()   # one layer: tracing takes the time
     ids, mask = padded_batch("left")
     model.set_attn_implementation(NAME)
     for inputs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask)):
@@ -244,3 +244,15 @@ def test_compiled_generation_with_a_static_cache(family, side):
                                           cache_implementation="static", disable_compile=True)
     assert torch.equal(tokens, their_tokens)
     torch.testing.assert_close(steps, their_steps, rtol=0, atol=ATOL)
+
+
+def test_what_it_cannot_compute_is_refused_by_name():
+    """A learned bias (T5's ``position_bias``) and a padding mask that does not cover the layer's
+    keys are refused, naming them, rather than dropped or guessed."""
+    module = torch.nn.Module()
+    query = torch.randn(1, 2, 4, 16)
+    key = value = torch.randn(1, 2, 6, 16)
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        fa_transformers.attention_forward(module, query, key, value, None, position_bias=torch.zeros(1, 2, 4, 6))
+    with pytest.raises(ValueError, match="padding mask has 5 columns but the layer holds 6 keys"):
+        fa_transformers.attention_forward(module, query, key, value, torch.ones(1, 5, dtype=torch.bool))

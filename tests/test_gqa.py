@@ -119,8 +119,8 @@ def test_gqa_errors():
         flashattn.attention(q3, k, v, enable_gqa=True)
     with pytest.raises(ValueError, match="k has leading dims .* but v has"):
         flashattn.attention(q, k, v[:, :1], enable_gqa=True)
-    with pytest.raises(ValueError, match="leading dims"):  # batch differs: no broadcasting
-        flashattn.attention(q, k[:1].expand(2, -1, -1, -1), v[:1].expand(2, -1, -1, -1),
+    with pytest.raises(ValueError, match="leading dims"):  # batch 3 against 2: no broadcasting
+        flashattn.attention(q.expand(3, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
                             enable_gqa=True)
     with pytest.raises(TypeError, match="enable_gqa must be a bool"):
         flashattn.attention(q, k, v, enable_gqa=1)

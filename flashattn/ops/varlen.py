@@ -29,7 +29,7 @@ import torch
 
 from ..kernels.sequences import Sequences
 from .attention import check_inputs, check_window_size
-from ..kernels.mods import ScoreMods
+from ..kernels.mods import ScoreMods, dropout_mask
 from .autograd import attention_op, natural_lse
 from .modifiers import check_alibi, check_alignment, check_dropout, check_softcap, draw_seed
 
@@ -37,7 +37,7 @@ from .modifiers import check_alibi, check_alignment, check_dropout, check_softca
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
                      scale=None, return_lse=False, enable_gqa=False, window_size=(-1, -1), *,
                      dropout_p=0.0, causal_alignment="top_left", softcap=0.0, alibi_slopes=None,
-                     deterministic=False):
+                     return_dropout_mask=False, deterministic=False):
     """Attention over a batch of packed sequences of different lengths (no padding), in the layout
     of FlashAttention's ``flash_attn_varlen_func``.
 
@@ -61,13 +61,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             keys sits at key position ``i + n_k - n_q``).
         alibi_slopes: float32 ``(H_q,)`` or ``(batch, H_q)`` (one row per sequence), as in
             :func:`flashattn.attention`.
+        return_dropout_mask: also return the dropout mask this call drew (a debugging aid, as in
+            :func:`flashattn.attention`), bool ``(batch, H_q, max_seqlen_q, max_seqlen_k)``:
+            sequence ``b``'s ``n_q x n_k`` mask in the top-left corner of its block, False past it
+            (FlashAttention's ``return_attn_probs`` pads its batch likewise).
         deterministic: as in :func:`flashattn.attention` (packed sequences always take the
             Triton kernels, whose gradients are bit-identical from run to run).
 
     Returns:
         ``out`` of shape ``(total_q, H_q, D_v)`` in ``q``'s dtype, or ``(out, lse)`` with ``lse`` of shape
         ``(H_q, total_q)``, float32, natural log (FlashAttention's layout). Queries of a sequence
-        with no visible key get 0 and lse -inf. Gradients flow to ``q``, ``k`` and ``v``.
+        with no visible key get 0 and lse -inf. Gradients flow to ``q``, ``k`` and ``v``. With
+        ``return_dropout_mask``, the mask comes last.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
@@ -78,6 +83,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
            is_causal, scale, return_lse, enable_gqa)
     window_size = check_window_size(window_size)
     check_alignment(causal_alignment)
+    if not isinstance(return_dropout_mask, bool):
+        raise TypeError(f"return_dropout_mask must be a bool, got {type(return_dropout_mask).__name__}")
     lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
@@ -104,8 +111,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out, lse2 = attention_op(q4, k4, v4, is_causal, scale, window_size, sequences,
                              mods if mods.active else None, deterministic)
-    out = out[0].transpose(0, 1)
-    return (out, natural_lse(lse2[0])) if return_lse else out
+    results = (out[0].transpose(0, 1),) + ((natural_lse(lse2[0]),) if return_lse else ())
+    if return_dropout_mask:
+        shape = (len(lengths_q), q.shape[1], max_seqlen_q, max_seqlen_k)
+        seed = mods.seed if dropout_p else 0   # without dropout every pair is kept: p = 0
+        results += (dropout_mask(shape, dropout_p, seed, q.device, cu_seqlens_q, cu_seqlens_k),)
+    return results if len(results) > 1 else results[0]
 
 
 def _check_cu_seqlens(name, cu_seqlens, total, device):

@@ -26,7 +26,7 @@ from .ch09 import check_attention_cost, check_choose_config, check_estimate_reso
 from .ch10 import check_kv_head_map, check_varlen_programs, check_window_kv_range
 from .ch11 import check_merge_split_partials
 from .ch12 import check_ring_slot, check_smem_bytes
-from .ch13 import check_zigzag_blocks, check_zigzag_positions
+from .ch13 import check_merge_step, check_zigzag_blocks, check_zigzag_positions
 from .ch14 import check_alibi_bias, check_key_padding_mask, check_softcap_piece, run_softcap_piece
 from .common import ExerciseError, attempt, expect_close
 
@@ -59,7 +59,7 @@ __all__ = [
     # chapter 12
     "check_ring_slot", "check_smem_bytes",
     # chapter 13
-    "check_zigzag_positions", "check_zigzag_blocks",
+    "check_merge_step", "check_zigzag_positions", "check_zigzag_blocks",
     # chapter 14
     "check_softcap_piece", "run_softcap_piece", "check_alibi_bias", "check_key_padding_mask",
 ]

@@ -24,7 +24,7 @@ from .ch07 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, check_m
                    dkdv_exercise_kernel, dq_exercise_kernel, run_dkdv_inner, run_dq_inner)
 from .ch09 import check_attention_cost, check_choose_config, check_estimate_resources
 from .ch10 import check_kv_head_map, check_varlen_programs, check_window_kv_range
-from .ch11 import check_merge_split_partials
+from .ch11 import check_choose_num_splits, check_merge_splits, run_merge_kernel
 from .ch12 import check_ring_slot, check_smem_bytes
 from .ch13 import check_merge_step, check_zigzag_blocks, check_zigzag_positions
 from .ch14 import check_alibi_bias, check_key_padding_mask, check_softcap_piece, run_softcap_piece
@@ -55,7 +55,7 @@ __all__ = [
     # chapter 10
     "check_kv_head_map", "check_window_kv_range", "check_varlen_programs",
     # chapter 11
-    "check_merge_split_partials",
+    "check_choose_num_splits", "check_merge_splits", "run_merge_kernel",
     # chapter 12
     "check_ring_slot", "check_smem_bytes",
     # chapter 13

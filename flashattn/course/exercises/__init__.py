@@ -25,7 +25,7 @@ from .ch07 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, check_m
 from .ch09 import check_attention_cost, check_choose_config, check_estimate_resources
 from .ch10 import check_kv_head_map, check_varlen_programs, check_window_kv_range
 from .ch11 import check_choose_num_splits, check_merge_splits, run_merge_kernel
-from .ch12 import check_ring_slot, check_smem_bytes
+from .ch12 import check_ring_producer, check_ring_slot, check_smem_bytes
 from .ch13 import check_merge_step, check_zigzag_blocks, check_zigzag_positions
 from .ch14 import check_alibi_bias, check_key_padding_mask, check_softcap_piece, run_softcap_piece
 from .common import ExerciseError, attempt, expect_close
@@ -57,7 +57,7 @@ __all__ = [
     # chapter 11
     "check_choose_num_splits", "check_merge_splits", "run_merge_kernel",
     # chapter 12
-    "check_ring_slot", "check_smem_bytes",
+    "check_ring_slot", "check_ring_producer", "check_smem_bytes",
     # chapter 13
     "check_merge_step", "check_zigzag_positions", "check_zigzag_blocks",
     # chapter 14

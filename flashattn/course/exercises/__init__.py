@@ -22,7 +22,7 @@ from .ch06_08 import (check_attention_backward, check_my_attention, check_row_ls
                       check_slip_factors, check_softmax_backward)
 from .ch07 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, check_my_attention_backward,
                    dkdv_exercise_kernel, dq_exercise_kernel, run_dkdv_inner, run_dq_inner)
-from .ch09 import check_attention_cost, check_choose_config, check_estimate_resources
+from .ch09 import check_attention_cost, check_choose_config, check_estimate_resources, check_tile_ratio
 from .ch10 import check_kv_head_map, check_varlen_programs, check_window_kv_range
 from .ch11 import check_choose_num_splits, check_merge_splits, run_merge_kernel
 from .ch12 import check_ring_producer, check_ring_slot, check_smem_bytes
@@ -51,7 +51,7 @@ __all__ = [
     "check_my_attention_backward",
     "check_rule_test", "check_row_lse_kernel", "check_my_attention",
     # chapter 09
-    "check_attention_cost", "check_estimate_resources", "check_choose_config",
+    "check_attention_cost", "check_tile_ratio", "check_estimate_resources", "check_choose_config",
     # chapter 10
     "check_kv_head_map", "check_window_kv_range", "check_varlen_programs",
     # chapter 11

@@ -118,11 +118,46 @@ def run_ring_sum(producer, n_tiles, stages, seed=0):
     return float((out - want).abs().max())
 
 
-def run_source(path, name, cases):
-    """In a child process (``flashattn.measure.compiled.in_child``): the producer ``name`` from the
-    file ``path`` (``HEADER`` and the learner's source), run for each ``(n_tiles, stages)`` of
-    ``cases``. A producer that deadlocks never returns: the parent's timeout says so."""
+def compile_error_text(error):
+    """One line for a compile error: the line it points at (the innermost: the learner's) and its cause."""
+    chain = []
+    while error is not None and len(chain) < 12:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    pointed = [e for e in chain if type(e).__name__ == "CompilationError"]
+    where = ""
+    if pointed:
+        lines = str(pointed[-1]).splitlines()
+        marks = [i for i, line in enumerate(lines) if line.strip() == "^"]
+        if marks and marks[0] > 0:
+            where = f"at `{lines[marks[0] - 1].strip()}`: "
+    cause = chain[-1]
+    text = [line for line in str(cause).splitlines() if line.strip()]
+    return f"{where}{type(cause).__name__}: {text[-1][:300] if text else ''}"
+
+
+def _producer_from(path, name):
     spec = importlib.util.spec_from_file_location("ring_producer_source", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return [run_ring_sum(getattr(module, name), n_tiles, stages, seed=i) for i, (n_tiles, stages) in enumerate(cases)]
+    return getattr(module, name)
+
+
+def compile_source(path, name):
+    """In a child process (``flashattn.measure.compiled.in_child``; Triton's interpreter, once it has
+    run in a process, leaves Gluon's compiler unusable there): ``ring_sum`` compiled for sm_90 with
+    the producer ``name`` of the file ``path`` (``HEADER`` and the learner's source). Its
+    :func:`ptx_facts`, or ``{"error": one line}``."""
+    producer = _producer_from(path, name)
+    try:
+        return ptx_facts(compile_ring_sum(producer))
+    except Exception as error:
+        return dict(error=compile_error_text(error))
+
+
+def run_source(path, name, cases):
+    """In a child process: the producer ``name`` from the file ``path``, run for each
+    ``(n_tiles, stages)`` of ``cases``. A producer that deadlocks never returns: the parent's
+    timeout says so."""
+    producer = _producer_from(path, name)
+    return [run_ring_sum(producer, n_tiles, stages, seed=i) for i, (n_tiles, stages) in enumerate(cases)]

@@ -347,49 +347,21 @@ def _play(events, n_tiles, stages, block, nbytes):
             "((j // STAGES) & 1) ^ 1, on empty[j % STAGES]")
 
 
-def _gpu_run(producer, name):
-    """Run the learner's producer in ``gluon_ring.ring_sum`` on this GPU, in a child process (a
-    deadlocked kernel is stopped by the timeout): the largest error per ring, or an ExerciseError."""
-    import inspect
+def _in_child(job, source, name, **kwargs):
+    """``flashattn.course.gluon_ring``'s ``job`` in a child process, on a file holding the learner's
+    producer (``source``) after the imports the chapter gives it. (Triton's interpreter, once it has
+    run in a process, leaves Gluon's compiler unusable there.)"""
     import os
-    import subprocess
     import tempfile
 
     from ...measure import compiled
     from .. import gluon_ring
 
-    source = inspect.getsource(getattr(producer, "fn", producer))
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "producer.py")
         with open(path, "w", encoding="utf8") as f:
             f.write(gluon_ring.HEADER + "\n\n" + source)
-        try:
-            return compiled.in_child("flashattn.course.gluon_ring:run_source", timeout=GPU_TIMEOUT, path=path,
-                                     name=getattr(getattr(producer, "fn", producer), "__name__", name),
-                                     cases=[list(ring) for ring in PRODUCER_RINGS])
-        except subprocess.TimeoutExpired:
-            raise ExerciseError(f"{name}: the kernel ran on this GPU for {GPU_TIMEOUT} s without finishing: a "
-                                "deadlock the recorded run did not foresee") from None
-        except RuntimeError as error:
-            raise ExerciseError(f"{name}: the kernel failed on this GPU: {str(error).strip().splitlines()[-1]}") from None
-
-
-def _compile_error(error):
-    """The line a compile error points at (its innermost one: the learner's) and its cause."""
-    chain = []
-    while error is not None and len(chain) < 12:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    pointed = [e for e in chain if type(e).__name__ == "CompilationError"]
-    where = ""
-    if pointed:
-        lines = str(pointed[-1]).splitlines()
-        marks = [i for i, line in enumerate(lines) if line.strip() == "^"]
-        if marks and marks[0] > 0:
-            where = f"at `{lines[marks[0] - 1].strip()}`: "
-    cause = chain[-1]
-    text = [line for line in str(cause).splitlines() if line.strip()]
-    return f"{where}{type(cause).__name__}: {text[-1][:300] if text else ''}"
+        return compiled.in_child(f"flashattn.course.gluon_ring:{job}", path=path, name=name, **kwargs)
 
 
 def check_ring_producer(ring_producer):
@@ -414,24 +386,35 @@ def check_ring_producer(ring_producer):
         problem = _play(events, n_tiles, stages, block, nbytes)
         if problem:
             raise ExerciseError(f"{name}, recorded for {n_tiles} tile(s) through {stages} buffer(s): {problem}.")
-    try:
-        from .. import gluon_ring
+    import inspect
+    import subprocess
 
-        kernel = gluon_ring.compile_ring_sum(ring_producer)
-    except ImportError as error:
+    fn = getattr(ring_producer, "fn", ring_producer)
+    source = inspect.getsource(fn)
+    try:
+        facts = _in_child("compile_source", source, fn.__name__)
+    except RuntimeError as error:  # no Gluon, no CUDA backend: this Triton cannot compile for sm_90
+        lines = [line for line in str(error).splitlines() if line.strip()]
         passed(f"{name}: the recorded loop went through {len(PRODUCER_RINGS)} rings without deadlock, overwrite or "
-               f"misplaced tile (this Triton has no Gluon to compile it: {error})")
+               f"misplaced tile (this Triton cannot compile it for sm_90: {lines[-1][:200] if lines else error})")
         return
-    except Exception as error:
-        raise ExerciseError(f"{name} does not compile for sm_90: {_compile_error(error)}") from None
-    facts = gluon_ring.ptx_facts(kernel)
+    if "error" in facts:
+        raise ExerciseError(f"{name} does not compile for sm_90: {facts['error']}")
     if facts["tma_loads"] != 1 or facts["expects"] != 1 or facts["waits"] != 2:
         raise ExerciseError(f"{name} compiled, but its PTX holds {facts['tma_loads']} TMA copies, "
                             f"{facts['expects']} mbarrier.arrive.expect_tx and {facts['waits']} waits (the consumer's "
                             "one included): the loop needs one of each, and one wait of its own")
     where = "compiled for sm_90 here"
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-        errors = _gpu_run(ring_producer, name)
+        try:
+            errors = _in_child("run_source", source, fn.__name__, timeout=GPU_TIMEOUT,
+                               cases=[list(ring) for ring in PRODUCER_RINGS])
+        except subprocess.TimeoutExpired:
+            raise ExerciseError(f"{name}: the kernel ran on this GPU for {GPU_TIMEOUT} s without finishing: a "
+                                "deadlock the recorded run did not foresee") from None
+        except RuntimeError as error:
+            raise ExerciseError(f"{name}: the kernel failed on this GPU: "
+                                f"{str(error).strip().splitlines()[-1]}") from None
         if max(errors) > 1e-2:
             raise ExerciseError(f"{name}: on this GPU the sums of the tiles were wrong by up to {max(errors):.3g} "
                                 f"(rings {PRODUCER_RINGS}): a tile was overwritten or read before it landed")

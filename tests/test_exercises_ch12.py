@@ -93,7 +93,8 @@ LOOP = "for j in range(n_tiles):\n        slot = j % STAGES"
                  id="slot j"),
     pytest.param([(LOOP, LOOP.replace("range(n_tiles)", "range(n_tiles - 1)"))],
                  "the producer has finished after 0 copies", id="one tile short"),
-    pytest.param([(LOOP, LOOP.replace("range(n_tiles)", "gl.static_range(n_tiles)"))], "does not compile for sm_90: at `for j in gl.static_range(n_tiles):`: AssertionError",
+    pytest.param([(LOOP, LOOP.replace("range(n_tiles)", "gl.static_range(n_tiles)"))],
+                 "does not compile for sm_90: at `for j in gl.static_range(n_tiles):`: AssertionError",
                  id="a loop the compiler refuses"),
 ])
 def test_ring_producer_catches(solutions, edits, message):

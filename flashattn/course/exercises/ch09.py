@@ -426,7 +426,8 @@ def _ratio_variant(small, large, variant):
     """The ratio by a known mistake, to name it."""
     def per_score(r):
         warps = 1 if variant == "no warps" else r["num_warps"]
-        tile = {"no tile": 1, "rows only": r["BLOCK_Q"], "keys only": r["BLOCK_KV"]}.get(variant, r["BLOCK_Q"] * r["BLOCK_KV"])
+        tile = {"no tile": 1, "rows only": r["BLOCK_Q"], "keys only": r["BLOCK_KV"]}.get(
+            variant, r["BLOCK_Q"] * r["BLOCK_KV"])
         work = (r["HMMA"] + r["HGMMA"]) if variant == "matrix instructions" else r["loop"]
         return warps * work / tile
     ratio = per_score(small) / per_score(large)

@@ -219,7 +219,8 @@ def check_merge_splits(merge_splits):
                 f"{name} stores NaN{where}. The splits past num_splits (up to BLOCK_S) or the columns past "
                 "HEAD_DIM were read from memory that is not this row's (NaN here): mask the loads of O_PART "
                 "with offs_s < num_splits and offs_d < HEAD_DIM, other=0.0.")
-        for what, got, want, index, atol, rtol in (("O", o, want_o, 0, 1e-5, 1e-4), ("LSE", lse, want_lse, 1, 1e-5, 1e-5)):
+        for what, got, want, index, atol, rtol in (("O", o, want_o, 0, 1e-5, 1e-4),
+                                                    ("LSE", lse, want_lse, 1, 1e-5, 1e-5)):
             if close(got, want, atol, rtol):
                 continue
             for variant, hint in MERGE_HINTS.items():

@@ -244,7 +244,6 @@ def check_merge_step(merge_step):
     for stage, rows, sizes, head_dim, shift, hidden, dtype in STEP_CASES:
         states, (want_o, want_lse) = _block_states(g, rows, sizes, head_dim, shift, hidden)
         where = f" (case: {stage}; {len(sizes)} block(s) folded in turn into the empty state, O = 0, LSE = -inf)"
-        calls = []
 
         def learner(o, lse, o_t, lse_t):
             out = attempt(merge_step, o.clone(), lse.clone(), o_t.clone(), lse_t.clone(), name=name,
@@ -261,14 +260,14 @@ def check_merge_step(merge_step):
                 raise ExerciseError(f"{name} returned o in {o_new.dtype}{where}: keep the running O in "
                                     "float32, whatever the block's dtype (o_t.float()). In bfloat16 every "
                                     "step would round it again, W roundings in all.")
-            calls.append(1)
             return o_new, lse_new
 
         o, lse = _fold(learner, states, rows, head_dim, dtype)
         if torch.isnan(o).any() or torch.isnan(lse).any():
             raise ExerciseError(
                 f"{name} returns NaN{where}. When both states are empty (a row that has seen no key yet meets a "
-                "block hidden from it), M = max(LSE, LSE_t) = -inf and LSE - M = -inf - (-inf) = NaN, and 2**(LSE - M) + 2**(LSE_t - M) = 0 makes a 0/0. "
+                "block hidden from it), M = max(LSE, LSE_t) = -inf and LSE - M = -inf - (-inf) = NaN, and "
+                "2**(LSE - M) + 2**(LSE_t - M) = 0 makes a 0/0. "
                 "Use a finite stand-in for M when it is -inf (torch.where(M == -inf, 0, M)) and divide by 1 "
                 "where the sum is 0: a row without keys stays O = 0, LSE = -inf.")
         if abs(shift) > 100 and not (torch.isfinite(o).all() and torch.isfinite(lse).all()):

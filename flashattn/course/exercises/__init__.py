@@ -23,12 +23,12 @@ from .ch06_08 import (check_attention_backward, check_my_attention, check_row_ls
                       check_slip_factors, check_softmax_backward)
 from .ch07 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, check_my_attention_backward,
                    dkdv_exercise_kernel, dq_exercise_kernel, run_dkdv_inner, run_dq_inner)
-from .ch09 import check_attention_cost, check_choose_config, check_estimate_resources
+from .ch09 import check_attention_cost, check_choose_config, check_estimate_resources, check_tile_ratio
 from .ch10 import check_kv_head_map, check_varlen_programs, check_window_kv_range
 from .ch10_kernel import check_gqa_window_backward, check_gqa_window_forward
-from .ch11 import check_merge_split_partials
-from .ch12 import check_ring_slot, check_smem_bytes
-from .ch13 import check_zigzag_blocks, check_zigzag_positions
+from .ch11 import check_choose_num_splits, check_merge_splits, run_merge_kernel
+from .ch12 import check_ring_producer, check_ring_slot, check_smem_bytes
+from .ch13 import check_merge_step, check_zigzag_blocks, check_zigzag_positions
 from .ch14 import check_alibi_bias, check_key_padding_mask, check_softcap_piece, run_softcap_piece
 from .ch14_loops import check_mask_strides, check_score_loops
 from .common import ExerciseError, attempt, expect_close
@@ -54,16 +54,16 @@ __all__ = [
     "check_my_attention_backward",
     "check_rule_test", "check_row_lse_kernel", "check_my_attention",
     # chapter 09
-    "check_attention_cost", "check_estimate_resources", "check_choose_config",
+    "check_attention_cost", "check_tile_ratio", "check_estimate_resources", "check_choose_config",
     # chapter 10
     "check_kv_head_map", "check_window_kv_range", "check_varlen_programs",
     "check_gqa_window_forward", "check_gqa_window_backward",
     # chapter 11
-    "check_merge_split_partials",
+    "check_choose_num_splits", "check_merge_splits", "run_merge_kernel",
     # chapter 12
-    "check_ring_slot", "check_smem_bytes",
+    "check_ring_slot", "check_ring_producer", "check_smem_bytes",
     # chapter 13
-    "check_zigzag_positions", "check_zigzag_blocks",
+    "check_merge_step", "check_zigzag_positions", "check_zigzag_blocks",
     # chapter 14
     "check_softcap_piece", "run_softcap_piece", "check_alibi_bias", "check_key_padding_mask",
     "check_score_loops", "check_mask_strides",

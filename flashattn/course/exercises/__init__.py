@@ -5,7 +5,8 @@
 
 One module per group of chapters (``ch00_02``; ``ch03_05``, chapter 03 and the first two exercises of
 chapter 05; ``ch04_ladder``, chapter 04's Triton ladder; ``ch05_kernel``, chapter 05's whole kernel and
-its launcher; ``ch06_08``, ``ch07``, ``ch09``, ``ch10``, ``ch11``, ``ch12``, ``ch13``, ``ch14``), and
+its launcher; ``ch06_08``, ``ch07`` (chapter 07's Delta kernel and loops), ``ch07_kernels`` (its whole
+kernels and launcher), ``ch09``, ``ch10``, ``ch11``, ``ch12``, ``ch13``, ``ch14``), and
 ``common`` for what they share; every checker, and the kernels that run a learner's Triton code,
 are available from here.
 """
@@ -20,18 +21,18 @@ from .ch04_ladder import (check_attention_tile_kernel, check_block_shift_kernel,
                           check_row_softmax_kernel, check_stream_kv_kernel)
 from .ch06_08 import (check_attention_backward, check_my_attention, check_row_lse_kernel, check_rule_test,
                       check_slip_factors, check_softmax_backward)
-from .ch07 import (check_delta_kernel, check_dkdv_inner, check_dq_inner, check_my_attention_backward,
-                   dkdv_exercise_kernel, dq_exercise_kernel, run_dkdv_inner, run_dq_inner)
+from .ch07 import check_delta_kernel, check_dkdv_inner, check_dq_inner, dkdv_exercise_kernel, dq_exercise_kernel, run_loop
+from .ch07_kernels import check_my_attention_backward, check_my_attn_bwd_dkdv, check_my_attn_bwd_dq
 from .ch09 import check_attention_cost, check_choose_config, check_estimate_resources
 from .ch10 import check_kv_head_map, check_varlen_programs, check_window_kv_range
 from .ch11 import check_merge_split_partials
 from .ch12 import check_ring_slot, check_smem_bytes
 from .ch13 import check_zigzag_blocks, check_zigzag_positions
 from .ch14 import check_alibi_bias, check_key_padding_mask, check_softcap_piece, run_softcap_piece
-from .common import ExerciseError, attempt, expect_close
+from .common import ExerciseError, attempt, expect_close, learner_functions, unwritten
 
 __all__ = [
-    "ExerciseError", "attempt", "expect_close",
+    "ExerciseError", "attempt", "expect_close", "learner_functions", "unwritten",
     # chapters 00-02
     "check_naive_causal_attention", "check_score_bytes", "check_online_softmax", "check_block_alphas",
     "check_merge_softmax_states", "check_online_softmax_weighted_sum", "check_lse_from_state",
@@ -46,9 +47,8 @@ __all__ = [
     "check_my_attn_fwd", "check_my_attention_forward", "launch_my_attn_fwd",
     # chapters 06-08
     "check_softmax_backward", "check_attention_backward", "check_slip_factors", "check_delta_kernel",
-    "check_dkdv_inner",
-    "dkdv_exercise_kernel", "run_dkdv_inner", "check_dq_inner", "dq_exercise_kernel", "run_dq_inner",
-    "check_my_attention_backward",
+    "check_dq_inner", "check_my_attn_bwd_dq", "check_dkdv_inner", "check_my_attn_bwd_dkdv",
+    "dq_exercise_kernel", "dkdv_exercise_kernel", "run_loop", "check_my_attention_backward",
     "check_rule_test", "check_row_lse_kernel", "check_my_attention",
     # chapter 09
     "check_attention_cost", "check_estimate_resources", "check_choose_config",

@@ -94,8 +94,27 @@ def check_delta_kernel(delta_kernel):
             raise ExerciseError(f"{what}: your kernel wrote past the end of Delta (rows >= n_q of the last head): "
                                 "mask the store with `rows < n_q`.")
         got = delta.cpu().double()
+        if (got == -7.0).any():
+            b, h, row = (int(x) for x in (got == -7.0).nonzero()[0])
+            raise ExerciseError(f"{what}: row {row} of head {h}, batch {b} of Delta was never written: each program writes "
+                                "the BLOCK_Q rows of query block tl.program_id(0) of head tl.program_id(1) of batch "
+                                "tl.program_id(2), at Delta + (batch * n_heads + head) * n_q.")
         o64, do64 = (t.double() for t in (o.cpu(), do.cpu()))
         want = (o64 * do64).sum(-1)
+        if close(got, want, atol=2e-4, rtol=2e-5):
+            alike_ok = alike_ok or o_layout == do_layout == "padded"
+            continue
+        right = torch.isclose(got, want, atol=1e-2, rtol=5e-3).all(-1)  # float16's tolerance: offsets, not rounding
+        if right[0, 0] and not right.all():
+            b, h = (int(x) for x in (~right).nonzero()[0])
+            raise ExerciseError(f"{what}: Delta is right for head 0 of batch 0 and wrong for head {h} of batch {b}: "
+                                "each program moves O and dO to its (batch, head), O + batch * stride_ob + "
+                                "head * stride_oh (dO with its own strides), and Delta to "
+                                "(batch * n_heads + head) * n_q, in 64-bit.")
+        if alike_ok and o_layout != do_layout:
+            raise ExerciseError(f"{what}: Delta is wrong here and right where O and dO were laid out alike with "
+                                "contiguous columns: read each through its own four strides (stride_on, stride_od "
+                                "for O; stride_don, stride_dod for dO).")
         if torch.isnan(got).any():
             raise ExerciseError(f"{what}: Delta has NaN: some loads read outside the N_q x HEAD_DIM rows of a head "
                                 "(the memory around them holds NaN in this check): mask the columns d >= HEAD_DIM "
@@ -105,23 +124,9 @@ def check_delta_kernel(delta_kernel):
                 raise ExerciseError(f"{what}: your Delta is rowsum({tensors}); Delta multiplies the two "
                                     "different tensors, rowsum(dO * O) (is one of the loads reading the "
                                     "wrong pointer or strides?).")
-        if close(got, want, atol=2e-4, rtol=2e-5):
-            alike_ok = alike_ok or o_layout == do_layout == "padded"
-            continue
         if dtype == torch.float16 and close(got, want, atol=1e-2, rtol=5e-3):  # close, but not float32-close
             raise ExerciseError(f"{what}: Delta lost precision: convert O and dO to float32 before "
                                 "multiplying (`.to(tl.float32)`), as the package's preprocess does.")
-        right = torch.isclose(got, want, atol=2e-4, rtol=2e-5).all(-1)
-        if right[0, 0] and not right.all():
-            b, h = (int(x) for x in (~right).nonzero()[0])
-            raise ExerciseError(f"{what}: Delta is right for head 0 of batch 0 and wrong for head {h} of batch {b}: "
-                                "each program moves O and dO to its (batch, head), O + batch * stride_ob + "
-                                "head * stride_oh (dO with its own strides), and Delta to "
-                                "(batch * n_heads + head) * n_q, in 64-bit.")
-        if alike_ok:
-            raise ExerciseError(f"{what}: Delta is wrong here and right where O and dO were laid out alike with "
-                                "contiguous columns: read each through its own four strides (stride_on, stride_od "
-                                "for O; stride_don, stride_dod for dO).")
         expect_close(f"Delta ({what})", got, want, atol=2e-4, rtol=2e-5)
     passed("delta_kernel computes Delta = rowsum(dO * O) for ragged rows, padded head dims, any strides and float16")
 

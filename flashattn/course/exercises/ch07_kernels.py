@@ -48,16 +48,18 @@ def _reaches(fn, name, needed):
     """Raise the ExerciseError for a learner's ``fn`` that does not reach each function of
     ``needed`` (names of :data:`EXERCISES`), or reaches one that is still a stub."""
     found = learner_functions(fn)
+    stubs = [f"{want} ({EXERCISES.get(want, 'yours')})" for want, f in found.items() if is_stub(f)]
+    if stubs:
+        listed = stubs[0] if len(stubs) == 1 else ", ".join(stubs[:-1]) + " and " + stubs[-1]
+        raise ExerciseError(f"{name} runs {listed}, which {'is' if len(stubs) == 1 else 'are'} not "
+                            f"implemented yet: write {'it' if len(stubs) == 1 else 'them'} first, then run this "
+                            "check again.")
     for want in needed:
         if want not in found:
             raise ExerciseError(f"{name} never runs your {want} ({EXERCISES[want]}): "
                                 + ("launch your three kernels, delta_kernel, my_attn_bwd_dkdv and my_attn_bwd_dq, "
                                    "not the package's or PyTorch's." if name == "my_attention_backward" else
                                    f"call it for the loop over the {'key' if want == 'dq_inner' else 'query'} tiles."))
-    stubs = [f"{want} ({EXERCISES.get(want, 'yours')})" for want, f in found.items() if is_stub(f)]
-    if stubs:
-        raise ExerciseError(f"{name} runs {', '.join(stubs)}, not implemented yet: write "
-                            f"{'it' if len(stubs) == 1 else 'them'} first, then run this check again.")
 
 
 # --- The float64 model of a whole kernel, and its mistakes -----------------------------------------
@@ -90,8 +92,8 @@ def kernel_mistakes(stage, n_q, n_kv, causal, scale, block_q, block_kv):
         bounds = torch.tensor([kv_ranges(r // block_q * block_q, block_q, block_kv, n_kv, causal) for r in range(n_q)])
         full_end, end = bounds[:, :1], bounds[:, 1:]
         mistakes += [
-            (j < end, (None, None, 1.0), "the second call, over [kv_full_end, kv_end), ran with MASKED=False: the "
-                                         "diagonal tiles need the causal mask"),
+            (j < end, (None, None, 1.0), "the diagonal tiles were computed without the causal mask: the second "
+                                         "call, over [kv_full_end, kv_end), runs with MASKED=True and IS_CAUSAL"),
             (right & (j >= full_end), (None, None, 1.0), "the first call does not start at key 0: it covers "
                                                          "[0, kv_full_end), and only its end moves with the query block"),
             (right & (j < full_end), (None, None, 1.0), "the keys [kv_full_end, kv_end) are missing: the second call, "
@@ -105,12 +107,13 @@ def kernel_mistakes(stage, n_q, n_kv, causal, scale, block_q, block_kv):
         ]
         return mistakes
     ranges = torch.tensor([q_ranges(c // block_kv * block_kv, block_kv, block_q, n_q, causal) for c in range(n_kv)])
-    lo, full_lo, full_hi = (ranges[:, n][None, :] for n in range(3))
-    early = ("the first call, over the diagonal [q_lo, q_full_lo), ran with MASKED=False: the diagonal tiles "
-             "need the causal mask" if causal else
+    full_lo, full_hi = ranges[:, 1][None, :], ranges[:, 2][None, :]
+    kv_start = (torch.arange(n_kv) // block_kv * block_kv)[None, :]
+    early = ("the diagonal tiles were computed without the causal mask: the first call, over [q_lo, q_full_lo), "
+             "runs with MASKED=True and IS_CAUSAL" if causal else
              "without the causal mask the queries start at 0 for every key block (q_lo = q_full_lo = 0)")
     mistakes += [
-        (i >= lo, (None, None, 1.0), early),
+        (i >= kv_start, (None, None, 1.0), early),
         (right & (i >= full_lo), (None, None, 1.0), "the diagonal queries [kv_start, kv_start + BLOCK_KV) are never "
                                                     "visited: the first call, with MASKED=True, covers them"),
         (right & (i < full_hi), (None, None, 1.0), "the ragged last query block is never visited: a third call "

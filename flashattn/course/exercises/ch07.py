@@ -33,7 +33,7 @@ def padded_view(shape, layout, dtype, values=None):
     outside it that is not masked shows as NaN. ``layout``: "padded" (rows further apart than D),
     "bnhd" (a (B, N, H, D) buffer seen as (B, H, N, D); 4-D shapes only), "strided_d" (columns two
     elements apart, the elements between them 0, so that a column stride taken as 1 reads wrong
-    numbers rather than NaN), "transposed" (the head dim outermost: rows 1 apart, columns N).
+    numbers rather than NaN), "transposed" (the head dim outermost: rows 1 element apart, columns N + 19).
     ``values`` (a tensor of ``shape``) fills the view."""
     *lead, n, d = shape
     full = dict(dtype=dtype, device=DEVICE)

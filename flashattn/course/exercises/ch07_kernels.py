@@ -187,6 +187,7 @@ def passes(got, ref, pytorch, dtype, upstream):
     """Whether the gradients ``got`` (a dict: dq, dk, dv, any of them) pass: the rule on the
     interpreter and for 16-bit inputs; TF32's tolerance for float32 on a GPU (the learner's
     tl.dot multiplies float32 tiles in TF32 there)."""
+    got, ref, pytorch = ({n: t[n].detach().cpu() for n in got} for t in (got, ref, pytorch))
     if dtype == torch.float32 and pick(cpu=False, gpu=True):
         return all(close(got[n], ref[n], GPU_TOL * (1 + ref[n].abs().max().item()), GPU_TOL) for n in got)
     return all(c.ok for c in judge(got, ref, pytorch, dtype, upstream=upstream))

@@ -385,8 +385,9 @@ def is_stub(fn):
 def learner_functions(fn):
     """``{name: function}`` for the learner's own functions (@triton.jit ones included) that
     ``fn`` names, and those they name, in the order first met: the functions of ``fn``'s module
-    (the notebook's, or the module of solutions the tests load) read as globals. A launcher reaches
-    its kernels this way, and a kernel the loops it calls."""
+    (the notebook's, or the module of solutions the tests load) read as globals, not its own
+    parameters and variables. A launcher reaches its kernels this way, and a kernel the loops it
+    calls."""
     root = getattr(fn, "fn", fn)
     found, todo = {}, [fn]
     while todo:
@@ -396,8 +397,10 @@ def learner_functions(fn):
             tree = ast.parse(_dedent(inspect.getsource(python_fn)))
         except (OSError, TypeError, SyntaxError):
             continue
+        local = {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)} | {
+            node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)}
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)) or node.id in found:
+            if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)) or node.id in found or node.id in local:
                 continue
             obj = python_fn.__globals__.get(node.id)
             inner = getattr(obj, "fn", obj)

@@ -56,7 +56,7 @@ def fwd_inner(acc, m_i, l_i, q,
                WINDOW: tl.constexpr = False, win_left=0, win_right=0,
                n_q=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
                seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, n_cols_all=0,
-               Pages=None, n_pages=1, stride_kp=0, stride_vp=0,
+               Pages=None, n_pages=1, stride_kp=0, stride_vp=0, page_shift=0,
                SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
                MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
                PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16):
@@ -67,15 +67,16 @@ def fwd_inner(acc, m_i, l_i, q,
     ``i`` sees only keys ``i - win_left .. i + win_right``. SOFTCAP, ALIBI and MASK_KIND change
     the scores (``tiles.modified_scores``); DROPOUT drops probabilities from ``acc`` but not from
     ``l_i`` (the softmax's denominator is that of all keys), its 1/(1-p) applied at the end.
-    PAGED (decode's paged KV cache) reads key ``j`` from row ``j % PAGE_SIZE`` of page
-    ``Pages[j // PAGE_SIZE]``, ``stride_kp``/``stride_vp`` apart, instead of row ``j`` of K and V.
+    PAGED (a paged KV cache) reads key ``j`` from row ``p % PAGE_SIZE`` of page
+    ``Pages[p // PAGE_SIZE]``, ``p = j + page_shift`` (decode's keys counted from a sequence's first
+    valid one), ``stride_kp``/``stride_vp`` apart, instead of row ``j`` of K and V.
     """
     if PAGED:
         # The pages of the first tile's keys; each iteration reads those of the next tile, so that
         # a tile's addresses never wait on a load of the same iteration (the compiler then keeps
         # as many K and V tiles in flight as without pages).
         offs_next = kv_lo + tl.arange(0, BLOCK_KV)
-        page_next = tl.load(Pages + offs_next // PAGE_SIZE, mask=offs_next < n_kv, other=0)
+        page_next = tl.load(Pages + (offs_next + page_shift) // PAGE_SIZE, mask=offs_next < n_kv, other=0)
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)  # lets the compiler prove aligned addresses
         offs_kv = kv_start + tl.arange(0, BLOCK_KV)
@@ -84,8 +85,8 @@ def fwd_inner(acc, m_i, l_i, q,
             # bad entry cannot read outside the cache), then its row within the page.
             page = tl.minimum(tl.maximum(page_next, 0), n_pages - 1).to(tl.int64)
             offs_next = offs_kv + BLOCK_KV
-            page_next = tl.load(Pages + offs_next // PAGE_SIZE, mask=offs_next < n_kv, other=0)
-            in_page = offs_kv % PAGE_SIZE
+            page_next = tl.load(Pages + (offs_next + page_shift) // PAGE_SIZE, mask=offs_next < n_kv, other=0)
+            in_page = (offs_kv + page_shift) % PAGE_SIZE
             k = load_rows(K, page * stride_kp + in_page * stride_kn, offs_kv, offs_d, stride_kd, n_kv,
                           HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
         else:

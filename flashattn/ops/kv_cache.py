@@ -112,10 +112,13 @@ BLOCK_TABLE_DTYPE = torch.int32
 PAGE_MULTIPLE = 16
 
 
-def check_paged(q, k_cache, block_table):
+def check_paged(q, k_cache, block_table, batch=None, name="k_cache"):
     """Raise a TypeError or ValueError naming the argument unless ``block_table`` is a 2-D int32
     tensor ``(B, max_blocks)`` on q's device and the caches are paged, ``(num_pages, page_size,
-    H_kv, D)`` with a page size that is a multiple of 16 (the caches' other checks are decode's)."""
+    H_kv, D)`` with a page size that is a multiple of 16 (the caches' other checks are the
+    caller's). ``B`` is q's batch unless ``batch`` says otherwise (varlen_attention's sequences);
+    ``name`` is the cache's argument."""
+    batch = q.shape[0] if batch is None else batch
     if not isinstance(block_table, torch.Tensor):
         raise TypeError(f"block_table must be a torch.Tensor of int32 or None, got {type(block_table).__name__}")
     if block_table.dtype != BLOCK_TABLE_DTYPE:
@@ -123,16 +126,17 @@ def check_paged(q, k_cache, block_table):
     if block_table.device != q.device:
         raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}; it is read by "
                          "the kernel, on q's device")
-    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or block_table.shape[1] == 0:
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
         raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected (B, max_blocks) = "
-                         f"({q.shape[0]}, >= 1): one row of page indices per sequence of q")
+                         f"({batch}, >= 1): one row of page indices per sequence")
+    if k_cache.dim() != 4 or k_cache.shape[0] == 0:
+        raise ValueError(f"{name} has shape {tuple(k_cache.shape)}: with block_table the caches are paged, "
+                         "(num_pages, page_size, H_kv, D), with at least one page")
     page_size = k_cache.shape[1]
     if page_size == 0 or page_size % PAGE_MULTIPLE:
-        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}: with block_table the caches are paged, "
+        raise ValueError(f"{name} has shape {tuple(k_cache.shape)}: with block_table the caches are paged, "
                          f"(num_pages, page_size, H_kv, D), and page_size = {page_size} must be a positive "
-                         f"multiple of {PAGE_MULTIPLE} (a cache (B, H_kv, N_max, D) takes no block_table)")
-    if k_cache.shape[0] == 0:
-        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}: a paged cache needs at least one page")
+                         f"multiple of {PAGE_MULTIPLE} (a contiguous cache takes no block_table)")
     if block_table.stride(1) != 1:
         raise ValueError(f"block_table has strides {block_table.stride()}; each row must be contiguous "
                          "(pass block_table.contiguous())")

@@ -340,7 +340,7 @@ def test_every_call_checks_what_the_plan_does_not_cover():
     with pytest.raises(TypeError, match="cache_seqlens must be a torch.Tensor"):
         flashattn.decode(q, k, v, [5, 9])
     with pytest.raises(TypeError, match="v_cache must be a torch.Tensor"):
-        flashattn.decode(q, k, v.numpy(), lengths)
+        flashattn.decode(q, k, v.cpu().numpy(), lengths)
 
 
 def test_many_lengths_are_checked_too():

@@ -91,17 +91,21 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes, LeftPad, CacheRows,
     q = tl.load(q_ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     # The new tokens are the last n_q of the keys: token t sits at position n_kv - n_q + t and, with
     # CAUSAL, sees keys 0 .. n_kv - n_q + t (bottom-right alignment); without, it sees every key.
-    # A token placed before key 0 (fewer keys than new tokens) sees none.
     pos = n_kv - n_q + t
+    if CAUSAL:
+        # A token placed before key 0 (fewer keys than new tokens) sees none: it is masked as if it
+        # sat at key 0 (so that every row sees key 0 and -inf masks stay safe) and written as a
+        # row without keys at the end.
+        before_keys = pos < 0
+        pos = tl.maximum(pos, 0)
 
     # Keys [0, n_seen) are seen by every row. They are cut into num_splits runs of whole tiles,
     # and the last run also takes the keys only later tokens see, [n_seen, n_kv). So every split
-    # starts with a key that all its rows see, and -inf masks stay safe as in the forward kernel.
-    # When no key is seen by all rows (fewer keys than new tokens), the first split takes every
-    # key, masked, with fwd_inner's guard for rows that meet hidden keys first (as under windows).
+    # starts with a key that all its rows see, and -inf masks stay safe as in the forward kernel
+    # (under a window a row may first meet hidden keys: fwd_inner's guard for windows covers it).
     # Splits past the end (a short sequence, or no key) get no keys.
     if CAUSAL:
-        n_seen = tl.minimum(tl.maximum(n_kv - n_q + 1, 0), n_kv)
+        n_seen = tl.minimum(tl.maximum(n_kv - n_q + 1, 1), n_kv)
     else:
         n_seen = n_kv
     # A sliding window of win_left keys before each token: the tiles before the first token's
@@ -110,10 +114,10 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes, LeftPad, CacheRows,
         first = tl.maximum(n_kv - n_q - win_left, 0) // BLOCK_KV * BLOCK_KV
     else:
         first = 0
-    span = tl.maximum(tl.cdiv(tl.cdiv(n_seen - first, BLOCK_KV), num_splits), 0) * BLOCK_KV
+    span = tl.cdiv(tl.cdiv(n_seen - first, BLOCK_KV), num_splits) * BLOCK_KV
     kv_lo = first + split * span
     kv_hi = tl.where(kv_lo + span < n_seen, kv_lo + span, n_kv)
-    kv_hi = tl.where((kv_lo < n_seen) | (split == 0), kv_hi, kv_lo)
+    kv_hi = tl.where(kv_lo < n_seen, kv_hi, kv_lo)
     # Only the tiles from the last whole tile of [0, n_seen) on need the mask; under a window
     # every tile does (each token's window starts at its own key).
     kv_full_end = tl.minimum(tl.maximum(n_seen // BLOCK_KV * BLOCK_KV, kv_lo), kv_hi)
@@ -148,9 +152,7 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes, LeftPad, CacheRows,
     # whole tiles without a mask, then the diagonal
     # (where keys past a row's position, and past n_kv, are hidden; keys >= n_kv are never loaded).
     # Softcap (Gemma 2), ALiBi and the window are the forward kernel's too: the rows' positions
-    # pos are already the keys' (shift 0), so ALiBi's distance is |pos - j|. The masked tiles
-    # always take the window's path (win_left and win_right past every key when there is no
-    # window): its guard keeps a row that sees no key of a tile, or none at all, free of NaN.
+    # pos are already the keys' (shift 0), so ALiBi's distance is |pos - j|.
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                pos, offs_d, offs_d, kv_lo, kv_full_end, n_kv, qk_scale,
                                HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_KV, False, CAUSAL, DOT_PRECISION,
@@ -161,7 +163,7 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes, LeftPad, CacheRows,
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                pos, offs_d, offs_d, kv_full_end, kv_hi, n_kv, qk_scale,
                                HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_KV, True, CAUSAL, DOT_PRECISION,
-                               True, win_left, win_right,
+                               WINDOW, win_left, win_right,
                                softcap=softcap, slope=slope, Pages=Pages, n_pages=n_pages,
                                stride_kp=stride_kb, stride_vp=stride_vb, page_shift=start,
                                SOFTCAP=SOFTCAP, ALIBI=ALIBI, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
@@ -170,8 +172,10 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes, LeftPad, CacheRows,
     # key) has L = 0: it writes the neutral state O = 0, LSE = -inf, which weighs nothing in the
     # merge (and is the answer for a row without keys: an empty sum, like SDPA).
     has_keys = l_i > 0
+    if CAUSAL:
+        has_keys = has_keys & ~before_keys
     l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = tl.where(has_keys[:, None], acc / l_safe[:, None], 0.0)
     lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
     if FINAL:  # the only split: this is the answer, LSE in natural log
         lse = lse * LN2
@@ -397,7 +401,7 @@ class Plan:
             lse_part = torch.empty(n_rows * num_splits, device=self.device, dtype=f32)
         key = (num_splits, partials, lengths.data_ptr() % 16)
         # A window bounds the keys before each token (window >= 0) or, not causal, after it; an
-        # unbounded side is a bound past every key (the masked tiles always apply both bounds).
+        # unbounded side of a window is a bound past every key.
         windowed = window >= 0 or (not causal and window_right >= 0)
         unbounded = self.n_max + self.n_q
         win_left = window if window >= 0 else unbounded

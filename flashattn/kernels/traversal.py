@@ -94,15 +94,16 @@ def decode_split_bounds(n_kv: int, n_q: int, num_splits: int, block_kv: int, cau
     every new token. They are cut into ``num_splits`` runs of whole tiles of ``block_kv`` keys;
     the last run that starts inside them also takes the keys only later tokens see, ``[n_seen,
     n_kv)``. So every split that has keys starts with a key all its rows see, and the splits past
-    the end get none (``lo == hi``). With fewer keys than new tokens no key is seen by all: the
-    first split takes them all.
+    the end get none (``lo == hi``). With fewer keys than new tokens, the tokens before key 0 see
+    none: the kernel masks them as if they sat at key 0, so ``n_seen`` is 1 and the first split
+    takes every key.
     """
-    n_seen = min(max(n_kv - n_q + 1, 0), n_kv) if causal else n_kv
+    n_seen = min(max(n_kv - n_q + 1, 1), n_kv) if causal else n_kv
     span = cdiv(cdiv(n_seen, block_kv), num_splits) * block_kv
     bounds = []
     for split in range(num_splits):
         lo = split * span
-        hi = (lo + span if lo + span < n_seen else n_kv) if lo < n_seen or split == 0 else lo
+        hi = (lo + span if lo + span < n_seen else n_kv) if lo < n_seen else lo
         bounds.append((lo, hi))
     return bounds
 

@@ -11,7 +11,7 @@ import numbers
 import torch
 
 from ..gpu.runtime import DEVICE, INTERPRET, RUNTIME
-from ..kernels.decode import HOST, Plan
+from ..kernels.decode import Plan
 from . import kv_cache
 from .attention import check_window_size
 from .modifiers import check_alibi, check_softcap

@@ -96,7 +96,6 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes, LeftPad, CacheRows,
         # A token placed before key 0 (fewer keys than new tokens) sees none: it is masked as if it
         # sat at key 0 (so that every row sees key 0 and -inf masks stay safe) and written as a
         # row without keys at the end.
-        before_keys = pos < 0
         pos = tl.maximum(pos, 0)
 
     # Keys [0, n_seen) are seen by every row. They are cut into num_splits runs of whole tiles,
@@ -172,11 +171,10 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes, LeftPad, CacheRows,
     # key) has L = 0: it writes the neutral state O = 0, LSE = -inf, which weighs nothing in the
     # merge (and is the answer for a row without keys: an empty sum, like SDPA).
     has_keys = l_i > 0
-    if CAUSAL:
-        has_keys = has_keys & ~before_keys
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    o = tl.where(has_keys[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+    if CAUSAL:  # not a token before key 0 (recomputed here rather than held through the loop)
+        has_keys = has_keys & (n_kv - n_q + offs_r % n_q >= 0)
+    o = acc / tl.where(has_keys, l_i, float("inf"))[:, None]  # a row without keys divides by inf: O = 0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     if FINAL:  # the only split: this is the answer, LSE in natural log
         lse = lse * LN2
     # Outputs are (B, H_q, N_q, num_splits, D), contiguous: this program's rows are rows

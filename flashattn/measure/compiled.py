@@ -91,13 +91,14 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), target=SM90, *
 #: The tables of packed sequences (flashattn.ops.varlen): ``constexprs`` of :func:`compile_kernel`
 #: gives them as "pointer" to compile the VARLEN kernels.
 VARIANT_POINTERS = ("Programs", "CuSeqQ", "CuSeqK")
-#: The score modifications' tensors (flashattn.kernels.mods) and decode's block table: ``constexprs``
-#: gives their element type ("fp32", "u8", "i32") to compile the kernels with ALIBI, MASK_KIND or
-#: PAGED on.
-MOD_POINTERS = ("Slopes", "Mask", "Pages")
-#: decode with every variant on: a paged cache (pages of 16 keys), ALiBi, softcap and a window.
-DECODE_ALL_VARIANTS = dict(PAGED=True, PAGE_SIZE=16, ALIBI=True, SOFTCAP=True, WINDOW=True,
-                           Pages="i32", Slopes="fp32")
+#: The score modifications' tensors (flashattn.kernels.mods), decode's block table, left padding and
+#: cache rows: ``constexprs`` gives their element type ("fp32", "u8", "i32") to compile the kernels
+#: with ALIBI, MASK_KIND, PAGED, LEFTPAD or CACHE_ROWS on.
+MOD_POINTERS = ("Slopes", "Mask", "Pages", "LeftPad", "CacheRows")
+#: decode with every variant on: a paged cache (pages of 16 keys) of a left-padded batch, ALiBi,
+#: softcap and a window (CACHE_ROWS goes without pages).
+DECODE_ALL_VARIANTS = dict(PAGED=True, PAGE_SIZE=16, ALIBI=True, SOFTCAP=True, WINDOW=True, LEFTPAD=True,
+                           Pages="i32", Slopes="fp32", LeftPad="i32")
 
 
 def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM90):
@@ -112,7 +113,7 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
     # ``constexprs`` may override them (a table is then an int32 pointer, see VARIANT_POINTERS).
     variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False,
-                "VARLEN": False, "Slopes": None, "Mask": None, "Pages": None}
+                "VARLEN": False, "Slopes": None, "Mask": None, "Pages": None, "LeftPad": None, "CacheRows": None}
     constexprs = {**{arg: value for arg, value in variants.items() if arg in fn.arg_names}, **constexprs}
     # Every other switch at its default (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT off), as a
     # launch that does not pass it: left out here, it would compile as a run-time int.

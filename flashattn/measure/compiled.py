@@ -189,7 +189,8 @@ def facts(compiled):
     """What a compiled kernel holds, as a dict: registers per thread at launch, spilled bytes,
     shared memory bytes, and counts read from its PTX: wgmma instructions (``wgmma``) and waits
     for them (``wgmma_waits``), TMA copies into and out of shared memory (``tma_loads``,
-    ``tma_stores``), mbarrier waits (``mbarrier_waits``), and the register budgets the warps set
+    ``tma_stores``) and TMA reduce-adds into global memory (``tma_reduces``), mbarrier waits
+    (``mbarrier_waits``), and the register budgets the warps set
     themselves (``setmaxnreg``, sorted)."""
     regs, spill, smem = resources(compiled)
     ptx = compiled.asm["ptx"]
@@ -199,6 +200,7 @@ def facts(compiled):
                 tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx)),
                 tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                 mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
+                tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk", ptx)),
                 setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
 
 

@@ -55,7 +55,7 @@ def test_the_compiled_shared_memory_the_checker_holds_is_the_compilers():
     picked = [(128, 64, 128, 3, 2, 2), (128, 64, 128, 2, 3, 2)]
     configs = [{"STAGES": 3}, {"STAGES": 2, "CONSUMERS": 3}]
     try:
-        rows = compiled.in_child("flashattn.measure.compiled:gluon_report", kernel="fwd", head_dims=[128],
+        rows = compiled.in_child("flashattn.measure.compiled_gluon:gluon_report", kernel="fwd", head_dims=[128],
                                  dtypes=["fp16"], causal=[True], configs=configs)
     except compiled.CannotCompile as reason:
         pytest.skip(str(reason))

@@ -1,6 +1,6 @@
 """The backward kernel for Hopper GPUs (sm_90), written in Gluon: dK and dV, and with ``DQ`` dQ too.
 
-``flashattn.backward.attn_bwd_dkdv`` is the kernel the course teaches: one program keeps a block
+``flashattn.kernels.backward.attn_bwd_dkdv`` is the kernel the course teaches: one program keeps a block
 of keys and values and streams the queries past it, accumulating
 
     dV += P^T dO        dK += dS^T Q        with  P^T = 2**(K Q^T * scale * log2 e - LSE),
@@ -19,13 +19,14 @@ schedules the forward:
   registers and computes dS^T while that one runs, then ``dK += dS^T Q``.
 
 LSE and Delta are read with plain loads into a little shared memory (a row of them is only 4 bytes
-per query, and TMA would need the sequence length to be a multiple of 4), and start the two
-accumulators: the tensor cores leave ``S^T - LSE / (scale log2 e)`` and ``dP^T - Delta``, so no row
-of either is held in registers. Rows past the end get ``LSE = +inf``, so that their probabilities
-are exactly 0 whatever their (zero) scores: no mask is needed there. The keys' rows past the end
-compute garbage that the TMA store never writes.
+per query, and TMA would need the sequence length to be a multiple of 4), and from there when
+needed: the LSE starts S^T's accumulator, so that the tensor cores leave ``S^T - LSE / (scale
+log2 e)`` and no row of it is held in registers across the loop. Query rows past the end get
+``LSE = +inf``, so that their probabilities are exactly 0 whatever their (zero) scores: no mask is
+needed there. Key rows past the end are hidden (their dS^T feeds dQ); the TMA store never writes
+their dK and dV.
 
-Without ``DQ``, dQ is left to the Triton kernel (``flashattn.backward.attn_bwd_dq``), which keeps
+Without ``DQ``, dQ is left to the Triton kernel (``flashattn.kernels.backward.attn_bwd_dq``), which keeps
 the gradients bit-identical from run to run (each dK/dV tile is written by one program, in a fixed
 order). With ``DQ`` (Triton 3.8 and later: TMA reduce-adds), each query tile's share of
 ``dQ = dS K`` is computed here too, a fifth matmul, and added into a float32 accumulator by the copy
@@ -55,7 +56,6 @@ CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
     128: dict(BLOCK_M=32, BLOCK_N=64, STAGES=2),
 }
-CONSUMERS = 2
 #: Registers per thread: at launch, then the consumers' and the producer's budgets (setmaxnreg).
 REGISTERS = dict(launch=168, consumer=240, producer=24)
 
@@ -115,8 +115,8 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
 @gluon.jit
 def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                   kv_ready, ready, empty, ds_ready, done,
-                  LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
-                  C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
+                  qk_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
     the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
@@ -124,9 +124,10 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 
     With DQ, also this query tile's share of dQ = dS K from the program's 2 x BLOCK_N keys: both
     consumers put their dS^T in shared memory (``ds_smem``, two buffers, one per parity of the
-    tile), meet at ``ds_ready``, and consumer C multiplies the whole dS by columns
-    ``C * HEAD_DIM / 2`` onwards of K, then adds the float32 result into ``desc_dq`` with a TMA
-    reduce-add (the copy engine adds it in L2; nothing waits for it until the buffer is reused)."""
+    tile), meet at ``ds_ready``, and consumer C multiplies the whole dS by its half of K's columns
+    (64-query tiles) or takes its half of dS's query rows (128-query tiles: every wgmma keeps 64
+    rows), then adds the float32 result into ``desc_dq`` with a TMA reduce-add (the copy engine adds
+    it in L2; nothing waits for it until the buffer is reused)."""
     s_layout: gl.constexpr = mma_layout(BLOCK_M)      # S^T, dP^T: BLOCK_N keys x BLOCK_M queries
     acc_layout: gl.constexpr = mma_layout(HEAD_DIM)   # dK, dV: BLOCK_N keys x head dim
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -135,6 +136,10 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 
     kv_first = kv_start + C * BLOCK_N
     offs_kv = kv_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    # At the ragged end, keys past n_kv read as zeros: their probabilities 2**-LSE are not 0 and
+    # may overflow dS^T, which dQ multiplies by those zero keys (inf * 0 = NaN): hide them.
+    ragged = kv_first + BLOCK_N > n_kv
+    keys_in = gl.expand_dims(offs_kv < n_kv, 1)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -168,23 +173,26 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        # The accumulators start at -LSE / qk_scale and -Delta, so that the tensor cores leave
-        # S^T - LSE / qk_scale and dP^T - Delta: no row of LSE or Delta stays in registers.
+        # S^T's accumulator starts at -LSE / qk_scale, so that the tensor cores leave
+        # S^T - LSE / qk_scale: no row of the LSE stays in registers. (dP^T's starts at zero: an
+        # accumulator read from registers while S^T's product runs would make ptxas wait for it.)
         lse = stats.index(0).load(col_layout)
         sT = warpgroup_mma(k, q.permute((1, 0)), s_zero - gl.expand_dims(lse / qk_scale, 0), is_async=True)
-        delta = stats.index(1).load(col_layout)
-        dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0), is_async=True)
+        dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(1, deps=[sT])            # S^T is ready; dP^T may still run
         if IS_CAUSAL:
-            if q_start < kv_first + BLOCK_N - 1:         # a tile on the diagonal: hide q < kv
+            if (q_start < kv_first + BLOCK_N - 1) | ragged:  # on the diagonal: hide q < kv
                 offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
-                visible = gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_kv, 1)
+                visible = (gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_kv, 1)) & keys_in
                 sT = gl.where(visible, sT, float("-inf"))
+        elif ragged:
+            sT = gl.where(keys_in, sT, float("-inf"))
         pT = gl.exp2(sT * qk_scale)                                        # P^T from the LSE
         pT_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(pT_op, do, dv, is_async=True)                   # dV += P^T dO
         dpT = warpgroup_mma_wait(1, deps=[dpT])          # dP^T is ready; dV may still run
-        dsT = pT * dpT                                                     # dS^T (unscaled)
+        delta = stats.index(1).load(col_layout)
+        dsT = pT * (dpT - gl.expand_dims(delta, 0))                        # dS^T (unscaled)
         if DQ:
             ds = ds_smem.index(t % 2)                    # [2 x BLOCK_N keys, BLOCK_M queries]
             ds_mine = ds.slice(C * BLOCK_N, BLOCK_N)
@@ -202,7 +210,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
                                gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=mma_layout(DQ_COLS)),
                                use_acc=False, is_async=True)               # dQ = dS K
             dq = warpgroup_mma(ds1.permute((1, 0)), k_cols1, dq, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+            dv, dk, dq, pT_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pT_op])
             mbarrier.arrive(empty.index(stage))          # done with Q_j, dO_j
             tma.store_wait(0)                            # the last tile's reduce-add has read dq_out
             dq_out.store(dq)
@@ -282,12 +290,12 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
     gl.warp_specialize([
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
-                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
+                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ)),
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
-                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
+                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,

@@ -91,7 +91,7 @@ def check_ring_slot(ring_slot):
 
 # ---------------------------------------------------------------------------- shared memory
 
-#: Shared memory the compiler gave the Gluon forward, for sm_90 (``compiled.gluon_report``), per
+#: Shared memory the compiler gave the Gluon forward, for sm_90 (``compiled_gluon.gluon_report``), per
 #: (head dim, BLOCK_M, BLOCK_KV, STAGES, CONSUMERS, bytes per element): the tiles the program keeps
 #: there, plus under 1 KB of mbarriers and the compiler's own scratch. tests/test_exercises_ch12.py
 #: compiles one of them again and checks its row.

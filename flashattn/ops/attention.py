@@ -113,9 +113,10 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     q, k, v, gqa = broadcast(q, k, v, enable_gqa)
     check_inputs(q, k, v, is_causal, scale, return_lse, gqa)
     window_size = check_window_size(window_size)
-    if not isinstance(return_dropout_mask, (bool, np.bool_)):
-        raise TypeError(f"return_dropout_mask must be a bool, got {_type_name(return_dropout_mask)}")
-    is_causal, return_lse = bool(is_causal), bool(return_lse)  # numpy bools too
+    for name, flag in (("return_dropout_mask", return_dropout_mask), ("deterministic", deterministic)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {_type_name(flag)}")
+    is_causal, return_lse, deterministic = bool(is_causal), bool(return_lse), bool(deterministic)  # numpy bools too
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 

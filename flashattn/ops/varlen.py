@@ -104,8 +104,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                  is_causal, scale, return_lse, enable_gqa)
     window_size = check_window_size(window_size)
     check_alignment(causal_alignment)
-    if not isinstance(return_dropout_mask, bool):
-        raise TypeError(f"return_dropout_mask must be a bool, got {type(return_dropout_mask).__name__}")
+    for name, flag in (("return_dropout_mask", return_dropout_mask), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], q.device)
     if paged:

@@ -65,6 +65,8 @@ import torch
 
 import flashattn
 
+from . import left_padding
+
 try:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers import masking_utils
@@ -113,10 +115,21 @@ def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     a static cache's queries); ``attention_mask`` the 2-D padding mask of every position so far,
     whose columns ``kv_offset .. kv_offset + N_k - 1`` are this layer's keys (missing columns are
     padding, as transformers reads them)."""
+    if isinstance(attention_mask, (KeyMask, LeftPadded)) and attention_mask.dim() == 2:
+        # An answer of this function handed back (generate makes a static cache's masks in
+        # advance, then the model asks again with what it got): the layer's keys' mask already.
+        if attention_mask.shape != (batch_size, kv_length):
+            raise ValueError(f"the mask function got its own answer for {tuple(attention_mask.shape[::-1])} "
+                             f"keys and rows back for a layer of {kv_length} keys and {batch_size} rows")
+        return attention_mask
     if mask_function is None:
         mask_function = masking_utils.causal_mask_function   # transformers' default
     pattern = pattern_of(mask_function)
+    in_place = decodes_in_place(pattern, kwargs.get("config"), attention_mask, q_length)
     if pattern is not None and kernels_place(pattern, q_length, kv_length, q_offset, kv_offset):
+        if in_place and attention_mask is not None and kv_length > q_length:
+            mask = layer_columns(attention_mask, kv_length, kv_offset)
+            return LeftPadded.of(mask, left_padding.first_keys(mask), None, pattern)
         return padding_of(attention_mask, kv_length, kv_offset)
     packed = packed_pattern_of(mask_function)
     if packed is not None and attention_mask is None and q_length == kv_length and q_offset == kv_offset == 0 \
@@ -125,9 +138,85 @@ def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         return packed[0].as_subclass(SequenceIds)   # attended as packed sequences
     for name in ("allow_is_causal_skip", "allow_is_bidirectional_skip"):
         kwargs.pop(name, None)
-    return masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+    mask = masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                                    attention_mask, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
                                    **kwargs)
+    seqlens = written_slots(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, mask.device)
+    if in_place and seqlens is not None:
+        # A static cache: the entries written so far, in place; the 4-D mask for any call decode
+        # cannot take.
+        leftpad = None if attention_mask is None else \
+            left_padding.first_keys(layer_columns(attention_mask, kv_length, kv_offset), seqlens)
+        return LeftPadded.of(mask, leftpad, seqlens, pattern)
+    return mask
+
+
+def decodes_in_place(pattern, config, attention_mask, q_length):
+    """Whether a causal pattern's cached keys may be attended in place by ``flashattn.decode``
+    (``cache_leftpad``, ``max_seqlen``): no padding, or a batch whose 2-D mask has the
+    left-padding form. That form is read on the host at the batch's first call (the mask covers
+    its queries alone: the prefill) and predicted for its later calls, each held to it on the
+    device (``flashattn.integrations.left_padding``). Never while compiling (decode is not
+    traced), nor for chunks (the kernels place them only while one chunk holds every key, which
+    a static cache's positions, known on the device, cannot tell)."""
+    if pattern is None or not pattern[0] or torch.compiler.is_compiling():
+        return False
+    if attention_mask is None:
+        return pattern[2] is None
+    if attention_mask.dim() != 2:
+        return False
+    if attention_mask.shape[-1] == q_length and not tracing(attention_mask):
+        return BATCHES.remember(config, attention_mask)  # the batch's first call: read once
+    return BATCHES.predicts_form(config, attention_mask)
+
+
+#: The form of each model's batch, as read at its first call.
+BATCHES = left_padding.Batches()
+
+
+def written_slots(pattern, batch, q_length, kv_length, q_offset, kv_offset, device):
+    """For a causal layer whose keys are a static cache's ``kv_length`` slots, the newest query at
+    position ``q_offset + q_length - 1`` (``q_offset`` an int or, for a static cache, a tensor on
+    the device): the slots written so far, int32 ``(B,)`` on the device. None for anything else."""
+    if pattern is None or not pattern[0] or pattern[2] is not None or not isinstance(kv_offset, numbers.Integral):
+        return None
+    if isinstance(q_offset, torch.Tensor):
+        if q_offset.numel() != 1 or q_offset.is_floating_point():
+            return None
+        written = (q_offset.reshape(1) + (q_length - kv_offset)).to(device=device, dtype=torch.int32)
+    elif isinstance(q_offset, numbers.Integral) and 0 < q_offset + q_length - kv_offset < kv_length:
+        written = torch.full((1,), q_offset + q_length - kv_offset, dtype=torch.int32, device=device)
+    else:
+        return None
+    return written.expand(batch).contiguous()
+
+
+def layer_columns(attention_mask, kv_length, kv_offset):
+    """The 2-D padding mask of the layer's keys, bool ``(B, N_k)``: columns ``kv_offset ..
+    kv_offset + N_k - 1``, those past the mask being padding, as transformers reads them."""
+    mask = attention_mask.bool()
+    if mask.shape[-1] < kv_offset + kv_length:
+        mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[-1]), value=False)
+    return mask[:, kv_offset:kv_offset + kv_length]
+
+
+class LeftPadded(torch.Tensor):
+    """The mask function's answer where ``flashattn.decode`` can attend the cached keys in place:
+    the mask of the general path (the layer's 2-D padding mask, or transformers' 4-D mask for a
+    static cache), with ``cache_leftpad`` (each sequence's first valid key, int32 ``(B,)``, or
+    None), ``cache_seqlens`` (the valid entries, int32 ``(B,)``; None: every key) on the device,
+    and the pattern ``(causal, window, chunk)``."""
+
+    @staticmethod
+    def of(mask, cache_leftpad, cache_seqlens, pattern):
+        span = mask.contiguous().as_subclass(LeftPadded)   # contiguous: generate's .contiguous() keeps it
+        span.cache_leftpad, span.cache_seqlens, span.pattern = cache_leftpad, cache_seqlens, pattern
+        return span
+
+
+class KeyMask(torch.Tensor):
+    """The mask function's 2-D padding mask of a layer's keys ``(B, N_k)``, told apart by its type
+    from a padding mask of whole rows, should transformers hand it back (``layer_mask``)."""
 
 
 class SequenceIds(torch.Tensor):
@@ -231,13 +320,10 @@ def padding_of(attention_mask, kv_length, kv_offset):
     host; while tracing it cannot be, and the mask is returned as it is)."""
     if attention_mask is None:
         return None
-    mask = attention_mask.bool()
-    if mask.shape[-1] < kv_offset + kv_length:   # columns past the mask: padding, as transformers pads
-        mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[-1]), value=False)
-    mask = mask[:, kv_offset:kv_offset + kv_length]
+    mask = layer_columns(attention_mask, kv_length, kv_offset)
     if not tracing(mask) and bool(mask.all()):
         return None
-    return mask
+    return mask.contiguous().as_subclass(KeyMask)
 
 
 # -- The attention function -------------------------------------------------------------------------
@@ -263,6 +349,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          "a multiple of the key heads")
     options = dict(scale=scaling, dropout=float(dropout or 0.0), softcap=softcap, gqa=heads_q != heads_kv,
                    tracing=tracing(query))
+    if isinstance(attention_mask, LeftPadded):
+        out = in_place(module, query, key, value, attention_mask, options, is_causal, sliding_window)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
+    if isinstance(attention_mask, (LeftPadded, KeyMask)):
+        attention_mask = attention_mask.as_subclass(torch.Tensor)   # the general path's mask
     if attention_mask is not None and attention_mask.dim() == 4:
         # The whole pattern, as sdpa and eager take it: nothing else applies.
         call = Call(causal=False, window=(-1, -1), **options)
@@ -303,6 +395,25 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.contiguous(), None
 
 
+def in_place(module, query, key, value, span, options, is_causal, sliding_window):
+    """``flashattn.decode`` on the cached keys where they lie (``LeftPadded``), ``(B, H, N_q, D)``;
+    None where decode cannot compute the call (gradients, dropout, a query as long as its keys, a
+    layer whose causality or window differs from its mask's pattern, torch.compile): the general
+    path then runs with the span's mask. Nothing is read on the host."""
+    batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    _, window, _ = span.pattern
+    call = Call(causal=True, window=window_of(window, True), **options)
+    if not causal or window_of(sliding_window, True) != call.window or n_k <= n_q or span.shape[-1] != n_k \
+            or span.shape[0] != batch or not call.may_decode(query, key, value, n_q, reads=False):
+        return None
+    seqlens = span.cache_seqlens
+    if seqlens is None:
+        seqlens = torch.full((batch,), n_k, dtype=torch.int32, device=query.device)
+    return flashattn.decode(query, key, value, seqlens, scale=call.scale, softcap=call.softcap or 0.0,
+                            window_size=call.window, cache_leftpad=span.cache_leftpad, max_seqlen=n_k)
+
+
 def window_of(sliding_window, causal):
     """FlashAttention's ``window_size`` for a layer's ``sliding_window`` (None: no window)."""
     if sliding_window is None:
@@ -323,13 +434,16 @@ class Call:
         self.scale, self.causal, self.window = scale, causal, window
         self.dropout, self.softcap, self.gqa, self.tracing = dropout, softcap, gqa, tracing
 
-    def may_decode(self, query, key, value, n_q):
+    def may_decode(self, query, key, value, n_q, reads=True):
         """Whether ``flashattn.decode`` can compute this call: causal, forward only, no dropout
         (softcap and windows it takes, aligned bottom-right), values of the queries' head dim
-        (decode's kernels hold one), and not while tracing (decode reads its lengths on the host)."""
+        (decode's kernels hold one), and not while tracing (decode reads its lengths on the host;
+        with ``reads=False``, a call with ``max_seqlen`` that reads nothing, it may be captured in
+        a CUDA graph, but torch.compile does not trace it)."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        traced = self.tracing if reads else torch.compiler.is_compiling()
         return (self.causal and not grad and not self.dropout and value.shape[-1] == query.shape[-1]
-                and not self.tracing)
+                and not traced)
 
     def options(self, cached):
         """The keywords of a flashattn call beyond the defaults; ``cached``: some sequence has more

@@ -74,3 +74,25 @@ class Batches:
         entry = self._seen.get(id(owner)) if owner is not None else None
         return (entry is not None and entry[0]() is owner and entry[1] == mask.shape[0]
                 and entry[2] == mask.device and entry[3])
+
+
+class Spans:
+    """The masks a mask function answered where ``flashattn.decode`` may attend the cached keys in
+    place, each with ``(cache_leftpad, cache_seqlens, pattern)``: found again by the mask object
+    itself (held weakly), so that the answer stays a plain tensor (a subclass would not pass
+    through torch.compile, where generate may hand it)."""
+
+    def __init__(self):
+        self._by_id = {}
+
+    def add(self, mask, cache_leftpad, cache_seqlens, pattern):
+        """Remember ``mask``'s span; return ``mask``."""
+        key = id(mask)
+        forget = lambda _, key=key: self._by_id.pop(key, None)  # noqa: E731  (when the mask is gone)
+        self._by_id[key] = (weakref.ref(mask, forget), cache_leftpad, cache_seqlens, pattern)
+        return mask
+
+    def of(self, mask):
+        """``(cache_leftpad, cache_seqlens, pattern)`` of a mask answered with a span, else None."""
+        entry = self._by_id.get(id(mask))
+        return None if entry is None or entry[0]() is not mask else entry[1:]

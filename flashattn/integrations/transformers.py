@@ -115,13 +115,13 @@ def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     a static cache's queries); ``attention_mask`` the 2-D padding mask of every position so far,
     whose columns ``kv_offset .. kv_offset + N_k - 1`` are this layer's keys (missing columns are
     padding, as transformers reads them)."""
-    if isinstance(attention_mask, (KeyMask, LeftPadded)) and attention_mask.dim() == 2:
-        # An answer of this function handed back (generate makes a static cache's masks in
-        # advance, then the model asks again with what it got): the layer's keys' mask already.
-        if attention_mask.shape != (batch_size, kv_length):
-            raise ValueError(f"the mask function got its own answer for {tuple(attention_mask.shape[::-1])} "
-                             f"keys and rows back for a layer of {kv_length} keys and {batch_size} rows")
-        return attention_mask
+    if attention_mask is not None and attention_mask.dim() == 2 and isinstance(kv_offset, numbers.Integral) \
+            and 0 < kv_offset and attention_mask.shape[-1] == kv_length:
+        # A mask exactly as wide as the layer's keys, which start past the first position, is
+        # theirs already, as transformers' FlashAttention path reads it: this function's 2-D
+        # answer handed back (generate makes a static cache's masks in advance, then the model
+        # asks again with what it got). Placed at the keys' columns, it is read as one.
+        attention_mask = torch.nn.functional.pad(attention_mask.bool(), (kv_offset, 0), value=True)
     if mask_function is None:
         mask_function = masking_utils.causal_mask_function   # transformers' default
     pattern = pattern_of(mask_function)
@@ -129,7 +129,7 @@ def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     if pattern is not None and kernels_place(pattern, q_length, kv_length, q_offset, kv_offset):
         if in_place and attention_mask is not None and kv_length > q_length:
             mask = layer_columns(attention_mask, kv_length, kv_offset)
-            return LeftPadded.of(mask, left_padding.first_keys(mask), None, pattern)
+            return SPANS.add(mask, left_padding.first_keys(mask), None, pattern)
         return padding_of(attention_mask, kv_length, kv_offset)
     packed = packed_pattern_of(mask_function)
     if packed is not None and attention_mask is None and q_length == kv_length and q_offset == kv_offset == 0 \
@@ -147,7 +147,7 @@ def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         # cannot take.
         leftpad = None if attention_mask is None else \
             left_padding.first_keys(layer_columns(attention_mask, kv_length, kv_offset), seqlens)
-        return LeftPadded.of(mask, leftpad, seqlens, pattern)
+        return SPANS.add(mask.contiguous(), leftpad, seqlens, pattern)
     return mask
 
 
@@ -170,8 +170,9 @@ def decodes_in_place(pattern, config, attention_mask, q_length):
     return BATCHES.predicts_form(config, attention_mask)
 
 
-#: The form of each model's batch, as read at its first call.
-BATCHES = left_padding.Batches()
+#: The form of each model's batch, as read at its first call; the masks answered with cached keys
+#: that decode may attend in place.
+BATCHES, SPANS = left_padding.Batches(), left_padding.Spans()
 
 
 def written_slots(pattern, batch, q_length, kv_length, q_offset, kv_offset, device):
@@ -192,31 +193,13 @@ def written_slots(pattern, batch, q_length, kv_length, q_offset, kv_offset, devi
 
 
 def layer_columns(attention_mask, kv_length, kv_offset):
-    """The 2-D padding mask of the layer's keys, bool ``(B, N_k)``: columns ``kv_offset ..
-    kv_offset + N_k - 1``, those past the mask being padding, as transformers reads them."""
+    """The 2-D padding mask of the layer's keys, bool ``(B, N_k)``, contiguous: columns
+    ``kv_offset .. kv_offset + N_k - 1``, those past the mask being padding, as transformers reads
+    them."""
     mask = attention_mask.bool()
     if mask.shape[-1] < kv_offset + kv_length:
         mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[-1]), value=False)
-    return mask[:, kv_offset:kv_offset + kv_length]
-
-
-class LeftPadded(torch.Tensor):
-    """The mask function's answer where ``flashattn.decode`` can attend the cached keys in place:
-    the mask of the general path (the layer's 2-D padding mask, or transformers' 4-D mask for a
-    static cache), with ``cache_leftpad`` (each sequence's first valid key, int32 ``(B,)``, or
-    None), ``cache_seqlens`` (the valid entries, int32 ``(B,)``; None: every key) on the device,
-    and the pattern ``(causal, window, chunk)``."""
-
-    @staticmethod
-    def of(mask, cache_leftpad, cache_seqlens, pattern):
-        span = mask.contiguous().as_subclass(LeftPadded)   # contiguous: generate's .contiguous() keeps it
-        span.cache_leftpad, span.cache_seqlens, span.pattern = cache_leftpad, cache_seqlens, pattern
-        return span
-
-
-class KeyMask(torch.Tensor):
-    """The mask function's 2-D padding mask of a layer's keys ``(B, N_k)``, told apart by its type
-    from a padding mask of whole rows, should transformers hand it back (``layer_mask``)."""
+    return mask[:, kv_offset:kv_offset + kv_length].contiguous()
 
 
 class SequenceIds(torch.Tensor):
@@ -323,7 +306,7 @@ def padding_of(attention_mask, kv_length, kv_offset):
     mask = layer_columns(attention_mask, kv_length, kv_offset)
     if not tracing(mask) and bool(mask.all()):
         return None
-    return mask.contiguous().as_subclass(KeyMask)
+    return mask
 
 
 # -- The attention function -------------------------------------------------------------------------
@@ -349,12 +332,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          "a multiple of the key heads")
     options = dict(scale=scaling, dropout=float(dropout or 0.0), softcap=softcap, gqa=heads_q != heads_kv,
                    tracing=tracing(query))
-    if isinstance(attention_mask, LeftPadded):
-        out = in_place(module, query, key, value, attention_mask, options, is_causal, sliding_window)
+    span = None if attention_mask is None or torch.compiler.is_compiling() else SPANS.of(attention_mask)
+    if span is not None:
+        out = in_place(module, query, key, value, attention_mask, span, options, is_causal, sliding_window)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
-    if isinstance(attention_mask, (LeftPadded, KeyMask)):
-        attention_mask = attention_mask.as_subclass(torch.Tensor)   # the general path's mask
     if attention_mask is not None and attention_mask.dim() == 4:
         # The whole pattern, as sdpa and eager take it: nothing else applies.
         call = Call(causal=False, window=(-1, -1), **options)
@@ -395,23 +377,23 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.contiguous(), None
 
 
-def in_place(module, query, key, value, span, options, is_causal, sliding_window):
-    """``flashattn.decode`` on the cached keys where they lie (``LeftPadded``), ``(B, H, N_q, D)``;
-    None where decode cannot compute the call (gradients, dropout, a query as long as its keys, a
-    layer whose causality or window differs from its mask's pattern, torch.compile): the general
-    path then runs with the span's mask. Nothing is read on the host."""
+def in_place(module, query, key, value, mask, span, options, is_causal, sliding_window):
+    """``flashattn.decode`` on the cached keys where they lie, ``(B, H, N_q, D)``, for a ``mask``
+    the mask function answered with ``span`` (``Spans``: each sequence's first valid key and valid
+    entries, the pattern); None where decode cannot compute the call (gradients, dropout, a query
+    as long as its keys, a layer whose causality or window differs from its mask's pattern): the
+    general path then runs with the mask. Nothing is read on the host."""
     batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
+    cache_leftpad, cache_seqlens, (_, window, _) = span
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    _, window, _ = span.pattern
     call = Call(causal=True, window=window_of(window, True), **options)
-    if not causal or window_of(sliding_window, True) != call.window or n_k <= n_q or span.shape[-1] != n_k \
-            or span.shape[0] != batch or not call.may_decode(query, key, value, n_q, reads=False):
+    if not causal or window_of(sliding_window, True) != call.window or n_k <= n_q or mask.shape[-1] != n_k \
+            or mask.shape[0] != batch or not call.may_decode(query, key, value, n_q, reads=False):
         return None
-    seqlens = span.cache_seqlens
-    if seqlens is None:
-        seqlens = torch.full((batch,), n_k, dtype=torch.int32, device=query.device)
-    return flashattn.decode(query, key, value, seqlens, scale=call.scale, softcap=call.softcap or 0.0,
-                            window_size=call.window, cache_leftpad=span.cache_leftpad, max_seqlen=n_k)
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((batch,), n_k, dtype=torch.int32, device=query.device)
+    return flashattn.decode(query, key, value, cache_seqlens, scale=call.scale, softcap=call.softcap or 0.0,
+                            window_size=call.window, cache_leftpad=cache_leftpad, max_seqlen=n_k)
 
 
 def window_of(sliding_window, causal):

@@ -189,6 +189,7 @@ def test_a_batch_is_read_once_and_remembered_per_model():
     del one   # a model gone: forgotten at the next batch read
     batches.remember(other, left)
     assert len(batches._seen) == 1 and batches.predicts_form(other, left)
+    assert not batches.forget(other) and not batches.predicts_form(other, left)   # a batch not read
 
 
 def test_the_mask_function_answers_a_span_beside_a_plain_mask():

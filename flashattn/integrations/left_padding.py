@@ -68,6 +68,11 @@ class Batches:
                 del self._seen[key]
         return form
 
+    def forget(self, owner):
+        """Forget ``owner``'s batch (a new one whose form is not read); return False."""
+        self._seen.pop(id(owner), None)
+        return False
+
     def predicts_form(self, owner, mask):
         """Whether ``owner``'s batch, first seen in the left-padding form with as many rows on the
         same device as ``mask``, is predicted to keep it (False when nothing is known)."""

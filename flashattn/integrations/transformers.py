@@ -25,6 +25,16 @@ keys (``q_offset``, ``kv_offset``: a cache's) and the 2-D padding mask. It retur
   (A name missing from the mask interface would get no mask at all: a padded batch would
   silently attend its padding.)
 
+Where a causal layer's cached keys can be attended where they lie, the 2-D key mask (a dynamic
+cache) or the 4-D mask (a static one) comes with a *span*, kept beside it (``Spans``: the answer
+stays a plain tensor): each sequence's first valid key and the entries written so far, both on the
+device. That holds for a batch without padding and for one whose 2-D mask has the left-padding form
+(zeros, then ones: ``flashattn.integrations.left_padding``), which is read on the host once per
+batch, at its first call (the prefill), and predicted for its later calls, each held to it by a
+check on the device. A mask as wide as the layer's keys, which start past the first position, is
+read as theirs (as transformers' FlashAttention path reads it): generate makes a static cache's
+masks in advance and hands them back to the mask function.
+
 What the attention function does with what it gets:
 
 - a 4-D mask (that one, or a custom mask passed to the model): ``flashattn.attention`` with it as
@@ -44,15 +54,20 @@ What the attention function does with what it gets:
   (``causal_alignment="bottom_right"``; SDPA's ``is_causal`` and flashattn's default align them
   top-left). In a packed batch the alignment holds within each sequence, so a padded batch with a
   cache is one ``varlen_attention`` call. Without gradients or dropout, ``flashattn.decode``, made
-  for this case, runs instead.
+  for this case, runs instead;
+- a mask with a span, the query shorter than its keys, no gradients or dropout: ``flashattn.decode``
+  on the cache in place, ``cache_leftpad`` and ``cache_seqlens`` from the span, ``max_seqlen`` the
+  keys' count: no gather, no copy, nothing read on the host, so a decoding step waits for nothing
+  and can be captured in a CUDA graph. Anything else takes the mask's path above.
 
 Under ``torch.compile`` (and CUDA graph capture) nothing is read on the host: the padding mask goes
 to ``flashattn.attention`` as a key mask ``(B, 1, 1, N_k)`` beside the causal mask and window,
 ``position_ids`` are not inspected (transformers then folds packed sequences into the 4-D mask
-itself), and ``decode`` (which reads its lengths) is not used. The mask function recognises only
-the plain causal and bidirectional patterns then (the closure of a function made in the graph
-cannot be read): a window or chunks come as the 4-D mask. Only ``cu_seq_lens_q``/``_k`` are
-still read, to size ``varlen_attention``'s launch.
+itself), and ``decode`` runs only in place with a span, which reads nothing (in a CUDA graph; a
+step compiled by torch.compile, which does not trace decode, takes the mask's path). The mask
+function recognises only the plain causal and bidirectional patterns then (the closure of a
+function made in the graph cannot be read): a window or chunks come as the 4-D mask. Only
+``cu_seq_lens_q``/``_k`` are still read, to size ``varlen_attention``'s launch.
 
 transformers' sliding windows count the query itself: ``sliding_window=w`` lets query ``i`` see
 keys ``i - w < j <= i``, which is FlashAttention's ``window_size=(w - 1, 0)``. A bidirectional
@@ -109,7 +124,8 @@ def tracing(tensor=None):
 def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                attention_mask=None, **kwargs):
     """transformers' mask function for this attention: None, the 2-D padding mask ``(B, N_k)``
-    (bool), or transformers' own 4-D mask ``(B, 1, N_q, N_k)`` (see the module's docstring).
+    (bool), or transformers' own 4-D mask ``(B, 1, N_q, N_k)``, either mask perhaps with a span
+    for decode in place (see the module's docstring).
 
     ``q_offset``/``kv_offset`` are the positions of the first query and key (ints, or a tensor for
     a static cache's queries); ``attention_mask`` the 2-D padding mask of every position so far,
@@ -154,19 +170,20 @@ def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
 def decodes_in_place(pattern, config, attention_mask, q_length):
     """Whether a causal pattern's cached keys may be attended in place by ``flashattn.decode``
     (``cache_leftpad``, ``max_seqlen``): no padding, or a batch whose 2-D mask has the
-    left-padding form. That form is read on the host at the batch's first call (the mask covers
-    its queries alone: the prefill) and predicted for its later calls, each held to it on the
-    device (``flashattn.integrations.left_padding``). Never while compiling (decode is not
-    traced), nor for chunks (the kernels place them only while one chunk holds every key, which
-    a static cache's positions, known on the device, cannot tell)."""
+    left-padding form. That form is read on the host at the batch's first call without gradients
+    (the mask covers its queries alone: a prefill; decode takes no gradients) and predicted for
+    its later calls, each held to it on the device (``flashattn.integrations.left_padding``).
+    Never while compiling: torch.compile does not trace decode."""
     if pattern is None or not pattern[0] or torch.compiler.is_compiling():
         return False
     if attention_mask is None:
-        return pattern[2] is None
+        return True
     if attention_mask.dim() != 2:
         return False
-    if attention_mask.shape[-1] == q_length and not tracing(attention_mask):
-        return BATCHES.remember(config, attention_mask)  # the batch's first call: read once
+    if attention_mask.shape[-1] == q_length:   # the batch's first call: read once, or forget the last
+        if torch.is_grad_enabled() or tracing(attention_mask):
+            return BATCHES.forget(config)
+        return BATCHES.remember(config, attention_mask)
     return BATCHES.predicts_form(config, attention_mask)
 
 

@@ -212,6 +212,10 @@ def main(argv=None):
     p.add_argument("--out", help="the CSV (default figures/data/generate_left_padded.csv)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        sys.exit('flashattn.measure.bench_generate needs Hugging Face transformers: pip install "flashattn[transformers]"')
     if args.quick:
         args.batch, args.prompt, args.new, args.layers, args.hidden = 3, 12, 2, 2, 64
         args.heads, args.kv_heads, args.intermediate, args.vocab, args.dtype = 4, 2, 128, 128, "fp32"

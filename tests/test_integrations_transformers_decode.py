@@ -192,6 +192,7 @@ def test_a_batch_is_read_once_and_remembered_per_model():
     assert not batches.forget(other) and not batches.predicts_form(other, left)   # a batch not read
 
 
+@torch.no_grad()   # a batch's form is read at a first call without gradients (decode takes none)
 def test_the_mask_function_answers_a_span_beside_a_plain_mask():
     """A step of a left-padded batch: the layer's 2-D key mask, a plain tensor, with its span kept
     beside it; a static cache's step: transformers' 4-D mask with the slots written so far."""
@@ -212,4 +213,8 @@ def test_the_mask_function_answers_a_span_beside_a_plain_mask():
     keys = fa_transformers.layer_mask(2, 1, 4, 5, 2, window, step, config=config)
     assert torch.equal(keys, step[:, 2:]) and torch.equal(
         fa_transformers.layer_mask(2, 1, 4, 5, 2, window, keys, config=config), keys)
+    # with gradients a first call is not read, and the batch's steps take the general path
+    with torch.enable_grad():
+        fa_transformers.layer_mask(2, 5, 5, 0, 0, causal, mask, config=config)
+    assert fa_transformers.SPANS.of(fa_transformers.layer_mask(2, 1, 6, 5, 0, causal, step, config=config)) is None
 

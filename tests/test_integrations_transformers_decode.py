@@ -204,7 +204,7 @@ def test_the_mask_function_answers_a_span_beside_a_plain_mask():
     answer = fa_transformers.layer_mask(2, 1, 6, 5, 0, causal, step, config=config)
     assert type(answer) is torch.Tensor and torch.equal(answer, step)
     leftpad, seqlens, pattern = fa_transformers.SPANS.of(answer)
-    assert leftpad.tolist() == [2, 0] and seqlens is None and pattern == (True, None, None)
+    assert leftpad.tolist() == [2, 0] and seqlens.tolist() == [6, 6] and pattern == (True, None, None)
     static = fa_transformers.layer_mask(2, 1, 10, torch.tensor(5), 0, causal, step, config=config)
     leftpad, seqlens, _ = fa_transformers.SPANS.of(static)
     assert static.shape == (2, 1, 1, 10) and leftpad.tolist() == [2, 0] and seqlens.tolist() == [6, 6]

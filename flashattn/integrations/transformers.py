@@ -144,8 +144,9 @@ def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     in_place = decodes_in_place(pattern, kwargs.get("config"), attention_mask, q_length)
     if pattern is not None and kernels_place(pattern, q_length, kv_length, q_offset, kv_offset):
         if in_place and attention_mask is not None and kv_length > q_length:
-            mask = layer_columns(attention_mask, kv_length, kv_offset)
-            return SPANS.add(mask, left_padding.first_keys(mask), None, pattern)
+            mask = layer_columns(attention_mask, kv_length, kv_offset)   # every key written: all count
+            every = torch.full((batch_size,), kv_length, dtype=torch.int32, device=mask.device)
+            return SPANS.add(mask, left_padding.first_keys(mask), every, pattern)
         return padding_of(attention_mask, kv_length, kv_offset)
     packed = packed_pattern_of(mask_function)
     if packed is not None and attention_mask is None and q_length == kv_length and q_offset == kv_offset == 0 \
@@ -407,8 +408,6 @@ def in_place(module, query, key, value, mask, span, options, is_causal, sliding_
     if not causal or window_of(sliding_window, True) != call.window or n_k <= n_q or mask.shape[-1] != n_k \
             or mask.shape[0] != batch or not call.may_decode(query, key, value, n_q, reads=False):
         return None
-    if cache_seqlens is None:
-        cache_seqlens = torch.full((batch,), n_k, dtype=torch.int32, device=query.device)
     return flashattn.decode(query, key, value, cache_seqlens, scale=call.scale, softcap=call.softcap or 0.0,
                             window_size=call.window, cache_leftpad=cache_leftpad, max_seqlen=n_k)
 

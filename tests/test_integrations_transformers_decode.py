@@ -6,6 +6,7 @@ Tiny random-weight models built from their configs (nothing downloaded), float32
 (``eager`` for Gemma 2, which transformers refuses SDPA): greedy tokens identical, each step's
 logits within a few float32 roundings of theirs.
 """
+import gc
 import os
 import traceback
 
@@ -187,6 +188,7 @@ def test_a_batch_is_read_once_and_remembered_per_model():
     assert not batches.remember(one, torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool))
     assert not batches.predicts_form(one, left) and not batches.predicts_form(None, left)
     del one   # a model gone: forgotten at the next batch read
+    gc.collect()
     batches.remember(other, left)
     assert len(batches._seen) == 1 and batches.predicts_form(other, left)
     assert not batches.forget(other) and not batches.predicts_form(other, left)   # a batch not read

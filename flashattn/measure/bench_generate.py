@@ -137,8 +137,8 @@ def run(args, log=print):
     meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
                 date=datetime.date.today().isoformat(), dtype=args.dtype, batch=args.batch, prompt=args.prompt,
                 pads=" ".join(map(str, pads)), layers=args.layers, hidden=args.hidden, heads=args.heads,
-                kv_heads=args.kv_heads, cache=args.cache, command=" ".join(["python -m flashattn.measure.bench_generate",
-                                                                            *args.argv]))
+                kv_heads=args.kv_heads, cache=args.cache,
+                command=" ".join(["python -m flashattn.measure.bench_generate", *args.argv]))
     measured, tokens = {}, {}
     for implementation in IMPLEMENTATIONS:
         model.set_attn_implementation(names[implementation])
@@ -154,7 +154,8 @@ def run(args, log=print):
         same = torch.equal(tokens[implementation], tokens["sdpa"])
         rows.append(dict(meta, implementation=implementation, step_ms=f"{step_ms:.4f}", generate_ms=f"{gen_ms:.4f}",
                          tokens_per_s=f"{args.batch / gen_ms * 1e3:.1f}",
-                         of_sdpa=f"{step_ms / measured['sdpa'][0]:.3f}", of_eager=f"{step_ms / measured['eager'][0]:.3f}",
+                         of_sdpa=f"{step_ms / measured['sdpa'][0]:.3f}",
+                         of_eager=f"{step_ms / measured['eager'][0]:.3f}",
                          in_place=placed, same_tokens="yes" if same else "no"))
     return rows
 
@@ -215,7 +216,8 @@ def main(argv=None):
     try:
         import transformers  # noqa: F401
     except ImportError:
-        sys.exit('flashattn.measure.bench_generate needs Hugging Face transformers: pip install "flashattn[transformers]"')
+        sys.exit("flashattn.measure.bench_generate needs Hugging Face transformers: "
+                 'pip install "flashattn[transformers]"')
     if args.quick:
         args.batch, args.prompt, args.new, args.layers, args.hidden = 3, 12, 2, 2, 64
         args.heads, args.kv_heads, args.intermediate, args.vocab, args.dtype = 4, 2, 128, 128, "fp32"

@@ -25,6 +25,16 @@ keys (``q_offset``, ``kv_offset``: a cache's) and the 2-D padding mask. It retur
   (A name missing from the mask interface would get no mask at all: a padded batch would
   silently attend its padding.)
 
+Where a causal layer's cached keys can be attended where they lie, the 2-D key mask (a dynamic
+cache) or the 4-D mask (a static one) comes with a *span*, kept beside it (``Spans``: the answer
+stays a plain tensor): each sequence's first valid key and the entries written so far, both on the
+device. That holds for a batch without padding and for one whose 2-D mask has the left-padding form
+(zeros, then ones: ``flashattn.integrations.left_padding``), which is read on the host once per
+batch, at its first call (the prefill), and predicted for its later calls, each held to it by a
+check on the device. A mask as wide as the layer's keys, which start past the first position, is
+read as theirs (as transformers' FlashAttention path reads it): generate makes a static cache's
+masks in advance and hands them back to the mask function.
+
 What the attention function does with what it gets:
 
 - a 4-D mask (that one, or a custom mask passed to the model): ``flashattn.attention`` with it as
@@ -44,15 +54,20 @@ What the attention function does with what it gets:
   (``causal_alignment="bottom_right"``; SDPA's ``is_causal`` and flashattn's default align them
   top-left). In a packed batch the alignment holds within each sequence, so a padded batch with a
   cache is one ``varlen_attention`` call. Without gradients or dropout, ``flashattn.decode``, made
-  for this case, runs instead.
+  for this case, runs instead;
+- a mask with a span, the query shorter than its keys, no gradients or dropout: ``flashattn.decode``
+  on the cache in place, ``cache_leftpad`` and ``cache_seqlens`` from the span, ``max_seqlen`` the
+  keys' count: no gather, no copy, nothing read on the host, so a decoding step waits for nothing
+  and can be captured in a CUDA graph. Anything else takes the mask's path above.
 
 Under ``torch.compile`` (and CUDA graph capture) nothing is read on the host: the padding mask goes
 to ``flashattn.attention`` as a key mask ``(B, 1, 1, N_k)`` beside the causal mask and window,
 ``position_ids`` are not inspected (transformers then folds packed sequences into the 4-D mask
-itself), and ``decode`` (which reads its lengths) is not used. The mask function recognises only
-the plain causal and bidirectional patterns then (the closure of a function made in the graph
-cannot be read): a window or chunks come as the 4-D mask. Only ``cu_seq_lens_q``/``_k`` are
-still read, to size ``varlen_attention``'s launch.
+itself), and ``decode`` runs only in place with a span, which reads nothing (in a CUDA graph; a
+step compiled by torch.compile, which does not trace decode, takes the mask's path). The mask
+function recognises only the plain causal and bidirectional patterns then (the closure of a
+function made in the graph cannot be read): a window or chunks come as the 4-D mask. Only
+``cu_seq_lens_q``/``_k`` are still read, to size ``varlen_attention``'s launch.
 
 transformers' sliding windows count the query itself: ``sliding_window=w`` lets query ``i`` see
 keys ``i - w < j <= i``, which is FlashAttention's ``window_size=(w - 1, 0)``. A bidirectional
@@ -64,6 +79,8 @@ import numbers
 import torch
 
 import flashattn
+
+from . import left_padding
 
 try:
     from transformers import AttentionInterface, AttentionMaskInterface
@@ -107,16 +124,29 @@ def tracing(tensor=None):
 def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                attention_mask=None, **kwargs):
     """transformers' mask function for this attention: None, the 2-D padding mask ``(B, N_k)``
-    (bool), or transformers' own 4-D mask ``(B, 1, N_q, N_k)`` (see the module's docstring).
+    (bool), or transformers' own 4-D mask ``(B, 1, N_q, N_k)``, either mask perhaps with a span
+    for decode in place (see the module's docstring).
 
     ``q_offset``/``kv_offset`` are the positions of the first query and key (ints, or a tensor for
     a static cache's queries); ``attention_mask`` the 2-D padding mask of every position so far,
     whose columns ``kv_offset .. kv_offset + N_k - 1`` are this layer's keys (missing columns are
     padding, as transformers reads them)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and isinstance(kv_offset, numbers.Integral) \
+            and 0 < kv_offset and attention_mask.shape[-1] == kv_length:
+        # A mask exactly as wide as the layer's keys, which start past the first position, is
+        # theirs already, as transformers' FlashAttention path reads it: this function's 2-D
+        # answer handed back (generate makes a static cache's masks in advance, then the model
+        # asks again with what it got). Placed at the keys' columns, it is read as one.
+        attention_mask = torch.nn.functional.pad(attention_mask.bool(), (kv_offset, 0), value=True)
     if mask_function is None:
         mask_function = masking_utils.causal_mask_function   # transformers' default
     pattern = pattern_of(mask_function)
+    in_place = decodes_in_place(pattern, kwargs.get("config"), attention_mask, q_length)
     if pattern is not None and kernels_place(pattern, q_length, kv_length, q_offset, kv_offset):
+        if in_place and attention_mask is not None and kv_length > q_length:
+            mask = layer_columns(attention_mask, kv_length, kv_offset)   # every key written: all count
+            every = torch.full((batch_size,), kv_length, dtype=torch.int32, device=mask.device)
+            return SPANS.add(mask, left_padding.first_keys(mask), every, pattern)
         return padding_of(attention_mask, kv_length, kv_offset)
     packed = packed_pattern_of(mask_function)
     if packed is not None and attention_mask is None and q_length == kv_length and q_offset == kv_offset == 0 \
@@ -125,9 +155,69 @@ def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         return packed[0].as_subclass(SequenceIds)   # attended as packed sequences
     for name in ("allow_is_causal_skip", "allow_is_bidirectional_skip"):
         kwargs.pop(name, None)
-    return masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+    mask = masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                                    attention_mask, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
                                    **kwargs)
+    seqlens = written_slots(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, mask.device)
+    if in_place and seqlens is not None:
+        # A static cache: the entries written so far, in place; the 4-D mask for any call decode
+        # cannot take.
+        leftpad = None if attention_mask is None else \
+            left_padding.first_keys(layer_columns(attention_mask, kv_length, kv_offset), seqlens)
+        return SPANS.add(mask.contiguous(), leftpad, seqlens, pattern)
+    return mask
+
+
+def decodes_in_place(pattern, config, attention_mask, q_length):
+    """Whether a causal pattern's cached keys may be attended in place by ``flashattn.decode``
+    (``cache_leftpad``, ``max_seqlen``): no padding, or a batch whose 2-D mask has the
+    left-padding form. That form is read on the host at the batch's first call without gradients
+    (the mask covers its queries alone: a prefill; decode takes no gradients) and predicted for
+    its later calls, each held to it on the device (``flashattn.integrations.left_padding``).
+    Never while compiling: torch.compile does not trace decode."""
+    if pattern is None or not pattern[0] or torch.compiler.is_compiling():
+        return False
+    if attention_mask is None:
+        return True
+    if attention_mask.dim() != 2:
+        return False
+    if attention_mask.shape[-1] == q_length:   # the batch's first call: read once, or forget the last
+        if torch.is_grad_enabled() or tracing(attention_mask):
+            return BATCHES.forget(config)
+        return BATCHES.remember(config, attention_mask)
+    return BATCHES.predicts_form(config, attention_mask)
+
+
+#: The form of each model's batch, as read at its first call; the masks answered with cached keys
+#: that decode may attend in place.
+BATCHES, SPANS = left_padding.Batches(), left_padding.Spans()
+
+
+def written_slots(pattern, batch, q_length, kv_length, q_offset, kv_offset, device):
+    """For a causal layer whose keys are a static cache's ``kv_length`` slots, the newest query at
+    position ``q_offset + q_length - 1`` (``q_offset`` an int or, for a static cache, a tensor on
+    the device): the slots written so far, int32 ``(B,)`` on the device. None for anything else."""
+    if pattern is None or not pattern[0] or pattern[2] is not None or not isinstance(kv_offset, numbers.Integral):
+        return None
+    if isinstance(q_offset, torch.Tensor):
+        if q_offset.numel() != 1 or q_offset.is_floating_point():
+            return None
+        written = (q_offset.reshape(1) + (q_length - kv_offset)).to(device=device, dtype=torch.int32)
+    elif isinstance(q_offset, numbers.Integral) and 0 < q_offset + q_length - kv_offset < kv_length:
+        written = torch.full((1,), q_offset + q_length - kv_offset, dtype=torch.int32, device=device)
+    else:
+        return None
+    return written.expand(batch).contiguous()
+
+
+def layer_columns(attention_mask, kv_length, kv_offset):
+    """The 2-D padding mask of the layer's keys, bool ``(B, N_k)``, contiguous: columns
+    ``kv_offset .. kv_offset + N_k - 1``, those past the mask being padding, as transformers reads
+    them."""
+    mask = attention_mask.bool()
+    if mask.shape[-1] < kv_offset + kv_length:
+        mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[-1]), value=False)
+    return mask[:, kv_offset:kv_offset + kv_length].contiguous()
 
 
 class SequenceIds(torch.Tensor):
@@ -231,10 +321,7 @@ def padding_of(attention_mask, kv_length, kv_offset):
     host; while tracing it cannot be, and the mask is returned as it is)."""
     if attention_mask is None:
         return None
-    mask = attention_mask.bool()
-    if mask.shape[-1] < kv_offset + kv_length:   # columns past the mask: padding, as transformers pads
-        mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[-1]), value=False)
-    mask = mask[:, kv_offset:kv_offset + kv_length]
+    mask = layer_columns(attention_mask, kv_length, kv_offset)
     if not tracing(mask) and bool(mask.all()):
         return None
     return mask
@@ -263,6 +350,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          "a multiple of the key heads")
     options = dict(scale=scaling, dropout=float(dropout or 0.0), softcap=softcap, gqa=heads_q != heads_kv,
                    tracing=tracing(query))
+    span = None if attention_mask is None or torch.compiler.is_compiling() else SPANS.of(attention_mask)
+    if span is not None:
+        out = in_place(module, query, key, value, attention_mask, span, options, is_causal, sliding_window)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.dim() == 4:
         # The whole pattern, as sdpa and eager take it: nothing else applies.
         call = Call(causal=False, window=(-1, -1), **options)
@@ -303,6 +395,23 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.contiguous(), None
 
 
+def in_place(module, query, key, value, mask, span, options, is_causal, sliding_window):
+    """``flashattn.decode`` on the cached keys where they lie, ``(B, H, N_q, D)``, for a ``mask``
+    the mask function answered with ``span`` (``Spans``: each sequence's first valid key and valid
+    entries, the pattern); None where decode cannot compute the call (gradients, dropout, a query
+    as long as its keys, a layer whose causality or window differs from its mask's pattern): the
+    general path then runs with the mask. Nothing is read on the host."""
+    batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
+    cache_leftpad, cache_seqlens, (_, window, _) = span
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    call = Call(causal=True, window=window_of(window, True), **options)
+    if not causal or window_of(sliding_window, True) != call.window or n_k <= n_q or mask.shape[-1] != n_k \
+            or mask.shape[0] != batch or not call.may_decode(query, key, value, n_q, reads=False):
+        return None
+    return flashattn.decode(query, key, value, cache_seqlens, scale=call.scale, softcap=call.softcap or 0.0,
+                            window_size=call.window, cache_leftpad=cache_leftpad, max_seqlen=n_k)
+
+
 def window_of(sliding_window, causal):
     """FlashAttention's ``window_size`` for a layer's ``sliding_window`` (None: no window)."""
     if sliding_window is None:
@@ -323,13 +432,16 @@ class Call:
         self.scale, self.causal, self.window = scale, causal, window
         self.dropout, self.softcap, self.gqa, self.tracing = dropout, softcap, gqa, tracing
 
-    def may_decode(self, query, key, value, n_q):
+    def may_decode(self, query, key, value, n_q, reads=True):
         """Whether ``flashattn.decode`` can compute this call: causal, forward only, no dropout
         (softcap and windows it takes, aligned bottom-right), values of the queries' head dim
-        (decode's kernels hold one), and not while tracing (decode reads its lengths on the host)."""
+        (decode's kernels hold one), and not while tracing (decode reads its lengths on the host;
+        with ``reads=False``, a call with ``max_seqlen`` that reads nothing, it may be captured in
+        a CUDA graph, but torch.compile does not trace it)."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        traced = self.tracing if reads else torch.compiler.is_compiling()
         return (self.causal and not grad and not self.dropout and value.shape[-1] == query.shape[-1]
-                and not self.tracing)
+                and not traced)
 
     def options(self, cached):
         """The keywords of a flashattn call beyond the defaults; ``cached``: some sequence has more

@@ -291,7 +291,7 @@ def hours(minutes):
 
 
 def kind_counts(kinds):
-    """'2 kernels, 1 piece' for the kinds of a chapter's exercises, in the order of KINDS."""
+    """'2 kernels, 1 piece' for the kinds of a chapter's exercises, the longest kind first."""
     counts = [(kinds.count(kind), kind) for kind in reversed(KINDS) if kind in kinds]
     return ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for n, kind in counts) or "none"
 
@@ -323,21 +323,24 @@ def time_section(names, present):
         out.append(f"| {number} | [{md_escape(title)}](notebooks/{name}.ipynb){optional} | {t['words']:,} "
                    f"| {round(t['reading'])} min | {t['code_cells']} | {round(t['running'])} min "
                    f"| {len(t['kinds'])}: {kind_counts(t['kinds'])} | {t['practice']} min | {hours(t['total'])} |")
-    total = lambda key, only=times: sum(t[key] for name, t in times.items() if name in only)  # noqa: E731
+    def total(key, names=tuple(times)):
+        return sum(times[name][key] for name in names)
+
     out.append(f"| all | {len(times)} notebooks | {total('words'):,} | {hours(total('reading'))} "
                f"| {total('code_cells')} | {hours(total('running'))} "
                f"| {sum(len(t['kinds']) for t in times.values())} | {hours(total('practice'))} "
                f"| **{hours(total('total'))}** |")
-    core = [name for name in times if name.split("_", 1)[0] <= CORE_LAST]
-    optional = [name.split("_", 1)[0] for name in OPTIONAL if name in times]
-    without = [name for name in times if name not in OPTIONAL]
-    out += ["", "The total in bold is for a learner who does all of it. "
-                + (f"Without the optional chapter{'s' if len(optional) > 1 else ''} {', '.join(optional)} it comes "
-                   f"to {hours(total('total', without))}, w" if optional else "W")
-                + f"ithout the exercises to {hours(total('total') - total('practice'))}, and chapters 00 to "
-                f"{CORE_LAST} alone (the forward and backward kernels, their Function and their tests) take "
-                f"{hours(total('total', core))}. The counts move as the chapters are edited: "
-                "`python tools/make_student.py` counts them again, and `--check` fails while this table is stale."]
+    optional = [name for name in times if name in OPTIONAL]
+    parts = [f"without the exercises, {hours(total('total') - total('practice'))}",
+             f"chapters 00 to {CORE_LAST} alone (the forward and backward kernels, their Function and their "
+             f"tests), {hours(total('total', [n for n in times if n.split('_', 1)[0] <= CORE_LAST]))}"]
+    if optional:
+        numbers = ", ".join(name.split("_", 1)[0] for name in optional)
+        parts.insert(0, f"without the optional chapter{'s' * (len(optional) > 1)} {numbers}, "
+                        f"{hours(total('total', [n for n in times if n not in OPTIONAL]))}")
+    out += ["", "The total in bold is for a learner who does all of it. Parts of it: " + "; ".join(parts) + ". "
+            "The counts move as the chapters are edited: `python tools/make_student.py` counts them again, "
+            "and `--check` fails while this table is stale."]
     return out
 
 

@@ -166,7 +166,7 @@ DQ_HEAD = "    kv_head = head // n_group\n"
 DKDV_HEAD = "head = kv_head * n_group + g"
 DKDV_BOUNDS = "my_window_bounds(kv_start, n_q, win_right, win_left,"
 DKDV_MASK = "my_in_window(queries[None, :], offs_kv[:, None], win_left, win_right)"
-DQ_MASK = ('my_in_window(offs_q[:, None], offs_kv[None, :], win_left, win_right)\n'
+DQ_MASK = ('my_in_window(offs_q[:, None], keys[None, :], win_left, win_right)\n'
            '                ### END SOLUTION\n            s = tl.where(keep, s, float("-inf"))\n'
            '        p = tl.exp2')
 
@@ -175,7 +175,7 @@ DQ_MASK = ('my_in_window(offs_q[:, None], offs_kv[None, :], win_left, win_right)
     ("dQ: K/V heads round-robin", [(DQ_HEAD, "    kv_head = head % (n_heads // n_group)\n")], "dealt out round-robin"),
     ("dQ: K/V head of the query head", [(DQ_HEAD, "    kv_head = head\n")],
      "has NaN from query head 2 on, which read K/V heads that do not exist"),
-    ("dQ: no window mask", [(DQ_MASK, DQ_MASK.replace("my_in_window(offs_q[:, None], offs_kv[None, :], win_left, "
+    ("dQ: no window mask", [(DQ_MASK, DQ_MASK.replace("my_in_window(offs_q[:, None], keys[None, :], win_left, "
                                                       "win_right)", "(offs_q[:, None] >= 0)"))],
      "under the window it visits the same tiles as the forward"),
     ("dK/dV: group round-robin", [(DKDV_HEAD, "head = kv_head + g * (n_heads // n_group)")],
@@ -186,7 +186,7 @@ DQ_MASK = ('my_in_window(offs_q[:, None], offs_kv[None, :], win_left, win_right)
                                                     "\n        dv = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)")],
      "only the last query head of each group counts"),
     ("dK/dV: the same head", [(DKDV_HEAD, "head = kv_head")], "the same query head was added n_group times"),
-    ("dK/dV: averaged", [("    dk *= scale\n    tl.store(dK", "    dk *= scale / n_group\n    dv = dv / n_group\n    tl.store(dK")],
+    ("dK/dV: averaged", [("    dk *= scale   ", "    dv = dv / n_group\n    dk *= scale / n_group   ")],
      "the shares of the group were averaged"),
     ("dK/dV: the window not turned around", [(DKDV_BOUNDS, "my_window_bounds(kv_start, n_q, win_left, win_right,")],
      "seen from key j, the window turns around"),

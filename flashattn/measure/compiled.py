@@ -20,6 +20,7 @@ A notebook asks for the PTX of a kernel (one of the package's, or one it defines
 NVIDIA architecture with :func:`ptx_of`, which runs the compiler through :func:`in_child`.
 """
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -141,19 +142,20 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
                         aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages)
 
 
-def _cuobjdump(compiled, flag):
-    """What the cuobjdump that ships with Triton prints about a compiled kernel's cubin."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+@functools.lru_cache(maxsize=4)  # several facts of one kernel read the same SASS: disassembled once
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What the cuobjdump that ships with Triton prints about a cubin (``flag``: -sass, -res-usage)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        return subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
 
 
 def resources(compiled):
     """``(registers per thread, spilled bytes per thread, shared memory bytes)`` of a compiled
     kernel, read with the cuobjdump that ships with Triton (-1 where it cannot say)."""
-    out = _cuobjdump(compiled, "-res-usage")
+    out = cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
     return (int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1,
@@ -366,7 +368,7 @@ def instructions(compiled):
     cuobjdump disassembles it), and ``"shapes"``: the sorted PTX shapes of its matrix products
     (``wgmma ... m64n64k16`` gives "wgmma m64n64k16", ``mma.sync ... m16n8k16`` "mma m16n8k16")."""
     counts = dict.fromkeys(OPCODES, 0)
-    for line in _cuobjdump(compiled, "-sass").splitlines():
+    for line in cuobjdump(compiled.asm["cubin"], "-sass").splitlines():
         match = re.match(r"\s+/\*[0-9a-f]+\*/\s+([A-Z0-9_]+)", line)
         if match and match.group(1) in counts:
             counts[match.group(1)] += 1

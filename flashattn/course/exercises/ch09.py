@@ -325,15 +325,9 @@ TILE_PAIR = ((16, 16, 4, 3), (64, 64, 4, 3))
 
 def sass(kernel):
     """A compiled kernel's machine code (SASS), as the cuobjdump that ships with Triton prints it."""
-    import os
-    import subprocess
-    import tempfile
+    from ...measure.compiled import cuobjdump
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    return cuobjdump(kernel.asm["cubin"], "-sass")
 
 
 def loop_instructions(kernel):

@@ -377,11 +377,13 @@ def run_backward(my_attn_bwd_dq, my_attn_bwd_dkdv, q, k, v, do, is_causal, windo
     flags = dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), IS_CAUSAL=causal, WINDOW=windowed)
     bq, bkv = dq_blocks
     launch_learner_kernel(my_attn_bwd_dq, (triton.cdiv(n_q, bq), hq, batch),
-                          (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *rest),
+                          (q, k, v, do, lse2, delta, dq,
+                           *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *rest),
                           dict(BLOCK_Q=bq, BLOCK_KV=bkv, **flags), "my_attn_bwd_dq", my_attn_bwd_dq, forbid=FORBID)
     bq, bkv = dkdv_blocks
     launch_learner_kernel(my_attn_bwd_dkdv, (triton.cdiv(n_kv, bkv), hkv, batch),
-                          (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *rest),
+                          (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(),
+                           *do.stride(), *dk.stride(), *dv.stride(), *rest),
                           dict(BLOCK_Q=bq, BLOCK_KV=bkv, **flags), "my_attn_bwd_dkdv", my_attn_bwd_dkdv,
                           forbid=FORBID)
     return dq, dk, dv
@@ -446,7 +448,7 @@ def check_gqa_window_backward(my_attn_bwd_dq, my_attn_bwd_dkdv):
     group) and windows (the dK/dV kernel's query range and mask turned around). dQ, dK and dV
     against float64 under the course's rule on :data:`BACKWARD_CASES`; the LSE and Delta are given."""
     _require({"my_attn_bwd_dq": my_attn_bwd_dq, "my_attn_bwd_dkdv": my_attn_bwd_dkdv,
-              **_helpers(my_attn_bwd_dq, "my_dq_tiles"), **_helpers(my_attn_bwd_dkdv, "my_dkdv_tiles")})
+              **_helpers(my_attn_bwd_dq, "dq_inner"), **_helpers(my_attn_bwd_dkdv, "dkdv_inner")})
     earlier = _helpers(my_attn_bwd_dq, "my_window_bounds", "my_in_window")
     _require(earlier, exercise_of={name: "the forward's exercise" for name in earlier})
     try:  # the forward's exercise checks them; the backward kernels call them too

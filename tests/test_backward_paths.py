@@ -23,7 +23,6 @@ from flashattn.testing.reference import naive_attention
 from flashattn.testing.rule import compare_with_reference
 
 
-
 class StandIn:
     """Plays flashattn.hopper.backward: supports everything, counts calls, computes from the
     formula in float64."""
@@ -122,7 +121,24 @@ def test_calls_the_gluon_kernels_do_not_compute_never_take_it(gluon, variant):
         kw = {"softcap": dict(softcap=20.0), "window": dict(window_size=(8, 0))}[variant]
         out = flashattn.attention(q, k, v, is_causal=True, **kw)
     out.float().sum().backward()
-    assert "fused" not in gluon.calls, gluon.calls
+    assert gluon.calls == [], gluon.calls  # neither Gluon backward kernel
+
+
+def test_a_fixed_configuration_never_takes_it(gluon):
+    """A fixed dQ configuration keeps the Triton dQ kernel (dK/dV may still be Gluon's)."""
+    from flashattn.ops import dispatch
+    q, k, v = qkv(heads_kv=4, n=20)
+    o, lse2 = dispatch.attention_forward(q, k, v, True, 0.1)
+    configs = {"bwd_dq": dict(BLOCK_Q=16, BLOCK_KV=16, num_warps=4, num_stages=1)}
+    dispatch.attention_backward(q, k, v, o, lse2, torch.randn_like(o), True, 0.1, configs=configs)
+    assert gluon.calls == ["dkdv"], gluon.calls
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, None])
+def test_deterministic_must_be_a_bool(flag):
+    q, k, v = qkv(heads_kv=4, n=5)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashattn.attention(q, k, v, deterministic=flag)
 
 
 def test_the_fused_kernel_needs_the_reduce_add(gluon, monkeypatch):

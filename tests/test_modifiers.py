@@ -406,3 +406,74 @@ def test_dropout_bits_are_philox_by_its_definition(row0, col0):
     if row0 == 5:
         mask = dropout_mask((1, 1, 21, 70), p, seed, DEVICE).cpu()
         assert torch.equal(mask, keep_by_numpy(seed, p, range(21), range(70)).reshape(1, 1, 21, 70))
+        # packed sequences: sequence b's pairs are rows head * total_q + cu_q[b] + i, columns cu_k[b] + j
+        cu_q, cu_k = torch.tensor([0, 7, 7, 20]), torch.tensor([0, 37, 40, 75])
+        mask = dropout_mask((3, 2, 13, 37), p, seed, DEVICE, cu_q, cu_k).cpu()
+        for b in range(3):
+            nq, nk = int(cu_q[b + 1] - cu_q[b]), int(cu_k[b + 1] - cu_k[b])
+            for head in range(2):
+                rows = range(head * 20 + int(cu_q[b]), head * 20 + int(cu_q[b + 1]))
+                want = keep_by_numpy(seed, p, rows, range(int(cu_k[b]), int(cu_k[b + 1])))
+                assert torch.equal(mask[b, head, :nq, :nk], want), (b, head)
+            assert not mask[b, :, nq:].any() and not mask[b, :, :, nk:].any()
+
+
+@pytest.mark.parametrize("case", ["plain", "causal-gqa-window", "five-dims"])
+def test_the_call_returns_its_dropout_mask(case):
+    """``return_dropout_mask=True``: the mask the call drew, with no knowledge of how its seed is
+    drawn. With V the identity, output row i is ``P_i * keep_i / (1 - p)``: the kept pairs are
+    where the output is not 0; and the reference given the mask reproduces the call, forward and
+    backward, under the rule (a dtype per case)."""
+    kwargs = dict(dropout_p=0.3)
+    n = 16
+    q, k, _ = make_qkv(n, n, n, heads_q=4 if "gqa" in case else 2)
+    v = torch.eye(n, device=DEVICE).expand(2, k.shape[1], n, n)
+    if "window" in case:
+        kwargs.update(is_causal=True, window_size=(5, 0))
+    gqa = dict(enable_gqa="gqa" in case)
+    if case == "five-dims":
+        q, k, v = (t.reshape(1, 2, *t.shape[1:]) for t in (q, k, v))
+    out, keep = flashattn.attention(q, k, v, **kwargs, **gqa, return_dropout_mask=True)
+    assert keep.dtype == torch.bool and keep.shape == (*q.shape[:-1], n)
+    visible = naive_attention(q, k, v, **{key: val for key, val in kwargs.items() if key != "dropout_p"},
+                              **gqa)[0] != 0
+    assert torch.equal(out != 0, keep & visible)
+    dtype = {"plain": torch.float16, "causal-gqa-window": torch.bfloat16}.get(case, torch.float32)
+    qd, kd, vd = (t.to(dtype) for t in make_qkv(heads_q=q.shape[-3], seed=3))
+    causal = kwargs.get("is_causal", False)
+    call = {key: val for key, val in kwargs.items() if key != "is_causal"}
+    torch.manual_seed(8)
+    _, _, keep = flashattn.attention(qd, kd, vd, **call, **gqa, is_causal=causal, return_lse=True,
+                                     return_dropout_mask=True)
+    torch.manual_seed(8)   # compare_with_reference's call draws the same mask again
+    assert_rule(checks_of(qd, kd, vd, causal, ref_kwargs=dict(dropout_keep=keep), **call))
+    # without dropout every pair is kept
+    assert flashattn.attention(q, k, v, **gqa, return_dropout_mask=True)[1].all()
+
+
+def test_varlen_returns_its_dropout_mask():
+    """varlen_attention's mask, batch x heads x max_q x max_k, each sequence's in its corner: the
+    reference of each sequence given its block reproduces the call; past a sequence, False."""
+    lengths_q, lengths_k = [5, 0, 13, 9], [8, 3, 6, 12]
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(lengths_q), 2, 16, generator=g).to(DEVICE)
+    k, v = (torch.randn(sum(lengths_k), 2, 16, generator=g).to(DEVICE) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=DEVICE)
+                  for n in (lengths_q, lengths_k))
+    out, keep = flashattn.varlen_attention(q, k, v, cu_q, cu_k, 13, 12, is_causal=True, dropout_p=0.3,
+                                           causal_alignment="bottom_right", return_dropout_mask=True)
+    assert keep.shape == (4, 2, 13, 12)
+    for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
+        sq, sk = sum(lengths_q[:b]), sum(lengths_k[:b])
+        assert not keep[b, :, nq:].any() and not keep[b, :, :, nk:].any()
+        if nq == 0:
+            continue
+        qs, ks, vs = (t[s:s + n].transpose(0, 1).double() for t, s, n in ((q, sq, nq), (k, sk, nk), (v, sk, nk)))
+        expected, _ = naive_attention(qs, ks, vs, is_causal=True, causal_alignment="bottom_right", dropout_p=0.3,
+                                      dropout_keep=keep[b, :, :nq, :nk])
+        torch.testing.assert_close(out[sq:sq + nq].transpose(0, 1).double(), expected, rtol=0, atol=2e-6)
+        # a mask of another call does not reproduce this one
+        other = ~keep[b, :, :nq, :nk]
+        wrong, _ = naive_attention(qs, ks, vs, is_causal=True, causal_alignment="bottom_right", dropout_p=0.3,
+                                   dropout_keep=other)
+        assert (out[sq:sq + nq].transpose(0, 1).double() - wrong).abs().max() > 1e-2

@@ -27,10 +27,12 @@ from flashattn.testing.reference import naive_attention  # noqa: E402
 from flashattn.testing.rule import compare_with_reference  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: (batch, heads, K/V heads, N_q, N_kv): odd lengths, one row, grouped heads, N_q != N_kv.
-SHAPES = [(2, 3, 3, 1, 1), (2, 3, 3, 17, 17), (1, 2, 2, 113, 113), (2, 4, 4, 300, 300),
-          (1, 8, 2, 257, 257), (1, 2, 2, 1000, 1000), (1, 2, 2, 100, 300), (1, 2, 2, 300, 100),
-          (1, 4, 1, 4097, 4097)]
+#: (batch, heads, K/V heads, N_q, N_kv, magnitude of q and k): odd lengths, one row, grouped heads,
+#: N_q != N_kv, and large scores with few keys (keys past the end must add nothing to dQ: their
+#: probabilities, 2**-LSE, overflow fp16 when the scores are large and negative).
+SHAPES = [(2, 3, 3, 1, 1, 1), (2, 3, 3, 17, 17, 1), (1, 2, 2, 113, 113, 1), (2, 4, 4, 300, 300, 1),
+          (1, 8, 2, 257, 257, 1), (1, 2, 2, 1000, 1000, 1), (1, 2, 2, 100, 300, 1), (1, 2, 2, 300, 100, 1),
+          (1, 4, 1, 4097, 4097, 1), (2, 2, 2, 300, 1, 3), (1, 2, 2, 777, 70, 3)]
 
 
 def attention(deterministic):
@@ -61,11 +63,12 @@ def checks(calls, dtypes):
         dtype = DTYPES[dtype_name]
         for head_dim in (64, 128):
             for causal in (False, True):
-                for b, h, h_kv, n_q, n_kv in SHAPES:
+                for b, h, h_kv, n_q, n_kv, magnitude in SHAPES:
                     g = torch.Generator(device="cuda").manual_seed(n_q * 7 + n_kv)
-                    q = torch.randn(b, h, n_q, head_dim, device="cuda", dtype=dtype, generator=g)
-                    k, v = (torch.randn(b, h_kv, n_kv, head_dim, device="cuda", dtype=dtype, generator=g)
-                            for _ in range(2))
+                    q = magnitude * torch.randn(b, h, n_q, head_dim, device="cuda", generator=g)
+                    k = magnitude * torch.randn(b, h_kv, n_kv, head_dim, device="cuda", generator=g)
+                    v = torch.randn(b, h_kv, n_kv, head_dim, device="cuda", generator=g)
+                    q, k, v = (t.to(dtype) for t in (q, k, v))
                     ref = functools.partial(naive_attention, enable_gqa=h != h_kv)
                     for deterministic in (False, True):
                         before = calls[0]
@@ -76,7 +79,7 @@ def checks(calls, dtypes):
                         failures += bool(bad) or fused == deterministic
                         worst = max(c.error / c.bound for c in result)
                         print(f"{'FAIL' if bad or fused == deterministic else 'ok  '} {dtype_name} D{head_dim} "
-                              f"{'causal' if causal else 'full  '} B{b} H{h}/{h_kv} {n_q}x{n_kv} "
+                              f"{'causal' if causal else 'full  '} B{b} H{h}/{h_kv} {n_q}x{n_kv} x{magnitude} "
                               f"{'deterministic' if deterministic else 'fused'}: worst {worst:.2f} of the bound"
                               + (f" ({'; '.join(map(str, bad))})" if bad else "")
                               + ("" if fused != deterministic else " WRONG PATH"), flush=True)

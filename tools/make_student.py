@@ -20,7 +20,6 @@ is only cleared), so exercises/ is a complete copy of the course for learners.
 """
 import argparse
 import ast
-import math
 import re
 import sys
 from pathlib import Path
@@ -204,8 +203,52 @@ def student_version(nb):
 
 
 # ---------------------------------------------------------------------------------------------
-# INSTRUCTORS.md: the chapter map and the exercise table
+# INSTRUCTORS.md: the chapter map with the learner's time, and the exercise table
 # ---------------------------------------------------------------------------------------------
+
+#: How fast a learner reads the chapters' prose (technical, with formulas): words a minute.
+WORDS_PER_MINUTE = 150
+#: Minutes per code cell: reading a listing or a check, running it, looking at its output or figure.
+MINUTES_PER_CODE_CELL = 2
+#: The kinds of exercise: (minutes a learner spends on one, what the kind is).
+KINDS = {
+    "prediction": (5, "a count or a prediction"),
+    "derivation": (15, "a formula derived on paper and written in a few lines"),
+    "function": (20, "a small function"),
+    "piece": (30, "a kernel piece, a launcher, or a function as hard as one"),
+    "kernel": (60, "a whole kernel, kernel loop or algorithm"),
+}
+#: Each exercise's kind, by grade_id. make_student refuses an exercise missing here, and an entry
+#: whose exercise no notebook holds: a new exercise gets its kind here, with the notebook.
+EXERCISE_KINDS = {
+    "ch00-naive-causal": "function", "ch00-max-context": "derivation",
+    "ch01-online-softmax": "function", "ch01-block-alphas": "derivation", "ch01-merge-states": "function",
+    "ch01-online-weighted-sum": "piece",
+    "ch02-predict-instructions": "prediction", "ch02-lse-from-state": "derivation",
+    "ch03-classify": "function", "ch03-causal-tiles": "prediction", "ch03-tiled-attention": "kernel",
+    "ch04-causal-mask": "piece", "ch04-row-softmax": "piece", "ch04-tiled-matmul": "piece",
+    "ch04-attention-tile": "piece", "ch04-stream-kv": "kernel",
+    "ch05-kv-stage-bounds": "function", "ch05-fwd-inner": "kernel", "ch05-my-attn-fwd": "kernel",
+    "ch05-my-attention-forward": "piece",
+    "ch06-softmax-backward": "derivation", "ch06-attention-backward": "piece", "ch06-slip-factors": "prediction",
+    "ch07-delta-kernel": "piece", "ch07-dq-inner": "kernel", "ch07-dq-kernel": "kernel",
+    "ch07-dkdv-inner": "kernel", "ch07-dkdv-kernel": "kernel", "ch07-backward-launcher": "piece",
+    "ch08-my-attention": "piece", "ch08-rule-test": "function", "ch08-row-lse-kernel": "piece",
+    "ch09-attention-cost": "derivation", "ch09-tile-ratio": "derivation", "ch09-estimate-resources": "function",
+    "ch09-choose-config": "function",
+    "ch10-kv-head-map": "function", "ch10-window-kv-range": "function", "ch10-gqa-window-fwd": "kernel",
+    "ch10-gqa-window-bwd": "kernel", "ch10-varlen-programs": "function",
+    "ch11-choose-num-splits": "function", "ch11-merge-splits": "piece",
+    "ch12-ring-slot": "derivation", "ch12-ring-producer": "piece", "ch12-smem-bytes": "derivation",
+    "ch13-merge-step": "function", "ch13-zigzag-positions": "function", "ch13-zigzag-blocks": "piece",
+    "ch14-softcap-piece": "function", "ch14-alibi-bias": "prediction", "ch14-key-padding-mask": "function",
+    "ch14-score-loops": "kernel",
+}
+#: Chapters no later chapter builds on, marked in the map and left out of one of the totals.
+OPTIONAL = {"12_hopper_gluon": "optional appendix"}
+#: The last chapter of the core: the forward and backward kernels, their Function and their tests.
+CORE_LAST = "08"
+
 
 def title_of(nb):
     for cell in nb.cells:
@@ -216,58 +259,110 @@ def title_of(nb):
     return ""
 
 
-def estimate_minutes(nb):
-    """A rough study time: prose at 100 words a minute (it is dense, with math), half a minute per
-    code cell to run and read, and 15 minutes per exercise; rounded up to 5 minutes."""
+def kind_problems(notebooks):
+    """Messages for exercises without a kind in EXERCISE_KINDS, and for kinds left without an exercise."""
+    found = {ex["grade_id"]: path.name for path, nb in notebooks for ex in exercises(nb)}
+    problems = [f"notebooks/{name}: exercise {gid} has no kind in EXERCISE_KINDS of tools/make_student.py "
+                f"(one of {', '.join(KINDS)})" for gid, name in found.items() if gid not in EXERCISE_KINDS]
+    problems += [f"tools/make_student.py: EXERCISE_KINDS names {gid}, which no notebook holds"
+                 for gid in EXERCISE_KINDS if gid not in found]
+    problems += [f"tools/make_student.py: EXERCISE_KINDS gives {gid} the kind {kind!r}, not one of KINDS"
+                 for gid, kind in EXERCISE_KINDS.items() if kind not in KINDS]
+    return problems
+
+
+def learner_time(nb):
+    """What the learner's time of one chapter is counted from, and the minutes it comes to."""
     words = sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
     code_cells = sum(1 for c in nb.cells if c.cell_type == "code")
-    study = words / 100 + code_cells / 2
-    practice = 15 * sum(1 for c in nb.cells if is_solution(c))
-    up5 = lambda minutes: 5 * math.ceil(minutes / 5) if minutes else 0  # noqa: E731
-    return up5(study), practice
+    kinds = [EXERCISE_KINDS[ex["grade_id"]] for ex in exercises(nb)]
+    reading, running = words / WORDS_PER_MINUTE, code_cells * MINUTES_PER_CODE_CELL
+    practice = sum(KINDS[kind][0] for kind in kinds)
+    return dict(words=words, code_cells=code_cells, kinds=kinds, reading=reading, running=running,
+                practice=practice, total=reading + running + practice)
 
 
 def md_escape(text):
     return text.replace("|", "\\|")
 
 
-def tables(notebooks):
-    """The chapter map and the exercise list, as Markdown, from the notebooks present."""
-    present = {path.stem: nb for path, nb in notebooks}
-    names = CHAPTERS + sorted(set(present) - set(CHAPTERS))
-    out = ["### Chapter map", "",
-           "Study time is a rough estimate computed from each notebook (prose at 100 words a minute, "
-           "half a minute per code cell, 15 minutes per exercise).", "",
-           "| # | notebook | title | exercises | study | exercises' time |",
-           "|---|---|---|---|---|---|"]
-    total_exercises, total_minutes = 0, 0
+def hours(minutes):
+    return f"{minutes / 60:.1f} h"
+
+
+def kind_counts(kinds):
+    """'2 kernels, 1 piece' for the kinds of a chapter's exercises, the longest kind first."""
+    counts = [(kinds.count(kind), kind) for kind in reversed(KINDS) if kind in kinds]
+    return ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for n, kind in counts) or "none"
+
+
+def time_section(names, present):
+    """The chapter map with the learner's time per chapter, the rule it is counted by and the totals."""
+    rule = "; ".join(f"{text} {minutes}" for minutes, text in KINDS.values())
+    out = ["### Chapter map and the learner's time", "",
+           "How long a learner takes who reads everything, runs every cell and does every exercise, counted "
+           "from the notebooks as they stand: the prose (every word of the markdown cells, formulas and code "
+           f"spans included) read at {WORDS_PER_MINUTE} words a minute; {MINUTES_PER_CODE_CELL} minutes per "
+           "code cell (reading a listing or a check, running it, looking at its output or figure), set-up "
+           "cells and check cells included; and each exercise by its kind, in minutes: "
+           f"{rule}. Each exercise's kind is in the exercise table below (`EXERCISE_KINDS` in "
+           "`tools/make_student.py`, which this table is computed by).", "",
+           "| # | chapter | words of prose | reading | code cells | running | exercises | exercises' time "
+           "| total |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    times = {}
     for name in names:
         number = name.split("_", 1)[0]
         if name not in present:
-            out.append(f"| {number} | `{name}.ipynb` | *(not written yet)* | | | |")
+            out.append(f"| {number} | `{name}.ipynb` *(not written yet)* | | | | | | | |")
             continue
         nb = present[name]
-        study, practice = estimate_minutes(nb)
-        count = len(exercises(nb))
-        total_exercises += count
-        total_minutes += study + practice
-        out.append(f"| {number} | [`{name}.ipynb`](notebooks/{name}.ipynb) | {md_escape(title_of(nb))} "
-                   f"| {count} | {study} min | {practice} min |")
-    out += ["", f"{total_exercises} exercises in {len(present)} notebooks; about "
-                f"{total_minutes / 60:.1f} hours of study in all.", "", "### Exercises", ""]
-    if not total_exercises:
+        t = times[name] = learner_time(nb)
+        title = re.sub(r"^Chapter \d+ · ", "", title_of(nb))
+        optional = f" ({OPTIONAL[name]})" if name in OPTIONAL else ""
+        out.append(f"| {number} | [{md_escape(title)}](notebooks/{name}.ipynb){optional} | {t['words']:,} "
+                   f"| {round(t['reading'])} min | {t['code_cells']} | {round(t['running'])} min "
+                   f"| {len(t['kinds'])}: {kind_counts(t['kinds'])} | {t['practice']} min | {hours(t['total'])} |")
+    def total(key, names=tuple(times)):
+        return sum(times[name][key] for name in names)
+
+    out.append(f"| all | {len(times)} notebooks | {total('words'):,} | {hours(total('reading'))} "
+               f"| {total('code_cells')} | {hours(total('running'))} "
+               f"| {sum(len(t['kinds']) for t in times.values())} | {hours(total('practice'))} "
+               f"| **{hours(total('total'))}** |")
+    optional = [name for name in times if name in OPTIONAL]
+    parts = [f"without the exercises, {hours(total('total') - total('practice'))}",
+             f"chapters 00 to {CORE_LAST} alone (the forward and backward kernels, their Function and their "
+             f"tests), {hours(total('total', [n for n in times if n.split('_', 1)[0] <= CORE_LAST]))}"]
+    if optional:
+        numbers = ", ".join(name.split("_", 1)[0] for name in optional)
+        parts.insert(0, f"without the optional chapter{'s' * (len(optional) > 1)} {numbers}, "
+                        f"{hours(total('total', [n for n in times if n not in OPTIONAL]))}")
+    out += ["", "The total in bold is for a learner who does all of it. Parts of it: " + "; ".join(parts) + ". "
+            "The counts move as the chapters are edited: `python tools/make_student.py` counts them again, "
+            "and `--check` fails while this table is stale."]
+    return out
+
+
+def tables(notebooks):
+    """The chapter map with the learner's time and the exercise list, as Markdown, from the notebooks."""
+    present = {path.stem: nb for path, nb in notebooks}
+    names = CHAPTERS + sorted(set(present) - set(CHAPTERS))
+    out = time_section(names, present) + ["", "### Exercises", ""]
+    if not any(exercises(nb) for nb in present.values()):
         out.append("*(none yet)*")
     else:
-        out += ["| chapter | grade_id | the learner writes | checked by | points | task |",
-                "|---|---|---|---|---|---|"]
+        out += ["| chapter | grade_id | the learner writes | checked by | points | kind (minutes) | task |",
+                "|---|---|---|---|---|---|---|"]
         for name in names:
             if name not in present:
                 continue
             for ex in exercises(present[name]):
                 functions = ", ".join(f"`{f}`" for f in ex["functions"]) or "(code)"
                 checker = f"`flashattn.course.exercises.{ex['checker']}`" if ex["checker"] else "?"
+                kind = EXERCISE_KINDS[ex["grade_id"]]
                 out.append(f"| {name.split('_', 1)[0]} | `{ex['grade_id']}` | {functions} | {checker} "
-                           f"| {ex['points']:g} | {md_escape(ex['task'])} |")
+                           f"| {ex['points']:g} | {kind} ({KINDS[kind][0]}) | {md_escape(ex['task'])} |")
     return "\n".join(out) + "\n"
 
 
@@ -292,6 +387,7 @@ def expected_files():
     """{path: text} for everything make_student generates; raises SystemExit on a malformed notebook."""
     notebooks = [(path, read(path)) for path in chapter_notebooks()]
     problems = [p for path, nb in notebooks for p in lint(nb, f"notebooks/{path.name}")]
+    problems = problems or kind_problems(notebooks)
     if problems:
         raise SystemExit("make_student: fix these notebooks first:\n  " + "\n  ".join(problems))
     files = {EXERCISES / "README.md": EXERCISES_README}

@@ -152,8 +152,9 @@ class _Pruner(Text):
             return ast.Constant(eval(compile(expression, "<view>", "eval")))
         if isinstance(node, ast.BinOp):
             left, right, op = node.left, node.right, type(node.op)
-            one = lambda n: _constant(n) and n.value == 1 and not isinstance(n.value, bool)  # noqa: E731
-            zero = lambda n: _constant(n) and n.value == 0 and not isinstance(n.value, bool)  # noqa: E731
+            # ints only: x // 1.0 floors and x * 1.0 changes an int's dtype
+            one = lambda n: _constant(n) and type(n.value) is int and n.value == 1  # noqa: E731
+            zero = lambda n: _constant(n) and type(n.value) is int and n.value == 0  # noqa: E731
             if (op in (ast.Mult, ast.FloorDiv) and one(right)) or (op in (ast.Add, ast.Sub) and zero(right)):
                 return left
             if (op is ast.Mult and one(left)) or (op is ast.Add and zero(left)):

@@ -10,7 +10,8 @@ key-padding mask ``(B, 1, 1, N_kv)`` is read as is, never expanded to ``(B, H, N
 tiles it hides and read it only where it does not keep every pair (``flashattn.kernels.masks``).
 
 :func:`dropout_mask` is the debug path of dropout: the mask the kernels draw for a seed, from
-the same Philox call (``tiles.dropout_keep``), so that tests can build a reference with it.
+the same Philox call (``tiles.dropout_keep``), so that tests can build a reference with it (the
+public ops return it for a call with ``return_dropout_mask=True``).
 """
 import torch
 import triton
@@ -101,29 +102,52 @@ NO_MODS = ScoreMods()
 
 
 @triton.jit
-def _dropout_mask_kernel(Keep, n_q, n_kv, seed, p_drop, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)           # (batch * heads + head) * n_q + query row
-    col0 = tl.program_id(1) * BLOCK
-    keep = dropout_keep(seed, p_drop, row, tl.arange(0, BLOCK), col0, BLOCK, DROP_PAIR)
-    cols = col0 + tl.arange(0, BLOCK)
-    tl.store(Keep + row * n_kv + cols, keep.to(tl.int8), mask=cols < n_kv)
+def _dropout_mask_kernel(Keep, Row0, Col0, Rows, Cols, n_heads, n_q, n_kv, rows_per_head,
+                         seed, p_drop, BLOCK: tl.constexpr):
+    # One program per (batch, head, query row) and block of keys; the pair is the kernels': its row
+    # head * rows_per_head + Row0[b] + i, its column Col0[b] + j (packed sequences start anywhere).
+    program = tl.program_id(0).to(tl.int64)       # (batch * heads + head) * n_q + query row
+    i = program % n_q
+    b = program // n_q // n_heads
+    head = program // n_q % n_heads
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = head * rows_per_head + tl.load(Row0 + b) + i
+    keep = dropout_keep(seed, p_drop, row, cols, tl.load(Col0 + b), BLOCK, DROP_PAIR)
+    n_valid = tl.where(i < tl.load(Rows + b), tl.load(Cols + b), 0)  # past the sequence's rows: none
+    keep = keep & (cols < n_valid)
+    tl.store(Keep + program * n_kv + cols, keep.to(tl.int8), mask=cols < n_kv)
 
 
-def dropout_mask(shape, dropout_p, seed, device):
-    """The keep-mask (bool, ``shape = (B, H, N_q, N_kv)``) the kernels draw for ``seed``: True
-    where a probability is kept. For packed sequences the shape is ``(1, H, total_q, total_k)``
-    and sequence ``b`` uses the block ``[cu_q[b]:cu_q[b+1], cu_k[b]:cu_k[b+1]]`` of it.
+def dropout_mask(shape, dropout_p, seed, device, cu_seqlens_q=None, cu_seqlens_k=None):
+    """The keep-mask (bool) the kernels draw for ``seed``: True where a probability is kept.
+
+    ``shape = (B, H, N_q, N_kv)`` for ``flashattn.attention``'s (batch, heads) layout. For packed
+    sequences (``cu_seqlens_q``/``cu_seqlens_k`` given, as ``varlen_attention`` takes them) it is
+    ``(batch, H, max_q, max_k)``: sequence ``b``'s mask in its top-left ``n_q x n_k`` corner,
+    False past it. ``seed`` is an int or a 0-dim integer tensor (as the kernels get it).
 
     A pair is dropped where its 16 random bits fall below ``round(dropout_p * 2**16)``
     (``tiles.dropout_keep``), so with a probability within 2**-17 of ``dropout_p``."""
     batch, heads, n_q, n_kv = shape
+    if cu_seqlens_q is None:
+        row0 = torch.arange(batch, dtype=torch.int64) * heads * n_q
+        col0 = torch.zeros(batch, dtype=torch.int64)
+        rows, cols = torch.full((batch,), n_q), torch.full((batch,), n_kv)
+        rows_per_head = n_q
+    else:
+        cu_q, cu_k = (c.to("cpu", torch.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+        row0, col0 = cu_q[:-1], cu_k[:-1]
+        rows, cols = cu_q.diff(), cu_k.diff()
+        rows_per_head = int(cu_q[-1])
     keep = torch.empty(shape, dtype=torch.int8, device=device)
     if keep.numel():
         block = 64
+        tables = [t.to(device=device, dtype=torch.int64) for t in (row0, col0, rows, cols)]
         grid = (batch * heads * n_q, triton.cdiv(n_kv, block))
+        args = (keep, *tables, heads, n_q, n_kv, rows_per_head, int(seed), float(dropout_p))
         if INTERPRET:
             with INTERPRETER_LOCK:
-                _dropout_mask_kernel[grid](keep, n_q, n_kv, int(seed), float(dropout_p), BLOCK=block)
+                _dropout_mask_kernel[grid](*args, BLOCK=block)
         else:
-            _dropout_mask_kernel[grid](keep, n_q, n_kv, int(seed), float(dropout_p), BLOCK=block)
+            _dropout_mask_kernel[grid](*args, BLOCK=block)
     return keep.bool()

@@ -13,13 +13,14 @@ launches a kernel). :func:`in_child` does that in a child process, so that a tes
 running on the interpreter can ask for a compiled kernel's facts.
 
 The Gluon kernels for Hopper (``flashattn.hopper.forward``, ``flashattn.hopper.backward``) have no
-interpreter at all: :func:`compile_gluon` and :func:`gluon_report` compile them, and
-:func:`facts` reads what the compiler made (wgmma, TMA copies, mbarrier waits, register budgets).
+interpreter at all: ``flashattn.measure.compiled_gluon`` compiles them, and :func:`facts` reads
+what the compiler made (wgmma, TMA copies and reduce-adds, mbarrier waits, register budgets).
 
 A notebook asks for the PTX of a kernel (one of the package's, or one it defines) compiled for any
 NVIDIA architecture with :func:`ptx_of`, which runs the compiler through :func:`in_child`.
 """
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -91,13 +92,14 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), target=SM90, *
 #: The tables of packed sequences (flashattn.ops.varlen): ``constexprs`` of :func:`compile_kernel`
 #: gives them as "pointer" to compile the VARLEN kernels.
 VARIANT_POINTERS = ("Programs", "CuSeqQ", "CuSeqK")
-#: The score modifications' tensors (flashattn.kernels.mods; Lists: an attn_mask's tile lists) and
-#: decode's block table: ``constexprs`` gives their element type ("fp32", "u8", "i32") to compile
-#: the kernels with ALIBI, MASK_KIND or PAGED on.
-MOD_POINTERS = ("Slopes", "Mask", "Lists", "Pages")
-#: decode with every variant on: a paged cache (pages of 16 keys), ALiBi, softcap and a window.
-DECODE_ALL_VARIANTS = dict(PAGED=True, PAGE_SIZE=16, ALIBI=True, SOFTCAP=True, WINDOW=True,
-                           Pages="i32", Slopes="fp32")
+#: The score modifications' tensors (flashattn.kernels.mods; Lists: an attn_mask's tile lists),
+#: decode's block table, left padding and cache rows: ``constexprs`` gives their element type ("fp32",
+#: "u8", "i32") to compile the kernels with ALIBI, MASK_KIND, PAGED, LEFTPAD or CACHE_ROWS on.
+MOD_POINTERS = ("Slopes", "Mask", "Lists", "Pages", "LeftPad", "CacheRows")
+#: decode with every variant on: a paged cache (pages of 16 keys) of a left-padded batch, ALiBi,
+#: softcap and a window (CACHE_ROWS goes without pages).
+DECODE_ALL_VARIANTS = dict(PAGED=True, PAGE_SIZE=16, ALIBI=True, SOFTCAP=True, WINDOW=True, LEFTPAD=True,
+                           Pages="i32", Slopes="fp32", LeftPad="i32")
 
 
 def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM90):
@@ -112,7 +114,8 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
     # ``constexprs`` may override them (a table is then an int32 pointer, see VARIANT_POINTERS).
     variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False,
-                "VARLEN": False, "Slopes": None, "Mask": None, "Lists": None, "Pages": None}
+                "VARLEN": False, "Slopes": None, "Mask": None, "Lists": None, "Pages": None, "LeftPad": None,
+                "CacheRows": None}
     constexprs = {**{arg: value for arg, value in variants.items() if arg in fn.arg_names}, **constexprs}
     # Every other switch at its default (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT off), as a
     # launch that does not pass it: left out here, it would compile as a run-time int.
@@ -140,19 +143,20 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
                         aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages)
 
 
-def _cuobjdump(compiled, flag):
-    """What the cuobjdump that ships with Triton prints about a compiled kernel's cubin."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+@functools.lru_cache(maxsize=4)  # several facts of one kernel read the same SASS: disassembled once
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What the cuobjdump that ships with Triton prints about a cubin (``flag``: -sass, -res-usage)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        return subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
 
 
 def resources(compiled):
     """``(registers per thread, spilled bytes per thread, shared memory bytes)`` of a compiled
     kernel, read with the cuobjdump that ships with Triton (-1 where it cannot say)."""
-    out = _cuobjdump(compiled, "-res-usage")
+    out = cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
     return (int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1,
@@ -188,7 +192,8 @@ def facts(compiled):
     """What a compiled kernel holds, as a dict: registers per thread at launch, spilled bytes,
     shared memory bytes, and counts read from its PTX: wgmma instructions (``wgmma``) and waits
     for them (``wgmma_waits``), TMA copies into and out of shared memory (``tma_loads``,
-    ``tma_stores``), mbarrier waits (``mbarrier_waits``), and the register budgets the warps set
+    ``tma_stores``) and TMA reduce-adds into global memory (``tma_reduces``), mbarrier waits
+    (``mbarrier_waits``), and the register budgets the warps set
     themselves (``setmaxnreg``, sorted)."""
     regs, spill, smem = resources(compiled)
     ptx = compiled.asm["ptx"]
@@ -198,6 +203,7 @@ def facts(compiled):
                 tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx)),
                 tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                 mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
+                tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk", ptx)),
                 setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
 
 
@@ -206,110 +212,6 @@ def facts(compiled):
 
 class CannotCompile(RuntimeError):
     """This machine's Triton cannot compile for sm_90 (no CUDA backend, no ptxas, no Gluon)."""
-
-
-def _gluon(module):
-    """``flashattn.hopper.<module>`` ("forward" or "backward"), a Gluon kernel module;
-    CannotCompile where Triton has no Gluon."""
-    import importlib
-
-    try:
-        return importlib.import_module(f"flashattn.hopper.{module}")
-    except ImportError as error:
-        raise CannotCompile(f"no Gluon compiler here: {error}") from error
-
-
-def compile_gluon(fn, signature, constexprs, aligned=(), **options):
-    """Compile the @gluon.jit ``fn`` for sm_90: ``signature`` maps each run-time argument to its
-    type ("*fp32", "i32", "fp32", "tensordesc<...>"), ``constexprs`` gives the compile-time ones;
-    ``aligned`` names the arguments Triton may assume divisible by 16."""
-    try:
-        from triton.experimental.gluon._runtime import GluonASTSource
-    except ImportError as error:
-        raise CannotCompile(f"no Gluon compiler here: {error}") from error
-    sig = dict(signature, **{name: "constexpr" for name in constexprs})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=SM90, options=options)
-
-
-def _descriptor_type(module, dtype, rows, head_dim):
-    """The signature type of a TMA descriptor argument, as ``module.descriptor`` builds it."""
-    block = [1, 1, rows, head_dim]
-    layout = module.block_layout(block, TORCH_DTYPES[dtype])
-    return f"tensordesc<{dtype}{block},{layout!r}>"
-
-
-def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False):
-    """The Gluon forward (``flashattn.hopper.forward``) compiled for ``dtype`` ("fp16", "bf16"), head dim,
-    masking (``window``: a sliding window, which takes the masked configuration) and ``config``
-    (overrides of ``hopper.tile_config``) as a launch compiles it."""
-    hopper = _gluon("forward")
-    cfg = hopper.tile_config(head_dim, causal or window, config)
-    regs, options = hopper.launch_options(cfg)
-    q, kv = (_descriptor_type(hopper, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
-    signature = dict(desc_q=q, desc_k=kv, desc_v=kv, desc_o=q, LSE="*fp32", n_heads="i32",
-                     n_q="i32", n_kv="i32", qk_scale="fp32", n_group="i32", win_left="i32", win_right="i32")
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and not window,
-                      PINGPONG=bool(cfg["PINGPONG"]), CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"],
-                      WINDOW=bool(window), **regs)
-    return compile_gluon(hopper.attn_fwd_sm90, signature, constexprs, aligned=["LSE"], **options)
-
-
-def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False):
-    """The Gluon backward kernel (``flashattn.hopper.backward``) compiled as a launch compiles it:
-    dK/dV only, or with ``dq`` its variant that adds dQ too (TMA reduce-adds, Triton >= 3.8)."""
-    bwd = _gluon("backward")
-    if dq and not bwd.has_dq_reduce():
-        raise CannotCompile(f"Triton {triton.__version__}'s Gluon has no TMA reduce-add (tma.async_atomic_add)")
-    cfg = (bwd.dq_config if dq else bwd.tile_config)(head_dim, config)
-    regs, options = bwd.launch_options(cfg)
-    q, kv = (_descriptor_type(bwd, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
-    signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv, desc_dq="constexpr",
-                     LSE="*fp32", Delta="*fp32", n_heads="i32", n_group="i32", n_q="i32", n_kv="i32",
-                     scale="fp32", qk_scale="fp32")
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), DQ=bool(dq), desc_dq=None,
-                      P_SMEM=bool(cfg.get("P_SMEM", False)), **regs)
-    if dq:
-        block = [1, 1, cfg["BLOCK_M"], head_dim // 2]
-        layout = bwd.gl.NVMMASharedLayout.get_default_for(block, bwd.gl.float32)
-        signature["desc_dq"] = f"tensordesc<fp32{block},{layout!r}>"
-        del constexprs["desc_dq"]
-    return compile_gluon(bwd.attn_bwd_sm90, signature, constexprs, aligned=["LSE", "Delta"], **options)
-
-
-def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), causal=(False, True),
-                 configs=(None,)):
-    """Compile a Gluon kernel ("fwd" or "bwd") for every combination and return one dict per
-    compilation: its settings and :func:`facts`, or ``error``. ``causal`` may hold "window" for
-    the forward: its sliding-window variant. CannotCompile when the first one
-    fails in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
-    compile_one = {"fwd": compile_hopper_forward, "bwd": compile_hopper_backward,
-                   "bwd_dq": lambda *a: compile_hopper_backward(*a, dq=True)}[kernel]
-    rows = []
-    for head_dim in head_dims:
-        for dtype in dtypes:
-            for is_causal in causal:
-                for config in configs:
-                    row = dict(kernel=kernel, head_dim=head_dim, dtype=dtype, causal=bool(is_causal),
-                               config=config or {})
-                    try:
-                        if is_causal == "window":  # the forward's sliding window (masked tiles)
-                            row["causal"] = "window"
-                            row.update(facts(compile_hopper_forward(head_dim, dtype, True, config, window=True)))
-                        else:
-                            row.update(facts(compile_one(head_dim, dtype, is_causal, config)))
-                    except CannotCompile:
-                        raise
-                    except Exception as error:  # report and go on: one configuration cannot hide others
-                        if not rows and "ptxas" in str(error).lower():
-                            raise CannotCompile(f"cannot compile for sm_90 here: {str(error)[:200]}")
-                        text = str(error)  # a compile error ends with its cause, after the source
-                        text = text if len(text) <= 900 else f"{text[:300]} ... {text[-600:]}"
-                        row["error"] = f"{type(error).__name__}: {text}"
-                    rows.append(row)
-    return rows
 
 
 def variant_report(dtype="bf16", head_dim=128, arch=90):
@@ -346,12 +248,6 @@ def variant_report(dtype="bf16", head_dim=128, arch=90):
             rows.append(dict(kernel=name, variant=variant, config=str(config), registers=registers,
                              spilled=spilled, smem=smem))
     return rows
-
-
-def gluon_reports(jobs):
-    """:func:`gluon_report` for each dict of arguments in ``jobs``, one list of rows: several
-    reports from one child process."""
-    return [row for job in jobs for row in gluon_report(**job)]
 
 
 # ---------------------------------------------------------------------------- in a child process
@@ -475,7 +371,7 @@ def instructions(compiled):
     cuobjdump disassembles it), and ``"shapes"``: the sorted PTX shapes of its matrix products
     (``wgmma ... m64n64k16`` gives "wgmma m64n64k16", ``mma.sync ... m16n8k16`` "mma m16n8k16")."""
     counts = dict.fromkeys(OPCODES, 0)
-    for line in _cuobjdump(compiled, "-sass").splitlines():
+    for line in cuobjdump(compiled.asm["cubin"], "-sass").splitlines():
         match = re.match(r"\s+/\*[0-9a-f]+\*/\s+([A-Z0-9_]+)", line)
         if match and match.group(1) in counts:
             counts[match.group(1)] += 1

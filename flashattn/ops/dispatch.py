@@ -3,10 +3,13 @@ measured faster, the Triton kernels everywhere else.
 
 Both compute the same output and the same base-2 LSE in the same layout, so they mix within one
 call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``
-(grouped heads too, and sliding windows with as many queries as keys), and the backward takes its
-dK/dV from ``flashattn.hopper.backward`` at the head dims of :data:`GLUON_DKDV_HEAD_DIMS` (grouped
-heads too; no windows), its Delta and dQ from the Triton kernels. Packed sequences and a fixed
-configuration take the Triton kernels; so does every call with ``FLASHATTN_GLUON=0``.
+(grouped heads too, and sliding windows with as many queries as keys). The backward (no windows)
+takes, with a Triton whose Gluon has TMA reduce-adds (3.8 and later), all three gradients from the
+fused kernel of ``flashattn.hopper.backward`` (dQ added by reduce-adds, in an order that varies),
+unless ``deterministic`` asks for gradients bit-identical from run to run; else its dK/dV from the
+Gluon dK/dV kernel at the head dims of :data:`GLUON_DKDV_HEAD_DIMS` and its Delta and dQ from the
+Triton kernels (grouped heads too). Packed sequences and a fixed configuration take the Triton
+kernels; so does every call with ``FLASHATTN_GLUON=0``.
 
 So does every call whose v has a head dim of its own (D_v != D, as in DeepSeek's MLA): the Gluon
 kernels hold V and O in tiles of q's head dim.

@@ -389,6 +389,41 @@ def is_stub(fn):
     return re.search(r"^\s*raise NotImplementedError", source, re.M) is not None
 
 
+def learner_functions(fn):
+    """``{name: function}`` for the learner's own functions (@triton.jit ones included) that
+    ``fn`` names, and those they name, in the order first met: the functions of ``fn``'s module
+    (the notebook's, or the module of solutions the tests load) read as globals, not its own
+    parameters and variables. A launcher reaches its kernels this way, and a kernel the loops it
+    calls."""
+    root = getattr(fn, "fn", fn)
+    found, todo = {}, [fn]
+    while todo:
+        item = todo.pop(0)
+        python_fn = getattr(item, "fn", item)
+        try:
+            tree = ast.parse(_dedent(inspect.getsource(python_fn)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        local = {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)} | {
+            node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)) or node.id in found or node.id in local:
+                continue
+            obj = python_fn.__globals__.get(node.id)
+            inner = getattr(obj, "fn", obj)
+            if inspect.isfunction(inner) and inner is not root and inner.__module__ == root.__module__:
+                found[node.id] = obj
+                todo.append(obj)
+    return found
+
+
+def unwritten(fn):
+    """The names of the functions still stubs among ``fn`` and the learner's functions it reaches
+    (:func:`learner_functions`): empty when everything it runs is written."""
+    return [name for name, f in [(getattr(fn, "__name__", "it"), fn), *learner_functions(fn).items()]
+            if is_stub(f)]
+
+
 def _error_chain(error):
     chain, cause = [], error
     while cause is not None and len(chain) < 10:

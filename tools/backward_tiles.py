@@ -1,16 +1,18 @@
 """Time tile configurations of the fused Gluon backward (flashattn.hopper.backward, DQ variant) on
 a Hopper GPU: the kernel alone (with the zeroing of dQ's accumulator) and the whole
-``attention_backward`` (with dQ's scaling and cast), bf16, B = 4, H = 32, N = 8192.
+``attention_backward`` (with dQ's scaling and cast), bf16, B = 4, H = 32, N = 8192; with ``--fwd``,
+the Gluon forward's variants at head dim 64 beside cuDNN's forward.
 
-    python experiments/bwd_fused_tiles.py '{"64": [{}, {"BLOCK_M": 128}], "128": [{}]}'
+    python tools/backward_tiles.py '{"64": [{}, {"BLOCK_M": 128}], "128": [{}]}' [--fwd]
 """
 import json
+import os
 import sys
 
 import torch
 import triton
 
-sys.path.insert(0, ".")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from flashattn.hopper import backward as hb  # noqa: E402
 from flashattn.kernels.forward import attention_forward  # noqa: E402
 from flashattn.measure.bench import attention_flops  # noqa: E402

@@ -160,6 +160,36 @@ def test_tile_lists_hold_full_then_partial_tiles():
     assert lists[0, 0, 2, 2] == 0 and lists[0, 0, 3, 2] == 0
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32], ids=str)
+def test_the_tile_picture_draws_what_the_lists_hold(dtype, is_causal, monkeypatch):
+    """Chapter 14's picture of a mask's tiles (plotting.mask_tile_classes) counts each tile's class
+    from its pairs and fails where the lists disagree with that count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from flashattn import plotting
+
+    mask = random_mask((1, 1, 37, 45), dtype, torch.Generator().manual_seed(3))[0, 0]
+    kinds = plotting.pair_tile_classes(mask, 8, 8, is_causal)
+    assert set(kinds.flatten().tolist()) == {EMPTY, PARTIAL, FULL}  # a picture of every class
+    ax = plotting.mask_tile_classes(mask, 8, 8, is_causal)
+    assert f"{int((kinds != EMPTY).sum())} of {kinds.size} tiles loaded" in ax.get_title()
+    plt.close("all")
+    right = masks.tile_lists
+
+    def one_full_tile_less(classes, structure, dkdv):
+        lists = right(classes, structure, dkdv).clone()
+        row = int((lists[..., 0] > 0).nonzero()[0, -1])
+        lists[0, 0, row, 0] -= 1
+        lists[0, 0, row, 1] += 1
+        return lists
+    monkeypatch.setattr(masks, "tile_lists", one_full_tile_less)
+    with pytest.raises(AssertionError):
+        plotting.mask_tile_classes(mask, 8, 8, is_causal)
+    plt.close("all")
+
+
 def test_a_key_padding_mask_is_read_as_a_row_of_keys():
     """A mask with one row for every query gets MASK_KEYS: the kernels read it once per key of a
     tile; a mask with a row per query does not."""

@@ -67,7 +67,7 @@ FEATURES = {
     "SOFTCAP": ("softcap", "chapter 14", ("softcap", "score modification")),
     "ALIBI": ("ALiBi", "chapter 14", ("alibi", "score modification")),
     "MASK_KIND": ("attn_mask", "chapter 14", ("attn_mask", "score modification")),
-    "LISTED": ("attn_mask", "chapter 14", ("attn_mask", "tile list")),
+    "LISTED": ("an attn_mask's tile lists", "chapter 14", ("attn_mask", "tile list")),
     "DROPOUT": ("dropout", "chapter 14", ("dropout", "dropped")),
     "BOTTOM_RIGHT": ("the bottom-right alignment", "chapter 14", ("bottom-right", "bottom_right")),
     "PAGED": ("paged KV caches", "not taught", ("page",)),
@@ -82,6 +82,8 @@ def view_of(obj, only):
     view = teaching_view.pruned_source(obj, only, words)
     where = {}
     for key in view.flags:
+        if key == "LISTED" and "MASK_KIND" in view.flags:  # the lists go with the mask: one feature
+            continue
         feature, chapter, _ = FEATURES.get(key, (key, None, ()))
         if feature not in where.setdefault(chapter, []):
             where[chapter].append(feature)

@@ -453,25 +453,35 @@ def test_the_call_returns_its_dropout_mask(case):
 
 def test_varlen_returns_its_dropout_mask():
     """varlen_attention's mask, batch x heads x max_q x max_k, each sequence's in its corner: the
-    reference of each sequence given its block reproduces the call; past a sequence, False."""
+    reference of each sequence given its block reproduces the call, forward and backward (the
+    backward kernels draw the same pairs); past a sequence, False."""
     lengths_q, lengths_k = [5, 0, 13, 9], [8, 3, 6, 12]
     g = torch.Generator().manual_seed(4)
-    q = torch.randn(sum(lengths_q), 2, 16, generator=g).to(DEVICE)
-    k, v = (torch.randn(sum(lengths_k), 2, 16, generator=g).to(DEVICE) for _ in range(2))
+    q = torch.randn(sum(lengths_q), 2, 16, generator=g).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(sum(lengths_k), 2, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=DEVICE)
                   for n in (lengths_q, lengths_k))
     out, keep = flashattn.varlen_attention(q, k, v, cu_q, cu_k, 13, 12, is_causal=True, dropout_p=0.3,
                                            causal_alignment="bottom_right", return_dropout_mask=True)
+    do = torch.randn(out.shape, generator=g).to(DEVICE)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    out = out.detach()
     assert keep.shape == (4, 2, 13, 12)
     for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
         sq, sk = sum(lengths_q[:b]), sum(lengths_k[:b])
         assert not keep[b, :, nq:].any() and not keep[b, :, :, nk:].any()
         if nq == 0:
+            assert not dk[sk:sk + nk].any() and not dv[sk:sk + nk].any()
             continue
-        qs, ks, vs = (t[s:s + n].transpose(0, 1).double() for t, s, n in ((q, sq, nq), (k, sk, nk), (v, sk, nk)))
+        qs, ks, vs = (t[s:s + n].detach().transpose(0, 1).double().requires_grad_()
+                      for t, s, n in ((q, sq, nq), (k, sk, nk), (v, sk, nk)))
         expected, _ = naive_attention(qs, ks, vs, is_causal=True, causal_alignment="bottom_right", dropout_p=0.3,
                                       dropout_keep=keep[b, :, :nq, :nk])
-        torch.testing.assert_close(out[sq:sq + nq].transpose(0, 1).double(), expected, rtol=0, atol=2e-6)
+        torch.testing.assert_close(out[sq:sq + nq].transpose(0, 1).double(), expected.detach(), rtol=0, atol=2e-6)
+        grads = torch.autograd.grad(expected, (qs, ks, vs), do[sq:sq + nq].transpose(0, 1).double())
+        for got, want, s, n in zip((dq, dk, dv), grads, (sq, sk, sk), (nq, nk, nk)):
+            torch.testing.assert_close(got[s:s + n].transpose(0, 1).double(), want, rtol=0, atol=2e-5)
+        qs, ks, vs = (t.detach() for t in (qs, ks, vs))
         # a mask of another call does not reproduce this one
         other = ~keep[b, :, :nq, :nk]
         wrong, _ = naive_attention(qs, ks, vs, is_causal=True, causal_alignment="bottom_right", dropout_p=0.3,

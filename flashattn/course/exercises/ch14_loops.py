@@ -26,7 +26,8 @@ from ...kernels.tiles import LN2, LOG2E, kv_stage_bounds
 from ...testing.reference import causal_mask, modified_attention
 from ...testing.rule import judge
 from .ch14 import check_softcap_piece
-from .common import ExerciseError, attempt, close, is_stub, launch_learner_kernel, not_implemented, passed
+from .common import (ExerciseError, attempt, close, helpers_of, is_stub, launch_learner_kernel,
+                     not_implemented, passed)
 
 FORBID = ("flashattn", "softmax", "sdpa")
 GPU_TOL = 1e-2  # on a GPU, tl.dot multiplies float32 tiles in TF32 unless told otherwise
@@ -380,17 +381,12 @@ def _name_slip(got, names, q, k, v, do, is_causal, cap, keep, fields):
     return None
 
 
-def _helpers_of(fn, *names):
-    scope = getattr(getattr(fn, "fn", fn), "__globals__", {})
-    return {name: scope.get(name) for name in names}
-
-
 def check_score_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, mask_strides):
     """Chapter 14: the learner's three loops with a softcap (``SOFTCAP``, ``softcap``) and a bool
     attn_mask (``HAS_MASK``, ``Mask`` moved to the (batch, head), ``stride_mq``, ``stride_mk``), through
     the piece ``my_scores`` they share; and ``mask_strides`` for the host. Forward and backward
     against float64 under the course's rule, on the cases of :data:`CASES`."""
-    own = {"mask_strides": mask_strides, **_helpers_of(my_fwd_tiles, "my_scores"), "my_fwd_tiles": my_fwd_tiles,
+    own = {"mask_strides": mask_strides, **helpers_of(my_fwd_tiles, "my_scores"), "my_fwd_tiles": my_fwd_tiles,
            "my_dq_tiles": my_dq_tiles, "my_dkdv_tiles": my_dkdv_tiles}
     for name, fn in own.items():
         if fn is None:
@@ -398,7 +394,7 @@ def check_score_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, mask_strides):
         if is_stub(fn):
             raise not_implemented(name)
     check_mask_strides(mask_strides)
-    piece = _helpers_of(my_fwd_tiles, "my_softcap")["my_softcap"]
+    piece = helpers_of(my_fwd_tiles, "my_softcap")["my_softcap"]
     scores = getattr(own["my_scores"], "fn", own["my_scores"])
     if piece is not None and re.search(r"\bmy_softcap\b", inspect.getsource(scores)):
         if is_stub(piece):

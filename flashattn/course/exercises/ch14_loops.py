@@ -430,7 +430,8 @@ def check_score_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, mask_strides):
         g = torch.Generator().manual_seed(1400 + n)
         q, do = (torch.randn(batch, heads, n_q, 16, generator=g) for _ in range(2))
         k, v = (torch.randn(batch, heads, n_kv, 16, generator=g) for _ in range(2))
-        q, k, v, do = (padded_view(t.shape, LAYOUTS[name], dtype, t) for t, name in zip((q, k, v, do), LAYOUTS))
+        q, k, v, do = (padded_view(t.shape, LAYOUTS[name], dtype, t)
+                       for t, name in zip((q, k, v, do), ("q", "k", "v", "do")))
         keep = _mask(spec, batch, heads, n_q, n_kv, g)
         strides = None
         if keep is not None:

@@ -170,6 +170,22 @@ def test_ptx_prediction_counts_what_the_compiler_emits():
     assert ch00_02.instruction_counts(ex.exp_forms_ptx()) == ch00_02.EXPECTED_COUNTS
 
 
+def test_ptx_prediction_holds_whatever_triton_fuses_by_default(monkeypatch):
+    """The check compiles with FP fusion on, so the fma form's answer does not change with Triton's
+    default (Triton 3.10 turns it off): here the default is off, as TRITON_DEFAULT_FP_FUSION=0 sets
+    it, and the counts are the same; a job that leaves the option to the default does not fuse."""
+    from flashattn.course.exercises import ch00_02
+    from flashattn.measure.compiled import ptx_of_many
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")  # the compiling child inherits it
+    assert ch00_02.instruction_counts(ch00_02.exp_forms_ptx.__wrapped__()) == ch00_02.EXPECTED_COUNTS
+    form = ch00_02.EXP_FORMS["fma"]
+    (unfused,) = ptx_of_many([dict(kernel=ch00_02.exp_forms, pointers=dict(X="fp32", Y="fp32"), floats=("c", "m"),
+                                   constexprs=dict(FORM="fma", BLOCK=ch00_02.EXP_BLOCK),
+                                   num_warps=ch00_02.EXP_WARPS, arch=90)])
+    assert ch00_02.instruction_counts({form: unfused})[form]["fma"] == 0  # the default was off: the test can fail
+
+
 def test_shortcuts_are_put_back(solutions):
     """The shortcuts a checker forbids while the learner's code runs work again afterwards."""
     import torch

@@ -236,6 +236,30 @@ def test_backward_launcher_catches(solutions, edits, message):
         ex.check_my_attention_backward(solutions("07", edits).my_attention_backward)
 
 
+def test_backward_launcher_names_no_grid_error_for_a_row_wrong_at_a_block_boundary(solutions):
+    """dK wrong at position 16 alone (a multiple of 16, the positions past it right) is not a grid
+    that stops early, which leaves every position past its last block wrong."""
+    edits = [("    return dq, dk, dv\n", "    dk[:, :, 16] += 1.0\n    return dq, dk, dv\n")]
+    with pytest.raises(ex.ExerciseError) as error:
+        ex.check_my_attention_backward(solutions("07", edits).my_attention_backward)
+    said = str(error.value)
+    assert "grid" not in said and "wrong from 16 on" not in said, said
+    assert said.startswith("dK of B=1, H=2, N_q=19, N_kv=27"), said
+
+
+def test_backward_launcher_compares_its_rerun_on_contiguous_tensors(solutions):
+    """A launcher that fails on views and runs on contiguous copies of them, wrongly (its dQ grid has
+    no batch axis: right for B = 1, wrong for B = 2), is not called right on contiguous tensors: the
+    rerun's gradients are compared, and what is wrong with them is said."""
+    edits = [("    delta = torch.empty(", "    q.view(-1)   # fails on a transposed view\n    delta = torch.empty("),
+             ("my_attn_bwd_dq[(triton.cdiv(n_q, 32), heads, batch)](", "my_attn_bwd_dq[(triton.cdiv(n_q, 32), heads, 1)](")]
+    with pytest.raises(ex.ExerciseError) as error:
+        ex.check_my_attention_backward(solutions("07", edits).my_attention_backward)
+    said = str(error.value)
+    assert "right on contiguous tensors" not in said, said
+    assert "B=2, H=3, N_q=19, N_kv=27" in said and "contiguous copies of the views" in said, said
+
+
 @pytest.mark.parametrize("stub, said", [("ch07-delta-kernel", "delta_kernel (exercise 1)"),
                                         ("ch07-dq-inner", "dq_inner (exercise 2a)"),
                                         ("ch07-dq-kernel", "my_attn_bwd_dq (exercise 2b)"),

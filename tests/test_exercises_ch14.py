@@ -88,6 +88,11 @@ DKDV_DS = "dsT = pT * (dpT - delta[None, :]) * dcapT "
 KEEP = 's2 = tl.where(keep != 0, s2, float("-inf"))'
 READ = "keep = tl.load(Mask + rows * stride_mq + cols * stride_mk, mask=inside, other=0)"
 DKDV_SCORES = "sT, dcapT = my_scores(sT, queries[None, :], offs_kv[:, None],"
+OWN_STRIDES = "read each tensor through its own strides, as chapter 07's loops do"
+FWD_V = "v_ptrs = V + offs_kv[:, None] * stride_vn + offs_d[None, :] * stride_vd"
+DQ_V = "V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd"
+DQ_K = "K + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd"
+DKDV_DO = "dO + queries[:, None] * stride_don + offs_d[None, :] * stride_dod"
 
 
 @mistakes(
@@ -122,6 +127,24 @@ DKDV_SCORES = "sT, dcapT = my_scores(sT, queries[None, :], offs_kv[:, None],"
      "though right with key-padding masks, whose rows are all the same"),
     ("a wrong softcap piece", [("dcap = 1.0 - t * t", "dcap = 1.0 - t")],
      "the factor is 1 - tanh, not 1 - tanh**2: d tanh(x) / dx = 1 - tanh(x)**2. (Exercise 1's piece"),
+    # the loops as chapter 07 writes them: each tensor through its own strides, 16-bit tiles into tl.dot
+    ("V read with K's strides in the forward", [(FWD_V, FWD_V.replace("_v", "_k"))],
+     "O and the LSE of my_fwd_tiles are wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask), "
+     "where Q, K, V and dO each have strides of their own, and right on contiguous copies of them: " + OWN_STRIDES),
+    ("V read with K's strides in the dQ loop", [(DQ_V, DQ_V.replace("_v", "_k"))], "dQ of my_dq_tiles is wrong (B=1"),
+    ("K's column stride taken as 1 in the dQ loop", [(DQ_K, DQ_K.replace(" * stride_kd", ""))],
+     "dQ of my_dq_tiles is wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask), where Q, K, V "
+     "and dO each have strides of their own, and right on contiguous copies of them: " + OWN_STRIDES),
+    ("dO read with Q's strides in the dK/dV loop", [(DKDV_DO, DKDV_DO.replace("_do", "_q"))],
+     "dK and dV of my_dkdv_tiles are wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask), "
+     "where Q, K, V and dO each have strides of their own, and right on contiguous copies of them: " + OWN_STRIDES),
+    ("dS not converted in the dQ loop", [("dq += tl.dot(ds.to(k.dtype), k)", "dq += tl.dot(ds, k)")],
+     "my_dq_tiles failed on float16 inputs (B=2, H=2, N_q=37, N_kv=45, is_causal=True, softcap=5.0, a key-padding "
+     "mask of lengths [45, 20], float16): tl.dot got a float32 tile and a float16 one"),
+    ("P^T not converted in the dK/dV loop", [("dv += tl.dot(pT.to(do.dtype), do)", "dv += tl.dot(pT, do)")],
+     "my_dkdv_tiles failed on float16 inputs"),
+    ("dS^T not converted in the dK/dV loop", [("dk += tl.dot(dsT.to(q.dtype), q)", "dk += tl.dot(dsT, q)")],
+     "my_dkdv_tiles failed on float16 inputs"),
 )
 def test_score_loops_mistakes_are_named(solutions, edits, message):
     module = solutions("14", edits)

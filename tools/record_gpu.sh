@@ -4,7 +4,9 @@
 #
 #     bash tools/record_gpu.sh OUT_DIR [PART ...]
 #
-# Parts: tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
+# Parts: backward (tools/backward_check.py: the fused Gluon backward and the deterministic one
+# against float64, then the 24 cells of the sweep beside cuDNN; needs Triton >= 3.8 on Hopper),
+# tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
 # compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants,
 # tests-mods (masks and their tile lists, softcap, ALiBi, dropout, bottom-right, SDPA's signature, the
 # KV-cache step), bench-mods (those modifications timed next to PyTorch's and FlexAttention's),
@@ -22,7 +24,7 @@
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
 shift
-parts=${*:-tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
+parts=${*:-backward tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -46,6 +48,7 @@ part() {  # part NAME SECONDS COMMAND...
     printf '%-16s exit %-3s %4d s  %s\n' "$name" "$status" $((SECONDS - start)) "$(tail -n 1 "$out/$name.txt")"
 }
 
+part backward 420 python tools/backward_check.py --csv "$out/backward.csv"
 part tests-variants 150 $pytest $variant_tests
 part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_decode.py
 part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"

@@ -32,7 +32,7 @@ import tokenize
 from collections import Counter
 from dataclasses import dataclass
 
-from .view_text import BODIES as _BODIES, Text, could_be_word, span as _span
+from .view_text import BODIES as _BODIES, Text, as_code, span as _span
 
 _IMPURE = re.compile(r"store|atomic|print|debug|barrier")  # calls whose result may be unused
 
@@ -67,6 +67,12 @@ def pruned_source(obj, only, words=()):
 
 def _names(tree, ctx=None):
     return Counter(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and (ctx is None or isinstance(n.ctx, ctx)))
+
+
+def _loads(tree):
+    """How often each name is read in ``tree``, ``x += ...`` counting as a read of x."""
+    return _names(tree, ast.Load) + Counter(
+        s.target.id for s in ast.walk(tree) if isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name))
 
 
 def _pure(node):
@@ -274,7 +280,7 @@ class _Pruner(Text):
     def mentioned(self, name):
         """Whether a comment line the view keeps (not in a removed branch, not on the name's own
         assignment, naming no switched-off feature) names ``name`` (as code, if it could be a word)."""
-        pattern = rf"``{re.escape(name)}``" if could_be_word(name) else rf"(?<![\w.]){re.escape(name)}(?!\w)"
+        pattern = as_code(name)
         own = {s.lineno for s in ast.walk(self.func) if isinstance(s, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == name for t in s.targets)}
         switched = [k for k in self.flags if k.isidentifier()]
@@ -285,8 +291,7 @@ class _Pruner(Text):
 
     def sweep(self):
         """One removal (returns True) of a dead assignment, an alias, a factor of one or an empty if."""
-        loads = _names(self.func, ast.Load) + Counter(
-            s.target.id for s in ast.walk(self.func) if isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name))
+        loads = _loads(self.func)
         stores = _names(self.func, ast.Store)
         for stmts in list(self.blocks()):
             for stmt in stmts:
@@ -383,8 +388,7 @@ class _Pruner(Text):
             visit(stmt)
 
     def drop_parameters(self):
-        loads = _names(self.func, ast.Load) + Counter(
-            s.target.id for s in ast.walk(self.func) if isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name))
+        loads = _loads(self.func)
         args = self.func.args
         first_default = len(args.args) - len(args.defaults)
         elements = []

@@ -26,6 +26,12 @@ def could_be_word(name):
     return re.fullmatch(r"[A-Z]?[a-z]+", name) is not None
 
 
+def as_code(name):
+    """The pattern of prose that names the identifier ``name`` as code: in double backquotes if it
+    could be a word, else the name itself, not part of a longer name or an attribute (``x.name``)."""
+    return rf"``{re.escape(name)}``" if could_be_word(name) else rf"(?<![\w.]){re.escape(name)}(?!\w)"
+
+
 class Text:
     """What :class:`flashattn.course.teaching_view._Pruner` writes with: it sets ``lines`` (the
     source's), ``comments`` (line -> (column, text)), ``func`` (the pruned tree), ``gone`` (the
@@ -33,8 +39,7 @@ class Text:
 
     def hides(self, sentence):
         """Whether a sentence of prose names something the view removed."""
-        return any(re.search(rf"``{re.escape(n)}``" if could_be_word(n) else rf"(?<!\w){re.escape(n)}(?!\w)", sentence)
-                   for n in self.gone) or \
+        return any(re.search(as_code(n), sentence) for n in self.gone) or \
             any(re.search(rf"(?<![\w]){re.escape(w)}", sentence, re.I) for w in self.words)
 
     def prose(self, lines, prefix):

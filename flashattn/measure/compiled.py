@@ -74,7 +74,7 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), target=SM90, *
     ``constexprs`` gives the compile-time arguments, ``floats`` names the float32 scalars; every
     other argument is an int32. ``aligned`` names the arguments Triton may assume divisible by 16,
     as it does for the pointers and strides of contiguous tensors. ``options`` go to the
-    compiler (``num_warps``, ``num_stages``; Triton's defaults otherwise).
+    compiler (``num_warps``, ``num_stages``, ``enable_fp_fusion``; Triton's defaults otherwise).
     """
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -102,13 +102,14 @@ DECODE_ALL_VARIANTS = dict(PAGED=True, PAGE_SIZE=16, ALIBI=True, SOFTCAP=True, W
                            Pages="i32", Slopes="fp32", LeftPad="i32")
 
 
-def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM90):
+def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM90, **options):
     """Compile one of the package's kernels (a key of :data:`KERNELS`) for contiguous inputs of
     ``dtype`` ("fp16", "bf16", "fp32"), as a launch would, for ``target`` (see :func:`target`): the
     head-dim strides equal 1 (Triton turns such ints into constants), the pointers and other strides
     are divisible by 16; v's head dim (HEAD_DIM_V, BLOCK_DV) is q's unless ``constexprs`` gives
     it. Without grouped heads (``n_group="runtime"`` compiles them) and without packed sequences
-    (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``)."""
+    (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``). ``options``: more
+    of the compiler's (``enable_fp_fusion``)."""
     fn, tensors, fixed = KERNELS[name]
     # As flashattn.attention launches them without grouped heads, windows or packed sequences:
     # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
@@ -140,7 +141,7 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
     aligned = set(pointers) | {arg for arg in fn.arg_names if arg.startswith("stride_")
                                and not arg.startswith(("stride_m", "stride_s", "stride_p", "stride_l"))}
     return compile_sm90(fn, pointers, constexprs, floats=("scale", "qk_scale", "softcap", "p_drop"),
-                        aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages)
+                        aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages, **options)
 
 
 @functools.lru_cache(maxsize=4)  # several facts of one kernel read the same SASS: disassembled once
@@ -312,13 +313,20 @@ def ptx_of(kernel, pointers=None, constexprs=None, floats=(), arch=90, dtype="fp
                              arch=arch, dtype=dtype, num_warps=num_warps, num_stages=num_stages)])[0]
 
 
+#: The compiler's options a job of :func:`ptx_of_many` may set (Triton's default where it does not).
+#: ``enable_fp_fusion``: whether a multiply and an add may fuse into one fma; Triton 3.9 fuses
+#: unless told otherwise and warns that Triton 3.10 will not, so a PTX that depends on it sets it.
+PTX_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
 def ptx_of_many(jobs, timeout=300):
-    """:func:`ptx_of` for several kernels (``jobs``: dicts of its arguments), compiled by one child
-    process (starting one costs a few seconds: torch and Triton are imported afresh)."""
+    """:func:`ptx_of` for several kernels (``jobs``: dicts of its arguments, and any of
+    :data:`PTX_OPTIONS`), compiled by one child process (starting one costs a few seconds: torch
+    and Triton are imported afresh)."""
     specs = []
     for job in jobs:
         kernel = job["kernel"]
-        spec = {key: job.get(key) for key in ("constexprs", "arch", "dtype", "num_warps", "num_stages")}
+        spec = {key: job.get(key) for key in ("constexprs", "arch", "dtype", *PTX_OPTIONS)}
         spec["floats"] = list(job.get("floats") or ())
         spec["pointers"] = job.get("pointers") or {}
         spec["arch"] = spec["arch"] or 90
@@ -341,7 +349,7 @@ def _ptx_jobs(specs):
     out = []
     with tempfile.TemporaryDirectory() as folder:
         for n, spec in enumerate(specs):
-            options = {k: spec[k] for k in ("num_warps", "num_stages") if spec.get(k) is not None}
+            options = {k: spec[k] for k in PTX_OPTIONS if spec.get(k) is not None}
             constexprs = spec.get("constexprs") or {}
             if "package" in spec:
                 compiled = compile_kernel(spec["package"], spec["dtype"], constexprs, target=target(spec["arch"]), **options)

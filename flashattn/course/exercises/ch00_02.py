@@ -414,7 +414,7 @@ _WHY = {
     ("tl.exp2(x)", "add"): "tl.exp2(x) is the hardware's own exponential: ex2.approx.f32 and nothing else",
     ("tl.exp2(x * c - m)", "fma"): "x * c - m is one fma.rn.f32 per element: the compiler fuses the multiply "
                                    "and the subtraction into a fused multiply-add (Triton's enable_fp_fusion, "
-                                   "on by default), which adds -m",
+                                   "on for this check), which adds -m",
     ("tl.exp2(x * c - m)", "mul"): "the fma.rn.f32 multiplies x by c itself: no separate mul.f32",
     ("tl.exp2(x * c - m)", "add"): "the subtraction happens inside the fma.rn.f32, which adds -m (negated "
                                    "once per thread, not once per element)",
@@ -432,11 +432,14 @@ EXPECTED_COUNTS = {"tl.exp(x)": dict(ex2=1, mul=1, fma=0, add=0), "tl.exp2(x)": 
 @functools.lru_cache(maxsize=1)
 def exp_forms_ptx():
     """{form: its PTX for sm_90}, the three forms of :func:`exp_forms` compiled once per process
-    (no GPU needed: a child process tells Triton one is there)."""
+    (no GPU needed: a child process tells Triton one is there). With FP fusion on, whatever
+    Triton's default: Triton 3.9 fuses by default, 3.10 will not, and the fma form's answer is
+    the fusion."""
     from ...measure.compiled import ptx_of_many
 
     texts = ptx_of_many([dict(kernel=exp_forms, pointers=dict(X="fp32", Y="fp32"), floats=("c", "m"),
-                              constexprs=dict(FORM=form, BLOCK=EXP_BLOCK), num_warps=EXP_WARPS, arch=90)
+                              constexprs=dict(FORM=form, BLOCK=EXP_BLOCK), num_warps=EXP_WARPS, arch=90,
+                              enable_fp_fusion=True)
                          for form in EXP_FORMS])
     return dict(zip(EXP_FORMS.values(), texts))
 

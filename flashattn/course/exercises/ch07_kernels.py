@@ -414,28 +414,26 @@ def check_my_attention_backward(my_attention_backward):
                 raise ExerciseError(f"{name} should return (dq, dk, dv), got {type(out).__name__}")
             return out
 
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = torch.autograd.grad(naive_attention(*leaves, is_causal=causal, scale=s)[0], leaves, do.double())
         try:
             got = run(q, k, v, o, lse2, do)
         except ExerciseError as error:
             # wrong strides can read past a view's memory: the interpreter then fails on the garbage
-            if views:
-                run(*(t.contiguous() for t in (q, k, v, o, lse2, do)))  # raises again if not the views
+            if not views:
+                raise
+            tensors = tuple(t.contiguous() for t in (q, k, v, o, lse2, do))
+            again = run(*tensors)  # raises again if not the views
+            _check_returned(again, (q, k, v), what)
+            if _right(again, ref):
                 raise ExerciseError(f"right on contiguous tensors, wrong on non-contiguous views ({what}): on the "
                                     f"views it failed ({error}). Pass each tensor's own strides (*x.stride()) for "
                                     "every pointer a kernel gets, never another tensor's or strides computed from "
                                     "the shape.") from None
-            raise
-        for grad, like, label in zip(got, (q, k, v), ("dq", "dk", "dv")):
-            if not isinstance(grad, torch.Tensor) or tuple(grad.shape) != tuple(like.shape):
-                shape = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
-                raise ExerciseError(f"{label} has shape {shape} ({what}); expected {tuple(like.shape)}, "
-                                    f"the shape of {label[1:]}")
-            if grad.dtype != like.dtype:
-                raise ExerciseError(f"{label} is {grad.dtype} for {like.dtype} inputs ({what}): return each "
-                                    f"gradient in its input's dtype. The kernels accumulate in float32 on chip and "
-                                    f"each tile is written once, so allocating {label} like {label[1:]} loses nothing.")
-        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        ref = torch.autograd.grad(naive_attention(*leaves, is_causal=causal, scale=s)[0], leaves, do.double())
+            # it runs on contiguous copies of the views, and is wrong there too: name that mistake first
+            _name_launcher_mistake(run, again, tensors, ref, causal, s, scale,
+                                   what.replace("non-contiguous views", "contiguous copies of the views"))
+        _check_returned(got, (q, k, v), what)
         base = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         pytorch = torch.autograd.grad(naive_attention(*base, is_causal=causal, scale=s)[0], base, do)
         names = ("dq", "dk", "dv")
@@ -448,23 +446,55 @@ def check_my_attention_backward(my_attention_backward):
            "float16")
 
 
+def _check_returned(got, inputs, what):
+    """Raise the ExerciseError for gradients ``got`` not of the shapes and dtypes of ``inputs`` (q, k, v)."""
+    for grad, like, label in zip(got, inputs, ("dq", "dk", "dv")):
+        if not isinstance(grad, torch.Tensor) or tuple(grad.shape) != tuple(like.shape):
+            shape = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
+            raise ExerciseError(f"{label} has shape {shape} ({what}); expected {tuple(like.shape)}, "
+                                f"the shape of {label[1:]}")
+        if grad.dtype != like.dtype:
+            raise ExerciseError(f"{label} is {grad.dtype} for {like.dtype} inputs ({what}): return each "
+                                f"gradient in its input's dtype. The kernels accumulate in float32 on chip and "
+                                f"each tile is written once, so allocating {label} like {label[1:]} loses nothing.")
+
+
+def _right(got, ref):
+    """Whether the gradients ``got`` are within the launcher check's tolerance of ``ref``, the float64 ones."""
+    return all(close(a, r, atol=3e-3 * (1 + r.abs().max().item()), rtol=1e-2) for a, r in zip(got, ref))
+
+
+def _grid_stops_at(grad, want, n):
+    """Where a grid that stops one block or more early leaves the gradient ``grad`` of a
+    (B, H, n, D) tensor: the first position wrong against ``want`` (in some batch and head), if it
+    is past 0 and a multiple of 16 (the smallest block) and every position from it on is wrong too;
+    else None. The rows past the grid hold whatever the allocation held, so a row that is 0 in
+    ``want`` (a key no query sees) may be right by chance and is not asked to be wrong."""
+    want = want.cpu()
+    tol = 3e-3 * (1 + want.abs().max().item())
+    wrong = (~((grad.double().cpu() - want).abs() <= tol).all(-1)).reshape(-1, n).any(0)
+    zero = (want.abs() <= tol).all(-1).reshape(-1, n).all(0)
+    if not wrong.any():
+        return None
+    first = int(wrong.nonzero()[0])
+    if first > 0 and first % 16 == 0 and (wrong | zero)[first:].all():
+        return first
+    return None
+
+
 def _name_launcher_mistake(run, got, tensors, ref, causal, s, scale, what):
     """Raise the ExerciseError that names what the launcher got wrong on this case."""
     q, k, v, o, lse2, do = tensors
     if not all(t.is_contiguous() for t in (q, k, v, o, do)):
         again = run(*(t.contiguous() for t in tensors))
-        if all(close(a, r, atol=3e-3 * (1 + r.abs().max().item()), rtol=1e-2) for a, r in zip(again, ref)):
+        if _right(again, ref):
             raise ExerciseError(f"right on contiguous tensors, wrong on non-contiguous views ({what}): pass each "
                                 "tensor's own strides (*x.stride()) for every pointer a kernel gets, never "
                                 "another tensor's or strides computed from the shape.")
-    # rows right up to a block boundary, wrong from there on: a grid that stops early (the rows past
-    # it hold whatever the allocation held, which may be right by chance in places)
     for label, grad, want, n, blocks in (("dK and dV", got[1], ref[1], k.shape[2], "key block (cdiv(N_kv, BLOCK_KV) programs)"),
                                         ("dQ", got[0], ref[0], q.shape[2], "query block (cdiv(N_q, BLOCK_Q) programs)")):
-        bad = ~((grad.double().cpu() - want.cpu()).abs() <= 3e-3 * (1 + want.abs().max().item())).all(-1)
-        rows = bad.reshape(-1, n).any(0)
-        first = int(rows.nonzero()[0]) if rows.any() else 0
-        if first > 0 and first % 16 == 0:  # whole blocks right, then not one row right past them
+        first = _grid_stops_at(grad, want, n)
+        if first is not None:
             raise ExerciseError(f"{label} {'is' if label == 'dQ' else 'are'} right for positions 0..{first - 1} and wrong from {first} on "
                                 f"({what}): the grid of its kernel stops early. It needs one program per "
                                 f"{blocks}, on axis 0 (then heads, then batch).")

@@ -24,7 +24,7 @@ from ...kernels.tiles import LN2, LOG2E
 from ...kernels.traversal import window_masking
 from ...testing.reference import masked_attention, window_mask
 from ...testing.rule import judge
-from .common import ExerciseError, close, is_stub, launch_learner_kernel, not_implemented, passed
+from .common import ExerciseError, close, helpers_of, is_stub, launch_learner_kernel, not_implemented, passed
 
 FORBID = ("flashattn", "softmax", "sdpa")
 GPU_TOL = 1e-2  # on a GPU, tl.dot multiplies float32 tiles in TF32 unless told otherwise
@@ -241,11 +241,6 @@ def _require(fns, exercise_of=None):
             raise not_implemented(name)
 
 
-def _helpers(kernel, *names):
-    scope = getattr(getattr(kernel, "fn", kernel), "__globals__", {})
-    return {name: scope.get(name) for name in names}
-
-
 #: A query head's K/V head by a wrong rule, given (H_q, H_kv): (the map, what to say).
 HEAD_SLIPS = [
     (lambda hq, hkv: torch.arange(hq) % hkv,
@@ -310,7 +305,7 @@ def check_gqa_window_forward(my_attn_fwd, my_window_bounds, my_in_window):
     head) and, under ``WINDOW``, a sliding window (``win_left``, ``win_right``, both >= 0). The two
     window pieces are checked alone first; then the kernel, on :data:`FORWARD_CASES`, output and LSE
     against float64 under the course's rule."""
-    _require({"my_attn_fwd": my_attn_fwd, **_helpers(my_attn_fwd, "my_kv_tiles"),
+    _require({"my_attn_fwd": my_attn_fwd, **helpers_of(my_attn_fwd, "my_kv_tiles"),
               "my_window_bounds": my_window_bounds, "my_in_window": my_in_window})
     check_in_window(my_in_window)
     check_window_bounds(my_window_bounds)
@@ -448,8 +443,8 @@ def check_gqa_window_backward(my_attn_bwd_dq, my_attn_bwd_dkdv):
     group) and windows (the dK/dV kernel's query range and mask turned around). dQ, dK and dV
     against float64 under the course's rule on :data:`BACKWARD_CASES`; the LSE and Delta are given."""
     _require({"my_attn_bwd_dq": my_attn_bwd_dq, "my_attn_bwd_dkdv": my_attn_bwd_dkdv,
-              **_helpers(my_attn_bwd_dq, "dq_inner"), **_helpers(my_attn_bwd_dkdv, "dkdv_inner")})
-    earlier = _helpers(my_attn_bwd_dq, "my_window_bounds", "my_in_window")
+              **helpers_of(my_attn_bwd_dq, "dq_inner"), **helpers_of(my_attn_bwd_dkdv, "dkdv_inner")})
+    earlier = helpers_of(my_attn_bwd_dq, "my_window_bounds", "my_in_window")
     _require(earlier, exercise_of={name: "the forward's exercise" for name in earlier})
     try:  # the forward's exercise checks them; the backward kernels call them too
         check_in_window(earlier["my_in_window"])

@@ -4,11 +4,13 @@ three loops, the forward's (chapter 05) and the two backward ones (chapter 07), 
 
 The loops run inside small kernels given here (``scores_fwd_kernel``, ``scores_dq_kernel``,
 ``scores_dkdv_kernel``): one program per (block, head, batch), the mask moved to its (batch, head)
-with the learner's strides, the forward's two stages and chapter 07's query ranges. The outputs are
-judged against float64 under the course's rule; a wrong one is compared with what the likely
-mistakes give (:func:`score_model`) so that the message names the mistake: the cap taken on the wrong
-score, the scale applied twice, the factor 1 - tanh**2 missing from dS in one backward loop, the mask
-inverted or read untransposed in the dK/dV loop, a broadcast dim's stride not 0.
+with the learner's strides, the forward's two stages and chapter 07's query ranges. Q, K, V and dO
+lie in memory each in its own way, and the loops read them as chapter 07's do, each through its own
+strides; the last case is float16. The outputs are judged against float64 under the course's rule;
+a wrong one is compared with what the likely mistakes give (:func:`score_model`) so that the message
+names the mistake: the cap taken on the wrong score, the scale applied twice, the factor
+1 - tanh**2 missing from dS in one backward loop, the mask inverted or read untransposed in the
+dK/dV loop, a broadcast dim's stride not 0.
 """
 import contextlib
 import inspect
@@ -22,11 +24,13 @@ import triton.language as tl
 
 from ..notebook import pick
 from ...gpu.runtime import DEVICE
-from ...kernels.tiles import LN2, LOG2E, kv_stage_bounds
+from ...kernels.tiles import LN2, LOG2E, kv_stage_bounds, load_tile, store_tile
 from ...testing.reference import causal_mask, modified_attention
 from ...testing.rule import judge
+from .ch07 import padded_view
 from .ch14 import check_softcap_piece
-from .common import ExerciseError, attempt, close, is_stub, launch_learner_kernel, not_implemented, passed
+from .common import (ExerciseError, attempt, close, helpers_of, is_stub, launch_learner_kernel,
+                     not_implemented, passed)
 
 FORBID = ("flashattn", "softmax", "sdpa")
 GPU_TOL = 1e-2  # on a GPU, tl.dot multiplies float32 tiles in TF32 unless told otherwise
@@ -35,100 +39,105 @@ GPU_TOL = 1e-2  # on a GPU, tl.dot multiplies float32 tiles in TF32 unless told 
 # --- The kernels around the learner's loops --------------------------------------------------------------
 
 @triton.jit
-def scores_fwd_kernel(Q, K, V, O, LSE, Mask, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+def scores_fwd_kernel(Q, K, V, O, LSE, Mask,
+                      stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                      stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
                       stride_mb, stride_mh, stride_mq, stride_mk, n_heads, n_q, n_kv, qk_scale, softcap,
                       INNER: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
                       HAS_MASK: tl.constexpr):
     """The forward of chapter 05's Exercise 2 around the learner's loop ``INNER``, for (B, H, N, D)
-    tensors with contiguous columns (Q and O share their strides, K and V theirs), a head dim that is
-    a power of two, and the mask moved to this program's (batch, head)."""
+    tensors, each with strides of its own, a head dim that is a power of two, and the mask moved to
+    this program's (batch, head)."""
     q_block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    O += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    K += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
-    V += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
-    LSE += (batch.to(tl.int64) * n_heads + head) * n_q
-    Mask += batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+    b, h = batch.to(tl.int64), head.to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    O += b * stride_ob + h * stride_oh
+    LSE += (b * n_heads + h) * n_q
+    Mask += b * stride_mb + h * stride_mh
     q_start = q_block * BLOCK_Q
     offs_q = q_start + tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + offs_q[:, None] * stride_qn + offs_d[None, :], mask=offs_q[:, None] < n_q, other=0.0)
+    q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, False)
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
     kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
-    acc, m_i, l_i = INNER(acc, m_i, l_i, q, K, V, stride_kn, 1, stride_kn, 1, offs_q, offs_d, 0, kv_full_end,
-                          n_q, n_kv, qk_scale, softcap, Mask, stride_mq, stride_mk,
+    acc, m_i, l_i = INNER(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_q, offs_d,
+                          0, kv_full_end, n_q, n_kv, qk_scale, softcap, Mask, stride_mq, stride_mk,
                           BLOCK_KV, False, IS_CAUSAL, SOFTCAP, HAS_MASK)
-    acc, m_i, l_i = INNER(acc, m_i, l_i, q, K, V, stride_kn, 1, stride_kn, 1, offs_q, offs_d, kv_full_end, kv_end,
-                          n_q, n_kv, qk_scale, softcap, Mask, stride_mq, stride_mk,
+    acc, m_i, l_i = INNER(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_q, offs_d,
+                          kv_full_end, kv_end, n_q, n_kv, qk_scale, softcap, Mask, stride_mq, stride_mk,
                           BLOCK_KV, True, IS_CAUSAL, SOFTCAP, HAS_MASK)
-    acc = acc / l_i[:, None]
     tl.store(LSE + offs_q, m_i + tl.log2(l_i), mask=offs_q < n_q)
-    tl.store(O + offs_q[:, None] * stride_qn + offs_d[None, :], acc, mask=offs_q[:, None] < n_q)
+    store_tile(O, acc / l_i[:, None], offs_q, offs_d, stride_on, stride_od, n_q, HEAD_DIM, False)
 
 
 @triton.jit
-def scores_dq_kernel(Q, K, V, dO, LSE, Delta, dQ, Mask, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
-                     stride_kn, stride_mb, stride_mh, stride_mq, stride_mk, n_heads, n_q, n_kv, scale, qk_scale,
-                     softcap, INNER: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                     BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
-                     HAS_MASK: tl.constexpr):
-    """Chapter 07's dQ stage around the learner's loop ``INNER`` (Q, dO and dQ share their strides)."""
+def scores_dq_kernel(Q, K, V, dO, LSE, Delta, dQ, Mask,
+                     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_don, stride_dod,
+                     stride_dqb, stride_dqh, stride_dqn, stride_dqd, stride_mb, stride_mh, stride_mq, stride_mk,
+                     n_heads, n_q, n_kv, scale, qk_scale, softcap, INNER: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Chapter 07's dQ kernel around the learner's loop ``INNER``, every tensor with its own strides."""
     q_block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    Q += rows
-    dO += rows
-    dQ += rows
-    K += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
-    V += batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
-    LSE += (batch.to(tl.int64) * n_heads + head) * n_q
-    Delta += (batch.to(tl.int64) * n_heads + head) * n_q
-    Mask += batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+    b, h = batch.to(tl.int64), head.to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    dO += b * stride_dob + h * stride_doh
+    dQ += b * stride_dqb + h * stride_dqh
+    LSE += (b * n_heads + h) * n_q
+    Delta += (b * n_heads + h) * n_q
+    Mask += b * stride_mb + h * stride_mh
     q_start = q_block * BLOCK_Q
     offs_q = q_start + tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, HEAD_DIM)
-    inside = offs_q[:, None] < n_q
-    q = tl.load(Q + offs_q[:, None] * stride_qn + offs_d[None, :], mask=inside, other=0.0)
-    do = tl.load(dO + offs_q[:, None] * stride_qn + offs_d[None, :], mask=inside, other=0.0)
+    q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, True, False)
+    do = load_tile(dO, offs_q, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, True, False)
     lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
     delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
     dq = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
     kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
-    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, offs_q, offs_d, 0, kv_full_end, n_q, n_kv, qk_scale,
-               softcap, Mask, stride_mq, stride_mk, HEAD_DIM, HEAD_DIM, BLOCK_KV, False, IS_CAUSAL, SOFTCAP, HAS_MASK)
-    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, offs_q, offs_d, kv_full_end, kv_end, n_q, n_kv, qk_scale,
-               softcap, Mask, stride_mq, stride_mk, HEAD_DIM, HEAD_DIM, BLOCK_KV, True, IS_CAUSAL, SOFTCAP, HAS_MASK)
-    dq *= scale
-    tl.store(dQ + offs_q[:, None] * stride_qn + offs_d[None, :], dq, mask=inside)
+    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_q, offs_d,
+               0, kv_full_end, n_q, n_kv, qk_scale, softcap, Mask, stride_mq, stride_mk,
+               HEAD_DIM, BLOCK_KV, False, IS_CAUSAL, SOFTCAP, HAS_MASK)
+    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_q, offs_d,
+               kv_full_end, kv_end, n_q, n_kv, qk_scale, softcap, Mask, stride_mq, stride_mk,
+               HEAD_DIM, BLOCK_KV, True, IS_CAUSAL, SOFTCAP, HAS_MASK)
+    store_tile(dQ, dq * scale, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, False)
 
 
 @triton.jit
-def scores_dkdv_kernel(Q, K, V, dO, LSE, Delta, dK, dV, Mask, stride_qb, stride_qh, stride_qn, stride_kb,
-                       stride_kh, stride_kn, stride_mb, stride_mh, stride_mq, stride_mk, n_heads, n_q, n_kv,
-                       scale, qk_scale, softcap, INNER: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                       SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Chapter 07's dK/dV stage around the learner's loop ``INNER``: the diagonal (masked, causal
-    only), the whole query blocks, the ragged last one (K, V, dK and dV share their strides)."""
+def scores_dkdv_kernel(Q, K, V, dO, LSE, Delta, dK, dV, Mask,
+                       stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                       stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_don, stride_dod,
+                       stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                       stride_mb, stride_mh, stride_mq, stride_mk, n_heads, n_q, n_kv, scale, qk_scale, softcap,
+                       INNER: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Chapter 07's dK/dV kernel around the learner's loop ``INNER``, every tensor with its own
+    strides: the diagonal (masked, causal only), the whole query blocks, the ragged last one."""
     kv_block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    keys = batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
-    K += keys
-    V += keys
-    dK += keys
-    dV += keys
-    Q += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    dO += batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    LSE += (batch.to(tl.int64) * n_heads + head) * n_q
-    Delta += (batch.to(tl.int64) * n_heads + head) * n_q
-    Mask += batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+    b, h = batch.to(tl.int64), head.to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    dO += b * stride_dob + h * stride_doh
+    dK += b * stride_dkb + h * stride_dkh
+    dV += b * stride_dvb + h * stride_dvh
+    LSE += (b * n_heads + h) * n_q
+    Delta += (b * n_heads + h) * n_q
+    Mask += b * stride_mb + h * stride_mh
     kv_start = kv_block * BLOCK_KV
     offs_kv = kv_start + tl.arange(0, BLOCK_KV)
     offs_d = tl.arange(0, HEAD_DIM)
-    inside = offs_kv[:, None] < n_kv
-    k = tl.load(K + offs_kv[:, None] * stride_kn + offs_d[None, :], mask=inside, other=0.0)
-    v = tl.load(V + offs_kv[:, None] * stride_kn + offs_d[None, :], mask=inside, other=0.0)
+    k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, True, False)
+    v = load_tile(V, offs_kv, offs_d, stride_vn, stride_vd, n_kv, HEAD_DIM, True, False)
     dk = tl.zeros([BLOCK_KV, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_KV, HEAD_DIM], dtype=tl.float32)
     if IS_CAUSAL:  # queries before kv_start see none of these keys
@@ -138,18 +147,17 @@ def scores_dkdv_kernel(Q, K, V, dO, LSE, Delta, dK, dV, Mask, stride_qb, stride_
         q_lo = 0
         q_full_lo = 0
     q_full_hi = q_full_lo + tl.maximum(n_q - q_full_lo, 0) // BLOCK_Q * BLOCK_Q
-    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, offs_kv, offs_d, q_lo, q_full_lo, n_q, n_kv,
-                   qk_scale, softcap, Mask, stride_mq, stride_mk, HEAD_DIM, HEAD_DIM, BLOCK_Q, True, IS_CAUSAL,
-                   SOFTCAP, HAS_MASK)
-    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, offs_kv, offs_d, q_full_lo, q_full_hi, n_q, n_kv,
-                   qk_scale, softcap, Mask, stride_mq, stride_mk, HEAD_DIM, HEAD_DIM, BLOCK_Q, False, IS_CAUSAL,
-                   SOFTCAP, HAS_MASK)
-    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, offs_kv, offs_d, q_full_hi, n_q, n_q, n_kv,
-                   qk_scale, softcap, Mask, stride_mq, stride_mk, HEAD_DIM, HEAD_DIM, BLOCK_Q, True, IS_CAUSAL,
-                   SOFTCAP, HAS_MASK)
-    dk *= scale
-    tl.store(dK + offs_kv[:, None] * stride_kn + offs_d[None, :], dk, mask=inside)
-    tl.store(dV + offs_kv[:, None] * stride_kn + offs_d[None, :], dv, mask=inside)
+    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod, offs_kv, offs_d,
+                   q_lo, q_full_lo, n_q, n_kv, qk_scale, softcap, Mask, stride_mq, stride_mk,
+                   HEAD_DIM, BLOCK_Q, True, IS_CAUSAL, SOFTCAP, HAS_MASK)
+    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod, offs_kv, offs_d,
+                   q_full_lo, q_full_hi, n_q, n_kv, qk_scale, softcap, Mask, stride_mq, stride_mk,
+                   HEAD_DIM, BLOCK_Q, False, IS_CAUSAL, SOFTCAP, HAS_MASK)
+    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod, offs_kv, offs_d,
+                   q_full_hi, n_q, n_q, n_kv, qk_scale, softcap, Mask, stride_mq, stride_mk,
+                   HEAD_DIM, BLOCK_Q, True, IS_CAUSAL, SOFTCAP, HAS_MASK)
+    store_tile(dK, dk * scale, offs_kv, offs_d, stride_dkn, stride_dkd, n_kv, HEAD_DIM, False)
+    store_tile(dV, dv, offs_kv, offs_d, stride_dvn, stride_dvd, n_kv, HEAD_DIM, False)
 
 
 # --- The mask's strides ----------------------------------------------------------------------------------
@@ -280,10 +288,10 @@ def score_model(q, k, v, do, is_causal, cap, keep, slips=None):
 
 def run_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, strides, q, k, v, do, is_causal, cap, keep,
               fwd_blocks=(16, 16), dq_blocks=(16, 16), dkdv_blocks=(16, 32)):
-    """(out, lse, dq, dk, dv) of the three loops in the kernels above, on float32 (B, H, N, D)
-    tensors, with the softcap ``cap`` (0: none) and the bool mask ``keep`` (None: none) read
-    through ``strides`` (the learner's ``mask_strides``); the backward gets the float64 LSE and
-    Delta. lse is the natural log-sum-exp."""
+    """(out, lse, dq, dk, dv) of the three loops in the kernels above, on (B, H, N, D) tensors of
+    any strides (float32 or float16), with the softcap ``cap`` (0: none) and the bool mask ``keep``
+    (None: none) read through ``strides`` (the learner's ``mask_strides``); the backward gets the
+    float64 LSE and Delta. lse is the natural log-sum-exp."""
     batch, heads, n_q, d = q.shape
     n_kv = k.shape[2]
     scale = 1.0 / math.sqrt(d)
@@ -293,40 +301,51 @@ def run_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, strides, q, k, v, do, is
         mask = keep.view(torch.uint8)              # the same bytes, strides kept
     flags = dict(HEAD_DIM=d, IS_CAUSAL=bool(is_causal), SOFTCAP=bool(cap), HAS_MASK=keep is not None)
     common = (*strides, heads, n_q, n_kv)
-    o, lse2 = torch.full_like(q, float("nan")), torch.full((batch, heads, n_q), float("nan"), device=DEVICE)
+
+    def empty(like):
+        return torch.full(like.shape, float("nan"), dtype=like.dtype, device=DEVICE)
+
+    o, lse2 = empty(q), torch.full((batch, heads, n_q), float("nan"), device=DEVICE)
     bq, bkv = fwd_blocks
     launch_learner_kernel(scores_fwd_kernel, (triton.cdiv(n_q, bq), heads, batch),
-                          (q, k, v, o, lse2, mask, *q.stride()[:3], *k.stride()[:3], *common, scale * LOG2E,
-                           float(cap), my_fwd_tiles), dict(BLOCK_Q=bq, BLOCK_KV=bkv, **flags),
+                          (q, k, v, o, lse2, mask, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *common,
+                           scale * LOG2E, float(cap), my_fwd_tiles), dict(BLOCK_Q=bq, BLOCK_KV=bkv, **flags),
                           "my_fwd_tiles", my_fwd_tiles, forbid=FORBID)
     right_out, right_lse = modified_attention(*(t.cpu().double() for t in (q, k, v)),
                                               attn_mask=None if keep is None else keep.cpu(),
                                               is_causal=is_causal, softcap=cap)
     lse_in = (right_lse * LOG2E).float().contiguous().to(DEVICE)
     delta = (right_out * do.cpu().double()).sum(-1).float().contiguous().to(DEVICE)
-    dq = torch.full_like(q, float("nan"))
+    dq = empty(q)
     bq, bkv = dq_blocks
     launch_learner_kernel(scores_dq_kernel, (triton.cdiv(n_q, bq), heads, batch),
-                          (q, k, v, do, lse_in, delta, dq, mask, *q.stride()[:3], *k.stride()[:3], *common, scale,
-                           scale * LOG2E, float(cap), my_dq_tiles), dict(BLOCK_Q=bq, BLOCK_KV=bkv, **flags),
-                          "my_dq_tiles", my_dq_tiles, forbid=FORBID)
-    dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+                          (q, k, v, do, lse_in, delta, dq, mask, *q.stride(), *k.stride(), *v.stride(),
+                           *do.stride(), *dq.stride(), *common, scale, scale * LOG2E, float(cap), my_dq_tiles),
+                          dict(BLOCK_Q=bq, BLOCK_KV=bkv, **flags), "my_dq_tiles", my_dq_tiles, forbid=FORBID)
+    dk, dv = empty(k), empty(v)
     bq, bkv = dkdv_blocks
     launch_learner_kernel(scores_dkdv_kernel, (triton.cdiv(n_kv, bkv), heads, batch),
-                          (q, k, v, do, lse_in, delta, dk, dv, mask, *q.stride()[:3], *k.stride()[:3], *common,
-                           scale, scale * LOG2E, float(cap), my_dkdv_tiles), dict(BLOCK_Q=bq, BLOCK_KV=bkv, **flags),
+                          (q, k, v, do, lse_in, delta, dk, dv, mask, *q.stride(), *k.stride(), *v.stride(),
+                           *do.stride(), *dk.stride(), *dv.stride(), *common, scale, scale * LOG2E, float(cap),
+                           my_dkdv_tiles), dict(BLOCK_Q=bq, BLOCK_KV=bkv, **flags),
                           "my_dkdv_tiles", my_dkdv_tiles, forbid=FORBID)
     return o, lse2.double() * LN2, dq, dk, dv
 
 
-#: (B, H, N_q, N_kv, is_causal, softcap, the mask): the softcap alone first (so that a mistake of the
-#: mask shows alone), then a key-padding mask (the lengths of its sequences) alone, then both, causal;
-#: last a mask of one row per (head, query), (1, H, N_q, N_kv), which only strides read right.
-CASES = [(1, 2, 40, 40, False, 2.0, None),
-         (1, 2, 37, 45, True, 5.0, None),
-         (2, 2, 33, 40, False, 0.0, [29, 13]),
-         (2, 2, 40, 40, True, 3.0, [40, 22]),
-         (2, 2, 24, 30, False, 0.0, "per head and query")]
+#: (B, H, N_q, N_kv, is_causal, softcap, the mask, dtype): the softcap alone first (so that a mistake
+#: of the mask shows alone), then a key-padding mask (the lengths of its sequences) alone, then both,
+#: causal; then a mask of one row per (head, query), (1, H, N_q, N_kv), which only strides read right;
+#: last both in float16, where the loops multiply 16-bit tiles (dS and P^T converted first).
+CASES = [(1, 2, 40, 40, False, 2.0, None, torch.float32),
+         (1, 2, 37, 45, True, 5.0, None, torch.float32),
+         (2, 2, 33, 40, False, 0.0, [29, 13], torch.float32),
+         (2, 2, 40, 40, True, 3.0, [40, 22], torch.float32),
+         (2, 2, 24, 30, False, 0.0, "per head and query", torch.float32),
+         (2, 2, 37, 45, True, 5.0, [45, 20], torch.float16)]
+#: How Q, K, V and dO lie in memory (layouts of ch07.padded_view, NaN around each): no column stride
+#: is 1, and the two tensors a loop streams (K and V; Q and dO) have strides unlike each other's,
+#: so that a loop must read each through its own.
+LAYOUTS = dict(q="strided_d", k="transposed", v="strided_d", do="transposed")
 
 
 def _mask(spec, batch, heads, n_q, n_kv, g):
@@ -343,21 +362,24 @@ def _mask(spec, batch, heads, n_q, n_kv, g):
     keep = buffer[:batch, :1, :1, :n_kv]                     # a key-padding mask, (B, 1, 1, N_kv)
     keep.copy_((torch.arange(n_kv) < torch.tensor(spec)[:, None])[:, None, None, :])
     return keep
+
+
 NAMES = ("out", "lse", "dq", "dk", "dv")
 LOOP_OF = {"out": "my_fwd_tiles", "lse": "my_fwd_tiles", "dq": "my_dq_tiles", "dk": "my_dkdv_tiles",
            "dv": "my_dkdv_tiles"}
 
 
-def _passes(got, ref64, pt, names, upstream):
+def _passes(got, ref64, pt, names, upstream, dtype):
     if pick(cpu=False, gpu=True):
         return all(close(got[n], ref64[n], GPU_TOL * max(1.0, ref64[n].abs().max().item()), GPU_TOL) for n in names)
     return all(c.ok for c in judge({n: got[n].cpu() for n in names}, {n: ref64[n] for n in names},
-                                   {n: pt[n] for n in names}, torch.float32, upstream))
+                                   {n: pt[n] for n in names}, dtype, upstream))
 
 
 def _reference(q, k, v, do, is_causal, cap, keep):
+    """The formula's (out, lse, dq, dk, dv) in float64 and as plain PyTorch in q's dtype."""
     results = []
-    for dtype in (torch.float64, torch.float32):
+    for dtype in (torch.float64, q.dtype):
         leaves = [t.detach().cpu().to(dtype).requires_grad_() for t in (q, k, v)]
         out, lse = modified_attention(*leaves, attn_mask=None if keep is None else keep.cpu(),
                                       is_causal=is_causal, softcap=cap)
@@ -380,17 +402,12 @@ def _name_slip(got, names, q, k, v, do, is_causal, cap, keep, fields):
     return None
 
 
-def _helpers_of(fn, *names):
-    scope = getattr(getattr(fn, "fn", fn), "__globals__", {})
-    return {name: scope.get(name) for name in names}
-
-
 def check_score_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, mask_strides):
     """Chapter 14: the learner's three loops with a softcap (``SOFTCAP``, ``softcap``) and a bool
     attn_mask (``HAS_MASK``, ``Mask`` moved to the (batch, head), ``stride_mq``, ``stride_mk``), through
     the piece ``my_scores`` they share; and ``mask_strides`` for the host. Forward and backward
     against float64 under the course's rule, on the cases of :data:`CASES`."""
-    own = {"mask_strides": mask_strides, **_helpers_of(my_fwd_tiles, "my_scores"), "my_fwd_tiles": my_fwd_tiles,
+    own = {"mask_strides": mask_strides, **helpers_of(my_fwd_tiles, "my_scores"), "my_fwd_tiles": my_fwd_tiles,
            "my_dq_tiles": my_dq_tiles, "my_dkdv_tiles": my_dkdv_tiles}
     for name, fn in own.items():
         if fn is None:
@@ -398,7 +415,7 @@ def check_score_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, mask_strides):
         if is_stub(fn):
             raise not_implemented(name)
     check_mask_strides(mask_strides)
-    piece = _helpers_of(my_fwd_tiles, "my_softcap")["my_softcap"]
+    piece = helpers_of(my_fwd_tiles, "my_softcap")["my_softcap"]
     scores = getattr(own["my_scores"], "fn", own["my_scores"])
     if piece is not None and re.search(r"\bmy_softcap\b", inspect.getsource(scores)):
         if is_stub(piece):
@@ -409,36 +426,55 @@ def check_score_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, mask_strides):
                 check_softcap_piece(piece)
         except ExerciseError as error:
             raise ExerciseError(f"{error} (Exercise 1's piece, which my_scores calls.)") from None
-    for n, (batch, heads, n_q, n_kv, causal, cap, spec) in enumerate(CASES):
+    for n, (batch, heads, n_q, n_kv, causal, cap, spec, dtype) in enumerate(CASES):
         g = torch.Generator().manual_seed(1400 + n)
-        q, do = (torch.randn(batch, heads, n_q, 16, generator=g).to(DEVICE) for _ in range(2))
-        k, v = (torch.randn(batch, heads, n_kv, 16, generator=g).to(DEVICE) for _ in range(2))
+        q, do = (torch.randn(batch, heads, n_q, 16, generator=g) for _ in range(2))
+        k, v = (torch.randn(batch, heads, n_kv, 16, generator=g) for _ in range(2))
+        q, k, v, do = (padded_view(t.shape, LAYOUTS[name], dtype, t)
+                       for t, name in zip((q, k, v, do), ("q", "k", "v", "do")))
         keep = _mask(spec, batch, heads, n_q, n_kv, g)
         strides = None
         if keep is not None:
             strides = tuple(int(x) for x in attempt(mask_strides, keep, name="mask_strides", forbid=("flashattn",)))
-        got = dict(zip(NAMES, run_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, strides, q, k, v, do, causal,
-                                        cap, keep)))
-        ref64, pt = _reference(q, k, v, do, causal, cap, keep)
-        upstream = do.abs().max().item()
         what = (f"B={batch}, H={heads}, N_q={n_q}, N_kv={n_kv}, is_causal={causal}, softcap={cap}, "
                 + ("no mask" if spec is None else f"a mask {tuple(keep.shape)}" if isinstance(spec, str)
-                   else f"a key-padding mask of lengths {spec}"))
+                   else f"a key-padding mask of lengths {spec}") + ("" if dtype == torch.float32 else ", float16"))
+        try:
+            got = dict(zip(NAMES, run_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, strides, q, k, v, do, causal,
+                                            cap, keep)))
+        except ExerciseError as error:
+            if "same dtype" not in str(error):
+                raise
+            raise ExerciseError(f"{str(error).split()[0]} failed on float16 inputs ({what}): tl.dot got a float32 "
+                                "tile and a float16 one. Convert the float32 tile to the other's dtype before the "
+                                "product, as chapter 07's loops do (dS to K's for dQ; P^T to dO's for dV, dS^T to "
+                                "Q's for dK): 16-bit tiles multiply on the tensor cores.") from None
+        ref64, pt = _reference(q, k, v, do, causal, cap, keep)
+        upstream = do.abs().max().item()
         for names, fields in ((("out", "lse"), ("score", "mask")), (("dq",), ("dcap", "score", "mask")),
                               (("dk", "dv"), ("dcap", "score", "mask"))):
-            if _passes(got, ref64, pt, names, upstream):
+            if _passes(got, ref64, pt, names, upstream, dtype):
                 continue
             loop = LOOP_OF[names[0]]
             outputs = " and ".join({"out": "O", "lse": "the LSE", "dq": "dQ", "dk": "dK", "dv": "dV"}[x] for x in names)
+            alike = dict(zip(NAMES, run_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, strides,
+                                              *(t.contiguous() for t in (q, k, v, do)), causal, cap, keep)))
+            if _passes(alike, ref64, pt, names, upstream, dtype):
+                raise ExerciseError(f"{outputs} of {loop} {'is' if len(names) == 1 else 'are'} wrong ({what}), where "
+                                    "Q, K, V and dO each have strides of their own, and right on contiguous copies of "
+                                    "them: read each tensor through its own strides, as chapter 07's loops do (K "
+                                    "with stride_kn and stride_kd, V with stride_vn and stride_vd; Q with stride_qn "
+                                    "and stride_qd, dO with stride_don and stride_dod).")
             if any(torch.isnan(got[x]).any() for x in names):
                 raise ExerciseError(f"{outputs} of {loop} {'has' if len(names) == 1 else 'have'} NaN ({what}): a "
                                     "row whose scores are all -inf in its first tile gives exp2(-inf - (-inf)). Every "
                                     "query here sees key 0: is the mask inverted? A nonzero entry marks a key that "
                                     "is seen, and -inf goes where the entry is 0")
-            said = _name_slip(got, names, q, k, v, do, causal, cap, keep, fields)
+            said = _name_slip(got, names, q, k, v, do, causal, cap, keep, fields) if dtype == torch.float32 else None
             if said:
                 raise ExerciseError(f"{outputs} of {loop} {'is' if len(names) == 1 else 'are'} wrong ({what}): {said}.")
-            if keep is not None and names[0] == "dk" and cap == 0.0 and _passes(got, ref64, pt, ("dq",), upstream):
+            dq_ok = _passes(got, ref64, pt, ("dq",), upstream, dtype)
+            if keep is not None and names[0] == "dk" and cap == 0.0 and dq_ok:
                 raise ExerciseError(f"dK and dV of my_dkdv_tiles are wrong ({what}), dQ right: the tile is transposed "
                                     "there, keys along the rows and queries along the columns; call my_scores with "
                                     "the query indices as rows and the key indices as cols: (queries[None, :], "
@@ -452,4 +488,4 @@ def check_score_loops(my_fwd_tiles, my_dq_tiles, my_dkdv_tiles, mask_strides):
                                 + ("and puts dcap on dS." if names[0] != "out" else "then chapter 05's update."))
     passed(f"my_fwd_tiles, my_dq_tiles and my_dkdv_tiles pass the rule against float64 in all {len(CASES)} "
            "cases (a softcap, a key-padding mask read through mask_strides, both, causal and not, a mask per head "
-           "and query)")
+           "and query, float16; Q, K, V and dO each with strides of its own)")

@@ -417,6 +417,14 @@ def learner_functions(fn):
     return found
 
 
+def helpers_of(fn, *names):
+    """``{name: object or None}``: what each of ``names`` is in the module of the learner's ``fn``
+    (a @triton.jit function included), the notebook's or the module of solutions the tests load. A
+    checker finds this way the helpers a learner's kernel calls by name."""
+    scope = getattr(getattr(fn, "fn", fn), "__globals__", {})
+    return {name: scope.get(name) for name in names}
+
+
 def unwritten(fn):
     """The names of the functions still stubs among ``fn`` and the learner's functions it reaches
     (:func:`learner_functions`): empty when everything it runs is written."""

@@ -148,3 +148,30 @@ def test_page_indices_are_checked_where_the_table_is_on_the_host():
     args = dict(bad_args(), block_table=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match=r"block_table\[1, 1\] is 9, but the caches have 6 pages"):
         flashattn.varlen_attention(**args)
+
+
+def test_dropout_over_pages_draws_the_packed_calls_pairs():
+    """Dropout through a paged cache draws what the same call on the packed keys draws (a pair is
+    its sequence's row and column in the packed tensors, wherever its page lies): the same output,
+    and the returned mask (return_dropout_mask) that the reference needs to reproduce it."""
+    k_pages, v_pages, table, k, v = paged(LENGTHS_K, 16, 3, 2, 24, 16, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(LENGTHS_Q), 2, 24, generator=g).to(DEVICE)
+    cu_q, cu_k = cu(LENGTHS_Q), cu(LENGTHS_K)
+    torch.manual_seed(3)
+    out, keep = flashattn.varlen_attention(q, k_pages, v_pages, cu_q, cu_k, 17, 48, True, dropout_p=0.3,
+                                           block_table=table, return_dropout_mask=True)
+    torch.manual_seed(3)
+    packed, packed_keep = flashattn.varlen_attention(q, k, v, cu_q, cu_k, 17, 48, True, dropout_p=0.3,
+                                                     return_dropout_mask=True)
+    assert torch.equal(keep, packed_keep) and torch.equal(out, packed)
+    plain = flashattn.varlen_attention(q, k_pages, v_pages, cu_q, cu_k, 17, 48, True, block_table=table)
+    assert keep.any() and not torch.equal(out, plain)   # some pairs kept, some dropped
+    for b, (nq, nk) in enumerate(zip(LENGTHS_Q, LENGTHS_K)):
+        if nq == 0:
+            continue
+        s_q, s_k = int(cu_q[b]), int(cu_k[b])
+        qs, ks, vs = (t[s:s + n].transpose(0, 1).double() for t, s, n in ((q, s_q, nq), (k, s_k, nk), (v, s_k, nk)))
+        expected, _ = reference.naive_attention(qs, ks, vs, is_causal=True, dropout_p=0.3,
+                                                dropout_keep=keep[b, :, :nq, :nk])
+        torch.testing.assert_close(out[s_q:s_q + nq].transpose(0, 1).double(), expected, rtol=0, atol=2e-6)

@@ -47,6 +47,13 @@ from ..kernels.tiles import qk_scale
 from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, supports, tma_load,  # noqa: F401
                       tma_ok, tma_store)
 
+if hasattr(tma, "async_atomic_add"):  # Triton 3.8 and later
+    tma_reduce_add = tma.async_atomic_add
+else:  # Triton hashes every name a kernel reads, so the DQ branch's must exist where it never runs
+    @gluon.jit
+    def tma_reduce_add(desc, coord, src):
+        gl.static_assert(False, "the fused backward needs Gluon's TMA reduce-add: Triton 3.8 or later")
+
 #: Tile configuration per head dim: BLOCK_N keys per consumer warpgroup (two of them: a program
 #: owns 2 x BLOCK_N keys), BLOCK_M queries per Q/dO tile, STAGES tiles in flight. Chosen from
 #: compiling for sm_90 (tools/compile_hopper.py): the largest query tile that does not spill
@@ -219,7 +226,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
                 dq_at = [batch, kv_head * n_group + g, q_start + C * DQ_ROWS, 0]
             else:
                 dq_at = [batch, kv_head * n_group + g, q_start, C * DQ_COLS]
-            tma.async_atomic_add(desc_dq, dq_at, dq_smem.index(C))
+            tma_reduce_add(desc_dq, dq_at, dq_smem.index(C))
         else:
             dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
             dk = warpgroup_mma(dsT_op, q, dk, is_async=True)               # dK += dS^T Q

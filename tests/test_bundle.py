@@ -60,6 +60,16 @@ def test_every_link_in_the_bundle_resolves_inside_it(bundle):
     assert not broken, broken
 
 
+def test_the_exercises_readme_names_only_what_the_bundle_holds(bundle):
+    """exercises/README.md (written by tools/make_student.py) travels in the bundle: every file or
+    folder it names is there, next to it or at the bundle's root."""
+    text = (bundle / "exercises" / "README.md").read_text(encoding="utf8")
+    named = re.findall(r"[\w.-]*/[\w./-]*|[\w.-]+\.(?:py|ipynb|md)\b", text)
+    missing = [name for name in named if not name.startswith(("http", "//"))
+               and not ((bundle / "exercises" / name).exists() or (bundle / name).exists())]
+    assert named and not missing, missing
+
+
 def test_the_readme_command_is_the_course_command_and_its_files_are_here(bundle):
     readme = (bundle / "README.md").read_text(encoding="utf8")
     (command,) = re.findall(r"```bash\n([^\n]+)\n```", readme)

@@ -107,20 +107,26 @@ def check_exercises(compiled):
         return ex.fwd_exercise_kernel, pointers, dict(INNER=inner, HEAD_DIM=d, BLOCK_Q=block_q, BLOCK_KV=block_kv,
                                                       IS_CAUSAL=causal), ("qk_scale",)
 
-    def dq(inner, d, causal):  # as run_dq_inner launches it
+    def dq(inner, d, causal):  # as run_loop launches it
         pointers = {name: "fp32" for name in ("Q", "K", "V", "dO", "LSE", "Delta", "dQ")}
         return ex.dq_exercise_kernel, pointers, dict(INNER=inner, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
                                                      BLOCK_Q=32, BLOCK_KV=16, IS_CAUSAL=causal), ("scale", "qk_scale")
 
-    def dkdv(inner, d, causal, block_q=16, block_kv=32):  # as run_dkdv_inner launches it
+    def dkdv(inner, d, causal, block_q=16, block_kv=32):  # as run_loop launches it
         pointers = {name: "fp32" for name in ("Q", "K", "V", "dO", "LSE", "Delta", "dK", "dV")}
         constexprs = dict(INNER=inner, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q,
                           BLOCK_KV=block_kv, IS_CAUSAL=causal)
         return ex.dkdv_exercise_kernel, pointers, constexprs, ("scale", "qk_scale")
 
-    def delta(kernel, dtype, d, block_rows):  # as check_delta_kernel launches it
-        return kernel, dict(O=dtype, dO=dtype, Delta="fp32"), dict(HEAD_DIM=d, BLOCK_ROWS=block_rows,
-                                                                   BLOCK_D=max(16, triton.next_power_of_2(d))), ()
+    def kernel(fn, outputs, dtype, d, causal, block_q, block_kv):  # as the checkers launch the whole kernels
+        pointers = {name: dtype for name in ("Q", "K", "V", "dO", *outputs)}
+        pointers.update(LSE2="fp32", Delta="fp32")
+        return fn, pointers, dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q,
+                                  BLOCK_KV=block_kv, IS_CAUSAL=causal), ("scale", "qk_scale")
+
+    def delta(kernel, dtype, d, block_q):  # as check_delta_kernel launches it
+        return kernel, dict(O=dtype, dO=dtype, Delta="fp32"), dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+                                                                   BLOCK_Q=block_q), ()
 
     def row_lse(kernel, block_rows, block_cols):  # as check_row_lse_kernel launches it
         return kernel, dict(X="fp32", LSE="fp32"), dict(BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols), ()
@@ -130,7 +136,8 @@ def check_exercises(compiled):
 
     # (what, expected outcome, name the checker uses, (kernel, pointers, constexprs, float args))
     cases = [
-        ("block_shift_kernel", "compiles", "block_shift_kernel", ladder(ch04.block_shift_kernel, "XY", dict(BLOCK=16))),
+        ("causal_mask_kernel", "compiles", "causal_mask_kernel",
+         ladder(ch04.causal_mask_kernel, "S", dict(BLOCK_Q=32, BLOCK_KV=16))),
         ("row_softmax_kernel, BLOCK=64", "compiles", "row_softmax_kernel",
          ladder(ch04.row_softmax_kernel, "XY", dict(BLOCK=64))),
         ("row_softmax_kernel, BLOCK=1", "compiles", "row_softmax_kernel",
@@ -141,8 +148,8 @@ def check_exercises(compiled):
          ladder(ch04.attention_tile_kernel, "QKVO", dict(BLOCK_Q=32, BLOCK_KV=64, D=32), ("qk_scale",))),
         ("stream_kv_kernel, 32x16, D=16", "compiles", "stream_kv_kernel",
          ladder(ch04.stream_kv_kernel, "QKVO", dict(BLOCK_Q=32, BLOCK_KV=16, D=16), ("qk_scale",))),
-        ("block_shift_kernel stub", "not implemented", "block_shift_kernel",
-         ladder(notebook("04", stub="ch04-block-shift").block_shift_kernel, "XY", dict(BLOCK=16))),
+        ("causal_mask_kernel stub", "not implemented", "causal_mask_kernel",
+         ladder(notebook("04", stub="ch04-causal-mask").causal_mask_kernel, "S", dict(BLOCK_Q=32, BLOCK_KV=16))),
         ("fwd_inner, fp32, D=32, not causal, 32x16", "compiles", "fwd_inner", fwd(ch05.fwd_inner, 32, False, "fp32", 32, 16)),
         ("fwd_inner, fp32, D=16, causal, 16x32", "compiles", "fwd_inner", fwd(ch05.fwd_inner, 16, True, "fp32", 16, 32)),
         ("fwd_inner, fp16, D=32, causal, 32x16", "compiles", "fwd_inner", fwd(ch05.fwd_inner, 32, True, "fp16", 32, 16)),
@@ -152,6 +159,14 @@ def check_exercises(compiled):
         ("dkdv_inner, D=16, not causal, 16x16", "compiles", "dkdv_inner", dkdv(ch07.dkdv_inner, 16, False, 16, 16)),
         ("delta_kernel, fp32, HEAD_DIM=40", "compiles", "delta_kernel", delta(ch07.delta_kernel, "fp32", 40, 16)),
         ("delta_kernel, fp16, HEAD_DIM=64", "compiles", "delta_kernel", delta(ch07.delta_kernel, "fp16", 64, 16)),
+        ("my_attn_bwd_dq, fp32, D=24, causal, 32x16", "compiles", "my_attn_bwd_dq",
+         kernel(ch07.my_attn_bwd_dq, ("dQ",), "fp32", 24, True, 32, 16)),
+        ("my_attn_bwd_dq, fp16, D=64, not causal, 64x32", "compiles", "my_attn_bwd_dq",
+         kernel(ch07.my_attn_bwd_dq, ("dQ",), "fp16", 64, False, 64, 32)),
+        ("my_attn_bwd_dkdv, fp32, D=24, causal, 16x32", "compiles", "my_attn_bwd_dkdv",
+         kernel(ch07.my_attn_bwd_dkdv, ("dK", "dV"), "fp32", 24, True, 16, 32)),
+        ("my_attn_bwd_dkdv, fp16, D=64, causal, 32x64", "compiles", "my_attn_bwd_dkdv",
+         kernel(ch07.my_attn_bwd_dkdv, ("dK", "dV"), "fp16", 64, True, 32, 64)),
         ("row_lse_kernel", "compiles", "row_lse_kernel", row_lse(ch08.row_lse_kernel, 4, 16)),
         # stubs, as the student versions have them: the learner's function is called by the
         # exercise's kernel, or is the kernel
@@ -162,6 +177,10 @@ def check_exercises(compiled):
          dkdv(notebook("07", stub="ch07-dkdv-inner").dkdv_inner, 32, True)),
         ("delta_kernel stub", "not implemented", "delta_kernel",
          delta(notebook("07", stub="ch07-delta-kernel").delta_kernel, "fp32", 40, 16)),
+        ("my_attn_bwd_dq stub", "not implemented", "my_attn_bwd_dq",
+         kernel(notebook("07", stub="ch07-dq-kernel").my_attn_bwd_dq, ("dQ",), "fp32", 24, True, 32, 16)),
+        ("my_attn_bwd_dkdv around a dkdv_inner stub", "not implemented", "dkdv_inner",
+         kernel(notebook("07", stub="ch07-dkdv-inner").my_attn_bwd_dkdv, ("dK", "dV"), "fp32", 24, True, 16, 32)),
         ("row_lse_kernel stub", "not implemented", "row_lse_kernel",
          row_lse(notebook("08", stub="ch08-row-lse-kernel").row_lse_kernel, 4, 16)),
         # a compile error that is not a stub (tl.arange needs a power of two) must not be called one

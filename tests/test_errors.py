@@ -30,7 +30,7 @@ def call(**overrides):
     (dict(q=[1.0, 2.0]), TypeError, ["q", "torch.Tensor", "list"]),
     (dict(q=t(16)), ValueError, ["q", "at least 2 dims", "(16,)"]),
     (dict(k=t(1, 3, 8, 16), v=t(1, 3, 8, 16)), ValueError, ["k", "leading dims", "(1, 3)", "(1, 2)"]),
-    (dict(k=t(2, 8, 16), v=t(2, 8, 16)), ValueError, ["k", "leading dims"]),
+    (dict(k=t(3, 8, 16), v=t(3, 8, 16)), ValueError, ["k", "leading dims"]),   # (2, 8, 16) would broadcast
     (dict(k=t(1, 2, 8, 32)), ValueError, ["k", "head dim 32", "16"]),
     (dict(v=t(1, 2, 8, 300)), ValueError, ["v's head dim", "300", "256"]),  # v's may differ from q's
     (dict(v=t(1, 2, 8, 0)), ValueError, ["v's head dim", "is 0"]),

@@ -26,20 +26,27 @@ def test_naive_causal_attention_catches(solutions, edits, message):
         ex.check_naive_causal_attention(solutions("00", edits).naive_causal_attention)
 
 
-BYTES = "torch.empty((), dtype=dtype).element_size()"
+PER_PAIR = "per_pair = 2 * batch * heads * element"
+ROOT = "return math.isqrt(memory_bytes // per_pair)"
 
 
 @mistakes(
-    ("one matrix", [("return 2 * batch", "return batch")], "ONE matrix"),
-    ("4 bytes", [(BYTES, "4")], "4 bytes per element"),
-    ("not squared", [("n * n *", "n *")], "squared"),
-    ("bits", [(BYTES, BYTES + " * 8")], "bits"),
-    ("fractional", [(BYTES, BYTES + " * 1.25")], "expected"),
-    ("not a number", [("return 2 * batch * heads * n * n * " + BYTES, 'return "many"')], "return a number"),
+    ("one matrix", [(PER_PAIR, "per_pair = batch * heads * element")], "ONE N x N matrix"),
+    ("batch and heads forgotten", [(PER_PAIR, "per_pair = 2 * element")], "every sequence of the batch and every head"),
+    ("4 bytes", [("element = torch.empty((), dtype=dtype).element_size()", "element = 4")], "4 bytes per element"),
+    ("1 byte", [("element = torch.empty((), dtype=dtype).element_size()", "element = 1")], "1 byte per element"),
+    ("bits", [("element = torch.empty((), dtype=dtype).element_size()",
+               "element = torch.empty((), dtype=dtype).element_size() * 8")], "bits"),
+    ("not squared", [(ROOT, "return memory_bytes // per_pair")], "square root"),
+    ("rounded up", [(ROOT, "return math.ceil(math.sqrt(memory_bytes / per_pair))")], "rounded down"),
+    ("one short", [(ROOT, "return math.isqrt(memory_bytes // per_pair) - 1")], "fits too"),
+    ("strict", [(ROOT, "return math.isqrt(memory_bytes // per_pair - 1)")], "fill the memory exactly"),
+    ("a float", [(ROOT, "return math.sqrt(memory_bytes / per_pair)")], "whole number of positions"),
+    ("not a number", [(ROOT, 'return "long"')], "return a number"),
 )
-def test_score_bytes_catches(solutions, edits, message):
+def test_max_context_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
-        ex.check_score_bytes(solutions("00", edits).score_bytes)
+        ex.check_max_context(solutions("00", edits).max_context)
 
 
 # --- chapter 01 -----------------------------------------------------------------------------------
@@ -135,15 +142,48 @@ def test_lse_from_state_catches(solutions, edits, message):
         ex.check_lse_from_state(solutions("02", edits).lse_from_state)
 
 
+EXP = '"tl.exp(x)":          {"ex2": 1, "mul": 1, "fma": 0, "add": 0}'
+EXP2 = '"tl.exp2(x)":         {"ex2": 1, "mul": 0, "fma": 0, "add": 0}'
+FMA = '"tl.exp2(x * c - m)": {"ex2": 1, "mul": 0, "fma": 1, "add": 0}'
+
+
 @mistakes(
-    ("no log2e", [("qk_scale = scale * LOG2E", "qk_scale = scale")], "ln 2"),
-    ("no scale", [("qk_scale = scale * LOG2E", "qk_scale = LOG2E")], "scale is missing"),
-    ("no max subtracted", [("p = torch.exp2(s * qk_scale - m)", "p = torch.exp2(s * qk_scale)")], "inf or NaN"),
-    ("exp", [("p = torch.exp2(s * qk_scale - m)", "p = torch.exp(s * qk_scale - m)")], "did you use exp"),
+    ("e^x native", [(EXP, EXP.replace('"mul": 1', '"mul": 0'))], "has no e\\^x, so tl.exp\\(x\\) is computed as 2\\^"),
+    ("exp2 with a multiply", [(EXP2, EXP2.replace('"mul": 0', '"mul": 1'))], "the hardware's own exponential"),
+    ("not fused", [(FMA, FMA.replace('"mul": 0, "fma": 1, "add": 0', '"mul": 1, "fma": 0, "add": 1'))],
+     "fuses the multiply and the subtraction"),
+    ("fused and multiplied", [(FMA, FMA.replace('"mul": 0', '"mul": 1'))], "multiplies x by c itself"),
+    ("fused and subtracted", [(FMA, FMA.replace('"add": 0', '"add": 1'))], "happens inside the fma"),
+    ("two exponentials", [(EXP, EXP.replace('"ex2": 1', '"ex2": 2'))], "one exponential per element"),
+    ("a form missing", [(FMA + "}", "}")], "one entry per form"),
+    ("an instruction missing", [(EXP2, EXP2.replace(', "add": 0', ""))], "a dict of numbers with the keys"),
 )
-def test_softmax_exp2_catches(solutions, edits, message):
+def test_ptx_prediction_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
-        ex.check_softmax_exp2(solutions("02", edits).softmax_exp2)
+        ex.check_ptx_prediction(solutions("02", edits).predicted_instructions)
+
+
+def test_ptx_prediction_counts_what_the_compiler_emits():
+    """The counts the check compares with are the compiler's own (the explanations describe them)."""
+    from flashattn.course.exercises import ch00_02
+
+    assert ch00_02.instruction_counts(ex.exp_forms_ptx()) == ch00_02.EXPECTED_COUNTS
+
+
+def test_ptx_prediction_holds_whatever_triton_fuses_by_default(monkeypatch):
+    """The check compiles with FP fusion on, so the fma form's answer does not change with Triton's
+    default (Triton 3.10 turns it off): here the default is off, as TRITON_DEFAULT_FP_FUSION=0 sets
+    it, and the counts are the same; a job that leaves the option to the default does not fuse."""
+    from flashattn.course.exercises import ch00_02
+    from flashattn.measure.compiled import ptx_of_many
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")  # the compiling child inherits it
+    assert ch00_02.instruction_counts(ch00_02.exp_forms_ptx.__wrapped__()) == ch00_02.EXPECTED_COUNTS
+    form = ch00_02.EXP_FORMS["fma"]
+    (unfused,) = ptx_of_many([dict(kernel=ch00_02.exp_forms, pointers=dict(X="fp32", Y="fp32"), floats=("c", "m"),
+                                   constexprs=dict(FORM="fma", BLOCK=ch00_02.EXP_BLOCK),
+                                   num_warps=ch00_02.EXP_WARPS, arch=90)])
+    assert ch00_02.instruction_counts({form: unfused})[form]["fma"] == 0  # the default was off: the test can fail
 
 
 def test_shortcuts_are_put_back(solutions):

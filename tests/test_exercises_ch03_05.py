@@ -76,26 +76,37 @@ def test_causal_tiles_catches(solutions, edits, message):
 
 # --- Chapter 04: the Triton ladder -----------------------------------------------------------------
 
-SHIFT_LOAD = 'x = tl.load(X + offs, mask=offs < n, other=float("-inf"))'
-SHIFT_STORE = "tl.store(Y + offs, x - tl.max(x, axis=0), mask=offs < n)"
+MASK_ROWS = "rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)"
+MASK_KEYS = "keys = tl.program_id(1) * BLOCK_KV + tl.arange(0, BLOCK_KV)"
+MASK_INSIDE = "inside = (rows[:, None] < n_q) & (keys[None, :] < n_kv)"
+MASK_FUTURE = "future = keys[None, :] > rows[:, None]"
+MASK_ADDRESS = "S + rows[:, None] * stride_q + keys[None, :] * stride_k"
 
 
 @mistakes(
-    ("load without a mask", [(SHIFT_LOAD, "x = tl.load(X + offs)")], "read past the end of X"),
-    ("other=0", [('other=float("-inf"))   # -inf', "other=0.0)   # -inf")], "read as 0"),
-    ("store without a mask", [(SHIFT_STORE, "tl.store(Y + offs, x - tl.max(x, axis=0))")], "wrote past the end of Y"),
-    ("off by one", [(SHIFT_LOAD, 'x = tl.load(X + offs, mask=offs <= n, other=float("-inf"))'),
-                    (SHIFT_STORE, "tl.store(Y + offs, x - tl.max(x, axis=0), mask=offs <= n)")], "wrote past the end of Y"),
-    ("every program on block 0", [("offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK)")],
-     "left Y\\[16\\] unwritten"),
-    ("nothing subtracted", [(SHIFT_STORE, "tl.store(Y + offs, x, mask=offs < n)")], "y equals x"),
-    ("the course's own code", [("@triton.jit\ndef block_shift_kernel", "from flashattn.kernels import tiles\n\n\n"
-                                "@triton.jit\ndef block_shift_kernel"),  # chapter 04 does not import it
-                               (SHIFT_STORE, SHIFT_STORE + "\n    tiles.store_tile")], "uses flashattn.kernels.tiles.store_tile"),
+    ("diagonal hidden", [(MASK_FUTURE, "future = keys[None, :] >= rows[:, None]")], "diagonal was hidden"),
+    ("wrong triangle", [(MASK_FUTURE, "future = keys[None, :] < rows[:, None]")], "wrong triangle"),
+    ("positions in the tile", [(MASK_FUTURE, "future = tl.arange(0, BLOCK_KV)[None, :] > tl.arange(0, BLOCK_Q)[:, None]")],
+     "inside the tile"),
+    ("rows do not move", [(MASK_ROWS, "rows = tl.arange(0, BLOCK_Q)")], "first block of rows"),
+    ("keys do not move", [(MASK_KEYS, "keys = tl.arange(0, BLOCK_KV)")], "first block of keys"),
+    ("axes swapped", [(MASK_ROWS, MASK_ROWS.replace("program_id(0)", "program_id(1)")),
+                      (MASK_KEYS, MASK_KEYS.replace("program_id(1)", "program_id(0)"))], "axes were swapped"),
+    ("no row mask", [(MASK_INSIDE, "inside = keys[None, :] < n_kv")], "past the last row"),
+    ("no column mask", [(MASK_INSIDE, "inside = rows[:, None] < n_q")], "past the end of a row"),
+    ("no mask", [(MASK_INSIDE, "inside = True")], "past the last row and past the end"),
+    ("contiguous assumed", [(MASK_ADDRESS, "S + rows[:, None] * n_kv + keys[None, :]")], "i \\* n_kv \\+ j"),
+    ("stride_k ignored", [(MASK_ADDRESS, "S + rows[:, None] * stride_q + keys[None, :]")], "as if stride_k were 1"),
+    ("0 for -inf", [('minus_inf = tl.full([BLOCK_Q, BLOCK_KV], float("-inf")', 'minus_inf = tl.full([BLOCK_Q, BLOCK_KV], 0.0')], "0 was written"),
+    ("visible entries changed", [("mask=inside & future)", "mask=inside)")], "leave that score as it is"),
+    ("nothing written", [("mask=inside & future)", "mask=inside & future & (rows[:, None] < 0))")], "must be -inf"),
+    ("the course's own code", [("@triton.jit\ndef causal_mask_kernel", "from flashattn.kernels import tiles\n\n\n"
+                                "@triton.jit\ndef causal_mask_kernel"),  # chapter 04 does not import it
+                               (MASK_FUTURE, MASK_FUTURE + "\n    tiles.store_tile")], "uses flashattn.kernels.tiles.store_tile"),
 )
-def test_block_shift_kernel_catches(solutions, edits, message):
+def test_causal_mask_kernel_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
-        ex.check_block_shift_kernel(solutions("04", edits).block_shift_kernel)
+        ex.check_causal_mask_kernel(solutions("04", edits).causal_mask_kernel)
 
 
 SOFTMAX_LOAD = 'x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))'
@@ -237,6 +248,11 @@ FWD_LSE = "tl.store(LSE2 + offs_q, m_i + tl.log2(l_i), mask=offs_q < n_q)"
 
 @mistakes(
     ("stage 2 without its mask", [(FWD_STAGE2, FWD_STAGE2.replace("True", "False"))], "without the causal mask"),
+    ("acc not rescaled", [("acc = alpha[:, None] * acc + tl.dot(", "acc = acc + tl.dot(")], "acc is not rescaled"),
+    ("L not rescaled", [("l_i = alpha * l_i + tl.sum(p, axis=1)", "l_i = l_i + tl.sum(p, axis=1)")],
+     "L is not rescaled"),
+    ("neither rescaled", [("acc = alpha[:, None] * acc + tl.dot(", "acc = acc + tl.dot("),
+                          ("l_i = alpha * l_i + tl.sum(p, axis=1)", "l_i = l_i + tl.sum(p, axis=1)")], "alpha is missing"),
     ("LSE in natural log", [(FWD_LSE, FWD_LSE.replace("m_i + tl.log2(l_i)", "(m_i + tl.log2(l_i)) * 0.6931471805599453"))],
      "stored in natural log"),
     ("LSE with tl.log", [(FWD_LSE, FWD_LSE.replace("tl.log2(l_i)", "tl.log(l_i)"))], "mixes two bases"),
@@ -279,6 +295,10 @@ def test_my_attn_fwd_catches(solutions, edits, message):
     ("is_causal not passed", [("IS_CAUSAL=bool(is_causal))", "IS_CAUSAL=False)")], "is not causal"),
     ("the course's own launcher", [("    return o, lse2\n", "    o, lse2 = forward.attention_forward(q, k, v, is_causal, scale)\n    return o, lse2\n")],
      "uses flashattn.kernels.forward.attention_forward"),
+    ("the kernel never launched", [("    my_attn_fwd[grid](", "    (lambda *args, **kwargs: None)(")],
+     "never launches my_attn_fwd"),
+    ("the kernel launched only sometimes", [("    my_attn_fwd[grid](", "    if n_q < 0:\n        my_attn_fwd[grid](")],
+     "did not launch my_attn_fwd"),
 )
 def test_my_attention_forward_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
@@ -288,3 +308,7 @@ def test_my_attention_forward_catches(solutions, edits, message):
 def test_my_attention_forward_says_when_the_kernel_is_missing(solutions):
     with pytest.raises(ex.ExerciseError, match="launches my_attn_fwd, which is not implemented yet"):
         ex.check_my_attention_forward(solutions("05", stub="ch05-my-attn-fwd").my_attention_forward)
+    # a launcher that does not launch the kernel is told so, not that the kernel is missing
+    without = [("    my_attn_fwd[grid](", "    (lambda *args, **kwargs: None)(")]
+    with pytest.raises(ex.ExerciseError, match="never launches my_attn_fwd"):
+        ex.check_my_attention_forward(solutions("05", without, stub="ch05-my-attn-fwd").my_attention_forward)

@@ -20,10 +20,19 @@ DS = "return p * (dp - (p * dp).sum(dim=-1, keepdim=True))"
 
 
 @mistakes(
-    ("no row sum", [(DS, "return p * dp")], "forgot to subtract the row sum"),
+    ("the delta term alone", [(DS, "return p * dp")], "delta_jk term of the sum alone"),
+    ("the diagonal alone", [(DS, "return p * (1 - p) * dp")], "only the Jacobian's diagonal"),
     ("wrong dimension", [("(p * dp).sum(dim=-1", "(p * dp).sum(dim=-2")], "wrong dimension"),
     ("unweighted row sum", [("(p * dp).sum(dim=-1", "dp.sum(dim=-1")], re.escape("rowsum(P * dP)")),
+    ("sign", [(DS, "return p * (dp + (p * dp).sum(dim=-1, keepdim=True))")], "minus sign"),
+    ("no factor in front", [(DS, "return dp - (p * dp).sum(dim=-1, keepdim=True)")], "factor P_ik in front"),
     ("slightly off", [(DS, DS + " * 1.001")], "wrong at"),
+    ("the Jacobian built", [(DS, "jacobian = torch.diag_embed(p) - p[..., :, None] * p[..., None, :]\n"
+                                 "    return (jacobian.transpose(-1, -2) @ dp[..., None])[..., 0]")], "calls torch.diag_embed"),
+    ("the Jacobian built, as a method", [(DS, "jacobian = p.diag_embed() - p[..., :, None] * p[..., None, :]\n"
+                                              "    return (jacobian @ dp[..., None])[..., 0]")], "calls Tensor.diag_embed"),
+    ("autograd asked", [(DS, "s = torch.log(p).requires_grad_()\n"
+                             "    return torch.autograd.grad(torch.softmax(s, -1), s, dp)[0]")], "calls torch.autograd.grad"),
 )
 def test_softmax_backward_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
@@ -106,3 +115,40 @@ def test_my_attention_catches(solutions, edits, message):
 def test_slip_factors_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=message):
         ex.check_slip_factors(solutions("06", edits).slip_factors)
+
+
+# --- Chapter 08's capstone: attention that is entirely the learner's -------------------------------
+
+def test_capstone_runs_the_learners_kernels_only(solutions):
+    """The capstone binds chapter 05's and chapter 07's launchers to chapter 08's Function: with the
+    notebooks' solutions, every kernel it runs is the learner's, and output and gradients pass the rule."""
+    import torch
+
+    import flashattn
+    from flashattn.testing.reference import naive_attention
+    from flashattn.testing.rule import judge
+
+    forward, backward = solutions("05").my_attention_forward, solutions("07").my_attention_backward
+    assert not ex.unwritten(forward) and not ex.unwritten(backward)
+    assert "my_attn_fwd" in ex.learner_functions(forward)
+    assert set(ex.learner_functions(backward)) == {"delta_kernel", "my_attn_bwd_dkdv", "dkdv_inner",
+                                                   "my_attn_bwd_dq", "dq_inner"}
+    chapter08 = solutions("08")
+    chapter08.my_attention_forward, chapter08.my_attention_backward = forward, backward  # as the capstone binds them
+    # on a GPU the learner's tl.dot multiplies float32 in TF32, which the float32 rule does not allow
+    dtype = torch.float32 if flashattn.INTERPRET else torch.float16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 19, 3, 24, generator=g).to(flashattn.DEVICE, dtype).transpose(1, 2)
+    k, v = (torch.randn(2, 3, 27, 24, generator=g).to(flashattn.DEVICE, dtype) for _ in range(2))
+    do = torch.randn(2, 3, 19, 24, generator=g).to(flashattn.DEVICE, dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = chapter08.my_attention(*leaves, is_causal=True)
+    ours = dict(zip(("out", "dq", "dk", "dv"), (out, *torch.autograd.grad(out, leaves, do))))
+    ref64 = [t.double().requires_grad_() for t in (q, k, v)]
+    out64 = naive_attention(*ref64, is_causal=True)[0]
+    ref = dict(zip(ours, (out64, *torch.autograd.grad(out64, ref64, do.double()))))
+    base = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_pt = naive_attention(*base, is_causal=True)[0]
+    pytorch = dict(zip(ours, (out_pt, *torch.autograd.grad(out_pt, base, do))))
+    checks = judge(ours, ref, pytorch, dtype, upstream=do.abs().max().item())
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))

@@ -85,3 +85,25 @@ def fixed(config):
 def test_choose_config_catches(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
         ex.check_choose_config(solutions("09", edits).choose_config)
+
+
+# --- Exercise 2: two tile sizes, predicted from the compiled code ----------------------------------------
+
+PER_SCORE = 'return row["num_warps"] * row["loop"] / (row["BLOCK_Q"] * row["BLOCK_KV"])'
+
+
+@mistakes(
+    ("inverted", [("return per_score(small) / per_score(large)", "return per_score(large) / per_score(small)")],
+     "it is the large tiles' time over the small tiles'"),
+    ("no warps", [(PER_SCORE, 'return row["loop"] / (row["BLOCK_Q"] * row["BLOCK_KV"])')], "the warps are missing"),
+    ("no tile", [(PER_SCORE, 'return row["num_warps"] * row["loop"]')], "the tiles' sizes are missing"),
+    ("rows only", [(PER_SCORE, 'return row["num_warps"] * row["loop"] / row["BLOCK_Q"]')], "only BLOCK_Q counts here"),
+    ("keys only", [(PER_SCORE, 'return row["num_warps"] * row["loop"] / row["BLOCK_KV"]')], "only BLOCK_KV counts here"),
+    ("matrix instructions", [(PER_SCORE, 'return row["num_warps"] * (row["HMMA"] + row["HGMMA"]) / '
+                                         '(row["BLOCK_Q"] * row["BLOCK_KV"])')], "counts the matrix instructions only"),
+    ("a constant", [("return per_score(small) / per_score(large)", "return 6.0")], "expected 1.467"),
+    ("not a number", [("return per_score(small) / per_score(large)", "return 'six'")], "should be a number"),
+)
+def test_tile_ratio_catches(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_tile_ratio(solutions("09", edits).predict_ratio)

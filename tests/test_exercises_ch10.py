@@ -113,3 +113,95 @@ APPEND = "rows.append((b, q0))"
 def test_varlen_programs_mistakes(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
         ex.check_varlen_programs(solutions("10", edits).varlen_programs)
+
+
+# --- Exercise 4: grouped heads and a window in the learner's forward kernel -------------------------
+
+IN_WINDOW = "return (j >= i - win_left) & (j <= i + win_right)"
+KV_LO = "kv_lo = tl.maximum(q_start - win_left, 0) // BLOCK_KV * BLOCK_KV"
+KV_HI = "kv_hi = tl.minimum(q_start + BLOCK_Q + win_right, n_kv) "
+FULL_HI = "kv_full_hi = tl.minimum(q_start + win_right + 1, n_kv) // BLOCK_KV * BLOCK_KV"
+FWD_HEAD = "kv_head = head // n_group                            # the K/V head of this query head's group"
+FWD_MASK = ('my_in_window(offs_q[:, None], offs_kv[None, :], win_left, win_right)\n'
+            '                ### END SOLUTION\n            s = tl.where(keep, s, float("-inf"))\n'
+            '        ### BEGIN SOLUTION')
+
+
+@mistakes(
+    ("left edge off by one", [(IN_WINDOW, "return (j > i - win_left) & (j <= i + win_right)")],
+     "my_in_window is wrong: the left edge is off by one"),
+    ("right edge off by one", [(IN_WINDOW, "return (j >= i - win_left) & (j < i + win_right)")],
+     "my_in_window is wrong: the right edge is off by one"),
+    ("left and right swapped", [(IN_WINDOW, "return (j >= i - win_right) & (j <= i + win_left)")],
+     "left and right are swapped"),
+    ("kv_hi one short", [(KV_HI, "kv_hi = tl.minimum(q_start + BLOCK_Q + win_right - 1, n_kv) ")],
+     "kv_hi is one key short"),
+    ("kv_lo from the last query", [(KV_LO, "kv_lo = tl.maximum(q_start + BLOCK_Q - 1 - win_left, 0) // BLOCK_KV * BLOCK_KV")],
+     "misses keys: the block's FIRST query"),
+    ("kv_lo not on a tile", [(KV_LO, "kv_lo = tl.maximum(q_start - win_left, 0)")], "kv_lo is not the start of a tile"),
+    ("full tiles to the last query's edge", [(FULL_HI, "kv_full_hi = tl.minimum(q_start + BLOCK_Q + win_right, n_kv) // BLOCK_KV * BLOCK_KV")],
+     "runs without the mask, but not every query of the block sees all of it"),
+    ("ranges not clamped", [("kv_full_lo = tl.minimum(kv_full_lo, kv_hi)", "kv_full_lo = kv_full_lo")],
+     "the ranges overlap or run backwards"),
+    ("every tile masked", [("kv_full_hi = tl.maximum(kv_full_hi, kv_full_lo)", "kv_full_hi = kv_full_lo")],
+     "leaves tiles that every query sees whole in a masked range"),
+    ("K/V heads round-robin", [(FWD_HEAD, "kv_head = head % (n_heads // n_group)")], "dealt out round-robin"),
+    ("K/V head of the query head", [(FWD_HEAD, "kv_head = head")],
+     "has NaN from query head 2 on, which read K/V heads that do not exist"),
+    ("a row that has seen no key", [('m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)', "m_ref = m_new")],
+     "exp2(-inf - (-inf)) is NaN"),
+    ("no window mask in the loop", [(FWD_MASK, FWD_MASK.replace("my_in_window(offs_q[:, None], offs_kv[None, :], "
+                                                                "win_left, win_right)", "(offs_q[:, None] >= 0)"))],
+     "though my_in_window and my_window_bounds are right on their own"),
+)
+def test_gqa_window_forward_mistakes(solutions, edits, message):
+    module = solutions("10", edits)
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_gqa_window_forward(module.my_attn_fwd, module.my_window_bounds, module.my_in_window)
+
+
+# --- Exercise 5: grouped heads and a window in the learner's backward kernels ---------------------------
+
+DQ_HEAD = "    kv_head = head // n_group\n"
+DKDV_HEAD = "head = kv_head * n_group + g"
+DKDV_BOUNDS = "my_window_bounds(kv_start, n_q, win_right, win_left,"
+DKDV_MASK = "my_in_window(queries[None, :], offs_kv[:, None], win_left, win_right)"
+DQ_MASK = ('my_in_window(offs_q[:, None], keys[None, :], win_left, win_right)\n'
+           '                ### END SOLUTION\n            s = tl.where(keep, s, float("-inf"))\n'
+           '        p = tl.exp2')
+
+
+@mistakes(
+    ("dQ: K/V heads round-robin", [(DQ_HEAD, "    kv_head = head % (n_heads // n_group)\n")], "dealt out round-robin"),
+    ("dQ: K/V head of the query head", [(DQ_HEAD, "    kv_head = head\n")],
+     "has NaN from query head 2 on, which read K/V heads that do not exist"),
+    ("dQ: no window mask", [(DQ_MASK, DQ_MASK.replace("my_in_window(offs_q[:, None], keys[None, :], win_left, "
+                                                      "win_right)", "(offs_q[:, None] >= 0)"))],
+     "under the window it visits the same tiles as the forward"),
+    ("dK/dV: group round-robin", [(DKDV_HEAD, "head = kv_head + g * (n_heads // n_group)")],
+     "K/V head g gathers query heads g * n_group .. g * n_group + n_group - 1"),
+    ("dK/dV: one query head", [("for g in range(0, n_group):", "for g in range(0, 1):")],
+     "only the first query head of each group was added"),
+    ("dK/dV: accumulators restarted", [(DKDV_HEAD, DKDV_HEAD + "\n        dk = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)"
+                                                    "\n        dv = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)")],
+     "only the last query head of each group counts"),
+    ("dK/dV: the same head", [(DKDV_HEAD, "head = kv_head")], "the same query head was added n_group times"),
+    ("dK/dV: averaged", [("    dk *= scale   ", "    dv = dv / n_group\n    dk *= scale / n_group   ")],
+     "the shares of the group were averaged"),
+    ("dK/dV: the window not turned around", [(DKDV_BOUNDS, "my_window_bounds(kv_start, n_q, win_left, win_right,")],
+     "seen from key j, the window turns around"),
+    ("dK/dV: the mask not transposed", [(DKDV_MASK, "my_in_window(offs_kv[:, None], queries[None, :], win_left, win_right)")],
+     "seen from key j, the window turns around"),
+    ("a wrong piece of the forward's exercise", [(IN_WINDOW, "return (j > i - win_left) & (j <= i + win_right)")],
+     "the left edge is off by one: query i sees key i - win_left itself (j >= i - win_left). (The forward's exercise"),
+)
+def test_gqa_window_backward_mistakes(solutions, edits, message):
+    module = solutions("10", edits)
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_gqa_window_backward(module.my_attn_bwd_dq, module.my_attn_bwd_dkdv)
+
+
+def test_gqa_window_backward_needs_the_forward_pieces(solutions):
+    module = solutions("10", stub="ch10-gqa-window-fwd")
+    with pytest.raises(ex.ExerciseError, match=re.escape("(the forward's exercise) is not implemented yet")):
+        ex.check_gqa_window_backward(module.my_attn_bwd_dq, module.my_attn_bwd_dkdv)

@@ -60,3 +60,33 @@ AFTER = "return [((1, 2), (0, 2), False)]"
 def test_zigzag_blocks_mistakes_are_named(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
         ex.check_zigzag_blocks(solutions("13", edits).zigzag_blocks)
+
+
+WEIGHTS = "w, w_t = torch.exp2(lse - m), torch.exp2(lse_t - m)"
+O_NEW = "o_new = (w / safe)[..., None] * o + (w_t / safe)[..., None] * o_t.float()"
+LSE_NEW = "return o_new, m + torch.log2(total)"
+
+
+@mistakes(
+    ("a plain mean", [(O_NEW, "o_new = (o + o_t.float()) / 2")], "weigh them by their shares"),
+    ("the weights swapped", [(O_NEW, "o_new = (w_t / safe)[..., None] * o + (w / safe)[..., None] * o_t.float()")],
+     "the two weights are swapped"),
+    ("natural exponentials", [(WEIGHTS, "w, w_t = torch.exp(lse - m), torch.exp(lse_t - m)"),
+                              (LSE_NEW, "return o_new, m + torch.log(total)")], "the weights use e**x"),
+    ("natural log for the LSE", [(LSE_NEW, "return o_new, m + torch.log(total)")], "LSE' is in natural log"),
+    ("the LSE without its max", [(LSE_NEW, "return o_new, torch.log2(total)")], "LSE' is missing the max"),
+    ("the LSE is the max", [(LSE_NEW, "return o_new, torch.where(total > 0, m, lse)")], "the larger of the two LSE"),
+    ("empty rows: -inf - (-inf)", [('m = torch.where(m == float("-inf"), torch.zeros_like(m), m)', "m = m")],
+     "-inf - (-inf) = NaN"),
+    ("empty rows: 0 / 0", [("safe = torch.where(total > 0, total, torch.ones_like(total))", "safe = total")],
+     "-inf - (-inf) = NaN"),
+    ("no max subtracted", [(WEIGHTS, "w, w_t = torch.exp2(lse), torch.exp2(lse_t)"),
+                           (LSE_NEW, "return o_new, torch.log2(total)")], "overflows float32"),
+    ("the running O in the block's dtype", [(LSE_NEW, "return o_new.to(o_t.dtype), m + torch.log2(total)")],
+     "keep the running O in float32"),
+    ("not a tuple", [(LSE_NEW, "return o_new")], "should return a tuple (o, lse)"),
+    ("the lse of the block only", [(LSE_NEW, "return o_new, lse_t")], "lse is wrong"),
+)
+def test_merge_step_mistakes_are_named(solutions, edits, message):
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_merge_step(solutions("13", edits).merge_step)

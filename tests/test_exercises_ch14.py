@@ -75,3 +75,84 @@ RETURN = "return tokens[:, None, None, :]"
 def test_key_padding_mask_mistakes_are_named(solutions, edits, message):
     with pytest.raises(ex.ExerciseError, match=re.escape(message)):
         ex.check_key_padding_mask(solutions("14", edits).key_padding_mask)
+
+
+# --- Exercise 4: a softcap and a mask in the learner's three loops ------------------------------------
+
+STRIDES = "return tuple(0 if size == 1 else stride for size, stride in zip(mask.shape, mask.stride()))"
+CAP = "capped, dcap = my_softcap(s * (qk_scale * 0.6931471805599453), softcap)"
+TO_BASE2 = "s2 = capped * 1.4426950408889634 "
+UPDATE = "m_new = tl.maximum(m_i, tl.max(s, 1))        # qk_scale is in s already\n        p = tl.exp2(s - m_new[:, None])"
+DQ_DS = "ds = p * (dp - delta[:, None]) * dcap "
+DKDV_DS = "dsT = pT * (dpT - delta[None, :]) * dcapT "
+KEEP = 's2 = tl.where(keep != 0, s2, float("-inf"))'
+READ = "keep = tl.load(Mask + rows * stride_mq + cols * stride_mk, mask=inside, other=0)"
+DKDV_SCORES = "sT, dcapT = my_scores(sT, queries[None, :], offs_kv[:, None],"
+OWN_STRIDES = "read each tensor through its own strides, as chapter 07's loops do"
+FWD_V = "v_ptrs = V + offs_kv[:, None] * stride_vn + offs_d[None, :] * stride_vd"
+DQ_V = "V + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd"
+DQ_K = "K + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd"
+DKDV_DO = "dO + queries[:, None] * stride_don + offs_d[None, :] * stride_dod"
+
+
+@mistakes(
+    ("strides as they are", [(STRIDES, "return tuple(mask.stride())")],
+     "a dim of size 1 is broadcast, so the kernels read it with stride 0"),
+    ("stride 0 where the stride is 1", [(STRIDES, "return tuple(0 if stride == 1 else stride for stride in mask.stride())")],
+     "the SIZE says whether a dim is broadcast"),
+    ("the cap on the base-2 score", [(CAP, "capped, dcap = my_softcap(s * qk_scale, softcap)")],
+     "the cap was applied to the base-2 score s * qk_scale"),
+    ("the cap on the raw score", [(CAP, "capped, dcap = my_softcap(s, softcap)")],
+     "the cap was applied to the raw score q . k"),
+    ("the capped score in natural units", [(TO_BASE2, "s2 = capped ")], "the capped score went to exp2 as it is"),
+    ("qk_scale twice in the forward", [(UPDATE, "m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)\n"
+                                                "        p = tl.exp2(s * qk_scale - m_new[:, None])")],
+     "O and the LSE of my_fwd_tiles are wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask): "
+     "qk_scale was applied twice"),
+    ("qk_scale twice in the dQ loop", [("p = tl.exp2(s - lse[:, None]) ", "p = tl.exp2(s * qk_scale - lse[:, None]) ")],
+     "dQ of my_dq_tiles is wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask): qk_scale was "
+     "applied twice"),
+    ("no 1 - tanh**2 in the dQ loop", [(DQ_DS, "ds = p * (dp - delta[:, None]) ")],
+     "dQ of my_dq_tiles is wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask): the softcap's "
+     "factor is missing from dS"),
+    ("no 1 - tanh**2 in the dK/dV loop", [(DKDV_DS, "dsT = pT * (dpT - delta[None, :]) ")],
+     "dK and dV of my_dkdv_tiles are wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask): the "
+     "softcap's factor is missing from dS"),
+    ("1 - tanh**2 on dP", [(DQ_DS, "ds = p * (dp * dcap - delta[:, None]) ")], "the softcap's factor went on dP"),
+    ("the mask inverted", [(KEEP, 's2 = tl.where(keep == 0, s2, float("-inf"))')], "is the mask inverted?"),
+    ("the mask read untransposed in the dK/dV loop",
+     [(DKDV_SCORES, "sT, dcapT = my_scores(sT, offs_kv[:, None], queries[None, :],")],
+     "the mask was read with keys and queries swapped"),
+    ("the mask's rows not read through stride_mq", [(READ, READ.replace("rows * stride_mq + ", ""))],
+     "though right with key-padding masks, whose rows are all the same"),
+    ("a wrong softcap piece", [("dcap = 1.0 - t * t", "dcap = 1.0 - t")],
+     "the factor is 1 - tanh, not 1 - tanh**2: d tanh(x) / dx = 1 - tanh(x)**2. (Exercise 1's piece"),
+    # the loops as chapter 07 writes them: each tensor through its own strides, 16-bit tiles into tl.dot
+    ("V read with K's strides in the forward", [(FWD_V, FWD_V.replace("_v", "_k"))],
+     "O and the LSE of my_fwd_tiles are wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask), "
+     "where Q, K, V and dO each have strides of their own, and right on contiguous copies of them: " + OWN_STRIDES),
+    ("V read with K's strides in the dQ loop", [(DQ_V, DQ_V.replace("_v", "_k"))], "dQ of my_dq_tiles is wrong (B=1"),
+    ("K's column stride taken as 1 in the dQ loop", [(DQ_K, DQ_K.replace(" * stride_kd", ""))],
+     "dQ of my_dq_tiles is wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask), where Q, K, V "
+     "and dO each have strides of their own, and right on contiguous copies of them: " + OWN_STRIDES),
+    ("dO read with Q's strides in the dK/dV loop", [(DKDV_DO, DKDV_DO.replace("_do", "_q"))],
+     "dK and dV of my_dkdv_tiles are wrong (B=1, H=2, N_q=40, N_kv=40, is_causal=False, softcap=2.0, no mask), "
+     "where Q, K, V and dO each have strides of their own, and right on contiguous copies of them: " + OWN_STRIDES),
+    ("dS not converted in the dQ loop", [("dq += tl.dot(ds.to(k.dtype), k)", "dq += tl.dot(ds, k)")],
+     "my_dq_tiles failed on float16 inputs (B=2, H=2, N_q=37, N_kv=45, is_causal=True, softcap=5.0, a key-padding "
+     "mask of lengths [45, 20], float16): tl.dot got a float32 tile and a float16 one"),
+    ("P^T not converted in the dK/dV loop", [("dv += tl.dot(pT.to(do.dtype), do)", "dv += tl.dot(pT, do)")],
+     "my_dkdv_tiles failed on float16 inputs"),
+    ("dS^T not converted in the dK/dV loop", [("dk += tl.dot(dsT.to(q.dtype), q)", "dk += tl.dot(dsT, q)")],
+     "my_dkdv_tiles failed on float16 inputs"),
+)
+def test_score_loops_mistakes_are_named(solutions, edits, message):
+    module = solutions("14", edits)
+    with pytest.raises(ex.ExerciseError, match=re.escape(message)):
+        ex.check_score_loops(module.my_fwd_tiles, module.my_dq_tiles, module.my_dkdv_tiles, module.mask_strides)
+
+
+def test_score_loops_need_the_softcap_piece(solutions):
+    module = solutions("14", stub="ch14-softcap-piece")
+    with pytest.raises(ex.ExerciseError, match=re.escape("my_softcap (Exercise 1) is not implemented yet")):
+        ex.check_score_loops(module.my_fwd_tiles, module.my_dq_tiles, module.my_dkdv_tiles, module.mask_strides)

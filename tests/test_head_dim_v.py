@@ -201,6 +201,10 @@ class FakeGluon:
     def supports(q, k, v, window=None):
         return True
 
+    @staticmethod
+    def has_dq_reduce():  # as on Triton 3.6 and 3.7.1: the dK/dV kernel, not the fused backward
+        return False
+
     @classmethod
     def attention_forward(cls, q, k, v, causal, scale, window=None):
         cls.calls.append("forward")

@@ -3,8 +3,8 @@
 Gluon has no interpreter, so on a machine without a GPU compiling is all these kernels get. A
 child process (flashattn.measure.compiled.in_child: it believes it has a GPU, nothing is launched)
 compiles every configuration the package ships, for both 16-bit dtypes and both masking modes,
-and the test checks what the compiler made of it: no spills, shared memory within the 227 KB an
-H100/H200 block may use, the warps split into partitions with their own register budgets
+and the test checks what the compiler made of it: no spills, no wgmma wait that ptxas had to
+inject (its note C7517), shared memory within the 227 KB an H100/H200 block may use, the warps split into partitions with their own register budgets
 (setmaxnreg), asynchronous wgmma, TMA copies and mbarrier waits. Skipped where Triton cannot
 compile Gluon for CUDA.
 """
@@ -19,13 +19,22 @@ SMEM_LIMIT = 227 * 1024
 
 def _report(kernel, **kwargs):
     try:
-        return compiled.in_child("flashattn.measure.compiled:gluon_report", kernel=kernel, **kwargs)
+        return compiled.in_child("flashattn.measure.compiled_gluon:gluon_report", kernel=kernel, **kwargs)
     except compiled.CannotCompile as reason:
         pytest.skip(str(reason))
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd-window"])
+#: Bytes of stack a kernel may keep. The fused backward (``bwd_dq``) is register-bound: ptxas keeps
+#: a few values on the stack (16 bytes at head dim 128, 104-136 at 64 with its 128-query tiles,
+#: Triton 3.9; the 64-query tile keeps none but ran 15 % slower on an H100: docs/performance.md).
+#: More than this means a tile's accumulators went to local memory.
+STACK_ALLOWED = {"bwd_dq": 160}
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "fwd-window", "bwd_dq"])
 def test_gluon_kernels_compile_for_sm90(kernel):
+    """``bwd_dq`` is the fused backward, which needs Gluon's TMA reduce-add (Triton >= 3.8): skipped
+    before."""
     if kernel == "fwd-window":  # the forward's sliding window
         rows = _report("fwd", causal=("window",))
         assert len(rows) == 4 and {r["causal"] for r in rows} == {"window"}
@@ -38,8 +47,11 @@ def test_gluon_kernels_compile_for_sm90(kernel):
         if "error" in r:
             problems.append(f"{label}: {r['error']}")
             continue
-        if r["spill"]:
+        if r["spill"] > STACK_ALLOWED.get(kernel, 0):
             problems.append(f"{label}: {r['spill']} bytes of stack (spills)")
+        for code, note in r["ptxas_notes"]:
+            if code == "C7517":  # a wgmma wait the kernel did not ask for: matmuls meant to overlap do not
+                problems.append(f"{label}: ptxas {code}: {note}")
         if r["smem"] > SMEM_LIMIT:
             problems.append(f"{label}: {r['smem']} bytes of shared memory")
         if 240 not in r["setmaxnreg"] or 24 not in r["setmaxnreg"]:

@@ -34,6 +34,8 @@ def offline_problems(page):
     remote = re.findall(r'<script[^>]*\bsrc="(https?://[^"]+)"', page)
     remote += re.findall(r'\b(?:import|from)\s*\(?\s*["\'](https?://[^"\']+)', page)
     remote += re.findall(r'<link[^>]*\bhref="(https?://[^"]+\.(?:css|js))"', page)
+    for script in re.findall(r"<script\b[^>]*>(.*?)</script>", page, re.S):  # a loader written inline
+        remote += re.findall(r"""["'](https?://[^"']+\.(?:css|js))["']""", script)
     if remote:
         problems.append(f"fetches {sorted(set(remote))}")
     prose = re.sub(r"<[^>]+>", " ", VERBATIM.sub(" ", page.partition("<body")[2] or page))
@@ -55,6 +57,46 @@ def test_the_offline_check_finds_what_it_looks_for():
     good = ('<html><head></head><body><p>the factor <math><mi>α</mi></math></p><pre>cost = $5 \\frac</pre>'
             '<img alt="a plot" src="data:image/png;base64,AA"></body></html>')
     assert offline_problems(good) == []
+    loader = "<script>var src = 'https://unpkg.com/@jupyter-widgets/html-manager@*/dist/embed-amd.js';</script>"
+    assert len(offline_problems(good.replace("<head>", "<head>" + loader))) == 1
+
+
+def build_html_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_html", ROOT / "tools" / "build_html.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_missing_package_stops_the_build_before_any_chapter_runs(monkeypatch, tmp_path):
+    build_html = build_html_module()
+    assert build_html.missing_packages() == []  # the test install holds everything the edition needs
+    monkeypatch.setattr(build_html, "NEEDS", build_html.NEEDS + ("no_such_package_here",))
+    monkeypatch.setattr(build_html, "build", lambda *args: pytest.fail("the build started"))
+    with pytest.raises(SystemExit, match="(?s)" + re.escape('no_such_package_here, not installed here') + ".*"
+                       + re.escape('pip install -e ".[instructor]" && python tools/build_html.py')):
+        build_html.main(["--out", str(tmp_path)])
+
+
+def test_a_widget_becomes_the_picture_it_showed():
+    """A widget in a chapter (chapter 03's sliders) reads offline: the page carries the figure it drew
+    when the chapter ran, under a note, and no widget state or script to draw it from a CDN."""
+    build_html = build_html_module()
+    picture = {"output_type": "display_data", "data": {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"},
+               "metadata": {"image/png": {"alt": "Figure: the tile map"}}}
+    model = dict(_model_module="@jupyter-widgets/controls", _view_module="@jupyter-widgets/controls")
+    state = {"box": dict(model_name="VBoxModel", state=dict(model, children=["IPY_MODEL_slider", "IPY_MODEL_out"])),
+             "slider": dict(model_name="IntSliderModel", state=dict(model, value=69)),
+             "out": dict(model_name="OutputModel", state=dict(model, outputs=[picture]))}
+    cell = nbformat.v4.new_code_cell("display(controls)", outputs=[nbformat.v4.new_output("display_data", data={
+        "text/plain": "interactive(...)", build_html.WIDGET: {"version_major": 2, "version_minor": 0, "model_id": "box"}})])
+    nb = nbformat.v4.new_notebook(cells=[cell], metadata={"widgets": {build_html.WIDGET_STATE: {
+        "version_major": 2, "version_minor": 0, "state": state}}})
+    page = build_html.chapter_page(build_html.with_alt_text(build_html.without_widgets(nb)), "a chapter")
+    assert "widget-state" not in page and "unpkg" not in page and offline_problems(page) == []
+    assert "shown as it first appeared" in page and 'alt="Figure: the tile map"' in page
 
 
 def image_outputs(nb):

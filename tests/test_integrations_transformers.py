@@ -20,6 +20,7 @@ from flashattn.testing.rule import floor, max_error
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "flashattn[transformers]")')
 fa_transformers = pytest.importorskip("flashattn.integrations.transformers")
+from transformers import masking_utils  # noqa: E402  (after the skip above)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = fa_transformers.register()
@@ -34,10 +35,10 @@ def tiny(family, **extra):
     5, shorter than the sequences; "gemma2": logit softcapping and a sliding window), in eval mode."""
     torch.manual_seed(0)
     if family == "llama":
-        config = transformers.LlamaConfig(**TINY, **extra)
+        config = transformers.LlamaConfig(**{**TINY, **extra})
         model = transformers.LlamaForCausalLM(config)
     elif family == "mistral":
-        config = transformers.MistralConfig(**TINY, sliding_window=5, **extra)
+        config = transformers.MistralConfig(**{**TINY, "sliding_window": 5, **extra})
         model = transformers.MistralForCausalLM(config)
     else:  # "gemma2", or "gemma2-nocap": its windows on every other layer and its scaling alone
         options = dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=24, final_logit_softcapping=None,
@@ -208,7 +209,7 @@ def test_sliding_window_is_counted_as_transformers_counts_it():
     """transformers' sliding_window=w lets a query see itself and the w - 1 keys before it."""
     assert fa_transformers.window_of(5, causal=True) == (4, 0)
     assert fa_transformers.window_of(None, causal=True) == (-1, -1)
-    assert fa_transformers.window_of(3, causal=False) == (3, 3)
+    assert fa_transformers.window_of(3, causal=False) == (2, 2)   # |i - j| < 3, as its FlashAttention path
     with pytest.raises(ValueError, match="sliding_window"):
         fa_transformers.window_of(0, causal=True)
 
@@ -287,15 +288,18 @@ def test_packed_rows_from_position_ids_or_cu_seq_lens():
     torch.testing.assert_close(by_positions[0], expected, rtol=0, atol=1e-5)
 
 
-def test_padding_mask_is_none_without_padding():
+def test_the_mask_is_none_without_padding():
+    causal = masking_utils.causal_mask_function
     mask = torch.ones(2, 7, dtype=torch.bool)
-    assert fa_transformers.padding_mask(2, 7, 7, attention_mask=mask) is None
+    assert fa_transformers.layer_mask(2, 7, 7, mask_function=causal, attention_mask=mask) is None
     mask[0, 0] = False
-    assert fa_transformers.padding_mask(2, 7, 7, attention_mask=mask).shape == (2, 7)
-    # a sliding layer's cache holds the last 4 keys, past the padding
-    assert fa_transformers.padding_mask(2, 1, 4, attention_mask=mask) is None
-    # a static cache of 10 entries, 7 written
-    assert fa_transformers.padding_mask(2, 3, 10, attention_mask=mask).shape == (2, 7)
+    assert fa_transformers.layer_mask(2, 7, 7, mask_function=causal, attention_mask=mask).shape == (2, 7)
+    # a sliding layer's cache holds the last 4 keys (positions 3 to 6), past the padding
+    window = masking_utils.sliding_window_causal_mask_function(4)
+    assert fa_transformers.layer_mask(2, 1, 4, 6, 3, mask_function=window, attention_mask=mask) is None
+    # a static cache of 10 entries, 7 written: its positions are on the device, the mask is 4-D
+    static = fa_transformers.layer_mask(2, 3, 10, torch.tensor(4), 0, mask_function=causal, attention_mask=mask)
+    assert static.shape == (2, 1, 3, 10) and not static[..., 7:].any()
 
 
 def test_options_reach_the_kernels(monkeypatch):
@@ -317,12 +321,14 @@ def test_options_reach_the_kernels(monkeypatch):
     module = torch.nn.Module()
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[1, :2] = False
-    for attention_mask in (None, mask):
+    for attention_mask, window in ((None, 3), (mask, 3), (mask, None)):
         fa_transformers.attention_forward(module, query, key, value, attention_mask, dropout=0.1,
-                                          scaling=0.2, sliding_window=3, softcap=30.0)
+                                          scaling=0.2, sliding_window=window, softcap=30.0)
+    # padded and windowed: a key mask beside the window (packed, the window would move)
     assert [(name, p, cap, kw["scale"], kw["window_size"], kw["enable_gqa"])
             for name, p, cap, kw in seen] == [
-        ("attention", 0.1, 30.0, 0.2, (2, 0), True), ("varlen_attention", 0.1, 30.0, 0.2, (2, 0), True)]
+        ("attention", 0.1, 30.0, 0.2, (2, 0), True), ("attention", 0.1, 30.0, 0.2, (2, 0), True),
+        ("varlen_attention", 0.1, 30.0, 0.2, (-1, -1), True)]
 
 
 def test_importing_flashattn_does_not_import_transformers():

@@ -255,7 +255,7 @@ def test_a_window_matches_attention_aligned_bottom_right():
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
     (dict(softcap="1"), TypeError, "softcap must be a real number"),
-    (dict(window_size=(4, 2)), ValueError, r"window_size is \(4, 2\): right must be -1 or 0"),
+    (dict(window_size=(4, 2)), ValueError, r"window_size is \(4, 2\): with causal=True right must be -1 or 0"),
     (dict(window_size=(-2, 0)), ValueError, "each side must be >= 0, or -1"),
     (dict(window_size=4), TypeError, "window_size must be a pair"),
 ])

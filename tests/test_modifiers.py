@@ -10,9 +10,12 @@ from functools import partial
 import flashattn  # first: it picks the interpreter before triton is imported
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flashattn.kernels import traversal
 from flashattn.kernels.mods import dropout_mask
+from flashattn.kernels.tiles import DROP_PAIR, DROP_TILE, dropout_keep
 from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
 from flashattn.ops.modifiers import check_mask, draw_seed
 from flashattn.testing.reference import naive_attention, window_mask
@@ -349,3 +352,138 @@ def test_dropout_check_can_fail():
     keep = kernel_keep_mask(22, (2, 2, N_Q, N_KV), 0.25)  # another seed than the call's
     torch.manual_seed(21)
     assert not all(c.ok for c in checks_of(q, k, v, ref_kwargs=dict(dropout_keep=keep), dropout_p=0.25))
+
+
+def philox(seed, c0, c1, c2, c3, rounds=10):
+    """Philox 4x32 in plain numpy (Salmon et al., SC 2011), with the constants of triton.language's:
+    the four 32-bit numbers of counter (c0, c1, c2, c3) under key ``seed``."""
+    import numpy as np
+
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    low = np.uint64(0xFFFFFFFF)
+    for _ in range(rounds):
+        a, b = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = (b >> np.uint64(32)) ^ c1 ^ k0, b & low, (a >> np.uint64(32)) ^ c3 ^ k1, a & low
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    return c0, c1, c2, c3
+
+
+def keep_by_numpy(seed, p, rows, cols):
+    """Dropout's keep-mask by its definition (tiles.dropout_keep): pair (r, c) takes the 16 bits
+    16 * (c % 2) on of number c // 8 % 4 of Philox's counter (4 * (c // 32) + c % 8 // 2, r's low
+    and high 32 bits, 0), kept where they reach round(p * 2**16) (in float32, as the kernels)."""
+    import numpy as np
+
+    r, c = np.meshgrid(np.asarray(rows, dtype=np.uint64), np.asarray(cols, dtype=np.uint64), indexing="ij")
+    u = np.uint64
+    words = philox(seed, (c >> u(5)) * u(4) + ((c >> u(1)) & u(3)), r & u(0xFFFFFFFF), r >> u(32), r * u(0))
+    word = np.choose(((c >> u(3)) & u(3)).astype(np.int64), words)
+    bits = (word >> (u(16) * (c & u(1)))) & u(0xFFFF)
+    threshold = int(np.float32(p) * np.float32(65536.0) + np.float32(0.5))
+    return torch.from_numpy(bits.astype(np.int64) >= threshold)
+
+
+@triton.jit
+def _keep_probe(Keep, seed, p_drop, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr, DROPOUT: tl.constexpr):
+    keep = dropout_keep(seed, p_drop, row0 + tl.arange(0, ROWS).to(tl.int64)[:, None], tl.arange(0, COLS)[None, :],
+                        col0, COLS, DROPOUT)
+    tl.store(Keep + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :], keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("row0, col0", [(0, 0), (5, 32), (2 ** 33 + 7, 4096 + 64)])
+def test_dropout_bits_are_philox_by_its_definition(row0, col0):
+    """Both ways the kernels find a pair's bits (from the offsets in a tile whose first column is
+    a multiple of 32, or from the whole column, where packed sequences start anywhere) give the
+    mask of the definition, computed here in plain numpy; and the debug path (mods.dropout_mask)."""
+    seed, p = 123456789, 0.3
+    for kind, start, width in ((DROP_TILE, col0, 64), (DROP_TILE, col0, 32), (DROP_PAIR, col0, 32),
+                               (DROP_PAIR, col0 + 3, 32), (DROP_PAIR, col0 + 13, 16)):
+        keep = torch.empty(16, width, dtype=torch.int8, device=DEVICE)
+        _keep_probe[(1,)](keep, seed, p, row0, start, 16, width, kind)
+        want = keep_by_numpy(seed, p, range(row0, row0 + 16), range(start, start + width))
+        assert torch.equal(keep.bool().cpu(), want), (kind, start, width)
+    if row0 == 5:
+        mask = dropout_mask((1, 1, 21, 70), p, seed, DEVICE).cpu()
+        assert torch.equal(mask, keep_by_numpy(seed, p, range(21), range(70)).reshape(1, 1, 21, 70))
+        # packed sequences: sequence b's pairs are rows head * total_q + cu_q[b] + i, columns cu_k[b] + j
+        cu_q, cu_k = torch.tensor([0, 7, 7, 20]), torch.tensor([0, 37, 40, 75])
+        mask = dropout_mask((3, 2, 13, 37), p, seed, DEVICE, cu_q, cu_k).cpu()
+        for b in range(3):
+            nq, nk = int(cu_q[b + 1] - cu_q[b]), int(cu_k[b + 1] - cu_k[b])
+            for head in range(2):
+                rows = range(head * 20 + int(cu_q[b]), head * 20 + int(cu_q[b + 1]))
+                want = keep_by_numpy(seed, p, rows, range(int(cu_k[b]), int(cu_k[b + 1])))
+                assert torch.equal(mask[b, head, :nq, :nk], want), (b, head)
+            assert not mask[b, :, nq:].any() and not mask[b, :, :, nk:].any()
+
+
+@pytest.mark.parametrize("case", ["plain", "causal-gqa-window", "five-dims"])
+def test_the_call_returns_its_dropout_mask(case):
+    """``return_dropout_mask=True``: the mask the call drew, with no knowledge of how its seed is
+    drawn. With V the identity, output row i is ``P_i * keep_i / (1 - p)``: the kept pairs are
+    where the output is not 0; and the reference given the mask reproduces the call, forward and
+    backward, under the rule (a dtype per case)."""
+    kwargs = dict(dropout_p=0.3)
+    n = 16
+    q, k, _ = make_qkv(n, n, n, heads_q=4 if "gqa" in case else 2)
+    v = torch.eye(n, device=DEVICE).expand(2, k.shape[1], n, n)
+    if "window" in case:
+        kwargs.update(is_causal=True, window_size=(5, 0))
+    gqa = dict(enable_gqa="gqa" in case)
+    if case == "five-dims":
+        q, k, v = (t.reshape(1, 2, *t.shape[1:]) for t in (q, k, v))
+    out, keep = flashattn.attention(q, k, v, **kwargs, **gqa, return_dropout_mask=True)
+    assert keep.dtype == torch.bool and keep.shape == (*q.shape[:-1], n)
+    visible = naive_attention(q, k, v, **{key: val for key, val in kwargs.items() if key != "dropout_p"},
+                              **gqa)[0] != 0
+    assert torch.equal(out != 0, keep & visible)
+    dtype = {"plain": torch.float16, "causal-gqa-window": torch.bfloat16}.get(case, torch.float32)
+    qd, kd, vd = (t.to(dtype) for t in make_qkv(heads_q=q.shape[-3], seed=3))
+    causal = kwargs.get("is_causal", False)
+    call = {key: val for key, val in kwargs.items() if key != "is_causal"}
+    torch.manual_seed(8)
+    _, _, keep = flashattn.attention(qd, kd, vd, **call, **gqa, is_causal=causal, return_lse=True,
+                                     return_dropout_mask=True)
+    torch.manual_seed(8)   # compare_with_reference's call draws the same mask again
+    assert_rule(checks_of(qd, kd, vd, causal, ref_kwargs=dict(dropout_keep=keep), **call))
+    # without dropout every pair is kept
+    assert flashattn.attention(q, k, v, **gqa, return_dropout_mask=True)[1].all()
+
+
+def test_varlen_returns_its_dropout_mask():
+    """varlen_attention's mask, batch x heads x max_q x max_k, each sequence's in its corner: the
+    reference of each sequence given its block reproduces the call, forward and backward (the
+    backward kernels draw the same pairs); past a sequence, False."""
+    lengths_q, lengths_k = [5, 0, 13, 9], [8, 3, 6, 12]
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(lengths_q), 2, 16, generator=g).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(sum(lengths_k), 2, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=DEVICE)
+                  for n in (lengths_q, lengths_k))
+    out, keep = flashattn.varlen_attention(q, k, v, cu_q, cu_k, 13, 12, is_causal=True, dropout_p=0.3,
+                                           causal_alignment="bottom_right", return_dropout_mask=True)
+    do = torch.randn(out.shape, generator=g).to(DEVICE)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    out = out.detach()
+    assert keep.shape == (4, 2, 13, 12)
+    for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
+        sq, sk = sum(lengths_q[:b]), sum(lengths_k[:b])
+        assert not keep[b, :, nq:].any() and not keep[b, :, :, nk:].any()
+        if nq == 0:
+            assert not dk[sk:sk + nk].any() and not dv[sk:sk + nk].any()
+            continue
+        qs, ks, vs = (t[s:s + n].detach().transpose(0, 1).double().requires_grad_()
+                      for t, s, n in ((q, sq, nq), (k, sk, nk), (v, sk, nk)))
+        expected, _ = naive_attention(qs, ks, vs, is_causal=True, causal_alignment="bottom_right", dropout_p=0.3,
+                                      dropout_keep=keep[b, :, :nq, :nk])
+        torch.testing.assert_close(out[sq:sq + nq].transpose(0, 1).double(), expected.detach(), rtol=0, atol=2e-6)
+        grads = torch.autograd.grad(expected, (qs, ks, vs), do[sq:sq + nq].transpose(0, 1).double())
+        for got, want, s, n in zip((dq, dk, dv), grads, (sq, sk, sk), (nq, nk, nk)):
+            torch.testing.assert_close(got[s:s + n].transpose(0, 1).double(), want, rtol=0, atol=2e-5)
+        qs, ks, vs = (t.detach() for t in (qs, ks, vs))
+        # a mask of another call does not reproduce this one
+        other = ~keep[b, :, :nq, :nk]
+        wrong, _ = naive_attention(qs, ks, vs, is_causal=True, causal_alignment="bottom_right", dropout_p=0.3,
+                                   dropout_keep=other)
+        assert (out[sq:sq + nq].transpose(0, 1).double() - wrong).abs().max() > 1e-2

@@ -283,6 +283,11 @@ def _cases():
     ]
 
 
+def on_device(t):
+    """``t`` on DEVICE with its strides (``Tensor.to`` makes a strided view contiguous on a GPU)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=DEVICE).copy_(t)
+
+
 @pytest.mark.parametrize("change, error, words", _cases())
 def test_bad_paged_and_alibi_arguments_are_named(change, error, words):
     change = dict(change)
@@ -300,7 +305,7 @@ def test_bad_paged_and_alibi_arguments_are_named(change, error, words):
     args = dict(block_table=table.to(DEVICE))
     if "max_seqlen" in change:
         lengths = lengths.to(DEVICE)
-    args.update({name: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for name, t in change.items()})
+    args.update({name: on_device(t) if isinstance(t, torch.Tensor) else t for name, t in change.items()})
     if "k_new" in args:
         args["v_new"] = args["k_new"]
     q = torch.zeros(2, 4, 2, 16, device=DEVICE)

@@ -12,6 +12,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
+FIRST_CHAPTER = "exercises/00_attention_and_memory.ipynb"  # where the README's command opens JupyterLab
 
 
 def requirement_lines(path):
@@ -52,6 +53,7 @@ def test_the_readme_commands_install_these_files():
         # on a machine without an NVIDIA GPU, PyTorch's CPU build comes first
         cpu = "(nvidia-smi -L >/dev/null 2>&1 || pip install torch --index-url https://download.pytorch.org/whl/cpu)"
         assert cpu in command and command.index(cpu) < command.index("pip install -", command.index(cpu) + len(cpu))
-    assert "pip install -r requirements.txt" in course and course.endswith("jupyter lab --allow-root")
+    assert "pip install -r requirements.txt" in course and course.endswith("jupyter lab --allow-root --ServerApp.root_dir=. " + FIRST_CHAPTER)
+    assert (ROOT / FIRST_CHAPTER).is_file(), "JupyterLab opens on the first student chapter, at the root"
     assert 'pip install -e ".[test]"' in tests and tests.endswith("python -m pytest")
     assert tests in (ROOT / ".ci" / "run").read_text(encoding="utf8"), "CI runs the README's test command"

@@ -16,7 +16,7 @@ from flashattn.testing import reference
 from flashattn.testing.rule import judge, max_error
 
 DEVICE = flashattn.DEVICE
-SDPA_ORDER = ["q", "k", "v", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+SDPA_ORDER = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
 
 
 def make_qkv(n_q=19, n_kv=27, head_dim=24, dtype=torch.float32, batch=2, heads_q=2, heads_kv=2, seed=0):
@@ -29,7 +29,8 @@ def test_signature_is_sdpas():
     params = inspect.signature(flashattn.attention).parameters
     assert list(params)[:8] == SDPA_ORDER
     keyword_only = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert keyword_only == ["return_lse", "window_size", "causal_alignment", "softcap", "alibi_slopes"]
+    assert keyword_only == ["return_lse", "window_size", "causal_alignment", "softcap", "alibi_slopes",
+                            "return_dropout_mask", "deterministic"]
     q, k, v = make_qkv(9, 9, 16)
     mask = torch.ones(9, 9, dtype=torch.bool, device=DEVICE).tril()
     # positionally, as SDPA is called (SDPA's scale and enable_gqa are keyword-only; here they may be
@@ -37,6 +38,33 @@ def test_signature_is_sdpas():
     torch.testing.assert_close(flashattn.attention(q, k, v, None, 0.0, True, 0.3, False),
                                F.scaled_dot_product_attention(q, k, v, None, 0.0, True, scale=0.3, enable_gqa=False))
     torch.testing.assert_close(flashattn.attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, mask))
+    # and by SDPA's keyword names
+    torch.testing.assert_close(flashattn.attention(query=q, key=k, value=v, is_causal=True),
+                               F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True))
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_a_mask_and_is_causal_together_apply_both(alignment):
+    """SDPA's CPU path takes attn_mask with is_causal=True and applies both; so does flashattn,
+    aligned as causal_alignment says, forward and backward under the rule."""
+    from flashattn.testing.rule import compare_with_reference
+
+    q, k, v = make_qkv(19, 27, 24)
+    g = torch.Generator().manual_seed(4)
+    mask = (torch.rand(2, 1, 19, 27, generator=g) > 0.3).to(DEVICE)
+    mask[..., 20:] = False     # and whole key columns
+    shift = 27 - 19 if alignment == "bottom_right" else 0
+    causal = torch.ones(19, 27, dtype=torch.bool, device=DEVICE).tril(shift)
+
+    def impl(q, k, v, is_causal, **kwargs):  # the reference gets the two as one mask, not causal
+        return flashattn.attention(q, k, v, mask, is_causal=True, causal_alignment=alignment, **kwargs)
+    ref = partial(reference.naive_attention, attn_mask=mask & causal)
+    checks = compare_with_reference(q, k, v, impl=impl, reference=ref)
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))
+    if alignment == "top_left":  # SDPA's own CPU path agrees
+        torch.testing.assert_close(flashattn.attention(q, k, v, mask, is_causal=True),
+                                   F.scaled_dot_product_attention(q, k, v, mask, is_causal=True),
+                                   rtol=0, atol=2e-6)
 
 
 class Block(torch.nn.Module):
@@ -104,8 +132,6 @@ def on_device(kwargs):
     (dict(attn_mask=torch.ones(3, 1, 19, 27, dtype=torch.bool)), ValueError, "does not broadcast"),
     (dict(attn_mask=torch.ones(1, 2, 2, 19, 27, dtype=torch.bool)), ValueError, "does not broadcast"),
     (dict(attn_mask=torch.zeros(19, 27, requires_grad=True)), ValueError, "attn_mask requires grad"),
-    (dict(attn_mask=torch.ones(19, 27, dtype=torch.bool), is_causal=True), ValueError,
-     "attn_mask and is_causal=True"),
     (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
     (dict(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
     (dict(dropout_p=float("nan")), ValueError, r"dropout_p must be in \[0, 1\)"),
@@ -303,10 +329,38 @@ def test_kv_broadcast_over_the_batch(dtype, gqa):
 
 
 def test_kv_broadcast_errors():
-    q = make_qkv(9, 9, 16, batch=1)[0]
+    q = make_qkv(9, 9, 16, batch=3)[0]
     _, k, v = make_qkv(9, 9, 16, batch=2)
-    with pytest.raises(ValueError, match="k has leading dims .* but q has"):  # q would have to broadcast
+    with pytest.raises(ValueError, match="k has leading dims .* but q has"):  # 3 against 2
         flashattn.attention(q, k, v)
+    _, k, v = make_qkv(9, 9, 16, batch=3, heads_kv=3)
+    q = make_qkv(9, 9, 16, batch=3, heads_q=2)[0]
+    with pytest.raises(ValueError, match="multiple of k.s heads"):  # heads 2 against 3
+        flashattn.attention(q, k, v, enable_gqa=True)
+
+
+@pytest.mark.parametrize("shape_q, shape_kv", [
+    ((3, 4, 19, 16), (4, 27, 16)),        # k and v without q's batch dim
+    ((3, 4, 19, 16), (27, 16)),           # nor its heads
+    ((3, 4, 19, 16), (3, 1, 27, 16)),     # one K/V head for every query head
+    ((4, 19, 16), (3, 4, 27, 16)),        # q without k's batch dim
+    ((1, 4, 19, 16), (3, 1, 27, 16)),     # both broadcast
+    ((2, 1, 4, 19, 16), (3, 1, 27, 16)),  # five dims
+])
+def test_leading_dims_broadcast_as_in_sdpa(shape_q, shape_kv):
+    """SDPA broadcasts q's and k/v's leading dims against each other (a missing dim is 1); so does
+    flashattn, forward and gradients, against SDPA on the same inputs."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(shape_q, generator=g).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(shape_kv, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
+    out = flashattn.attention(q, k, v, is_causal=True)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-6)
+    do = torch.randn(out.shape, generator=g).to(DEVICE)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(expected, (q, k, v), do)):
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-5)
 
 
 # -- Dispatch ----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Build the course's static HTML edition: every chapter executed, one page each, and an index.
 
+    pip install -e ".[instructor]" && python tools/build_html.py   # what it needs, then the edition
     python tools/build_html.py                  # into build/html/; open build/html/index.html
     python tools/build_html.py --out DIR        # elsewhere
     python tools/build_html.py --executed DIR   # reuse chapters already executed (DIR/NN_name.ipynb)
@@ -11,7 +12,9 @@ the page, and adds what a CPU cannot show: where a chapter was also executed on 
 outputs were recorded (``docs/gpu-record/*chapter-NN-outputs*``, found by the notebook named on
 their first line), those outputs, under the cells that printed them. The pages need no network
 either: the formulas are turned into MathML when the page is built (latex2mathml, which every
-browser draws), and no script is loaded from elsewhere.
+browser draws), no script is loaded from elsewhere, and an interactive widget shows the figure it
+drew when the chapter ran. What it needs beyond the course's own install (the ``instructor`` extra)
+is checked before anything runs.
 """
 import argparse
 import html
@@ -19,12 +22,30 @@ import re
 import sys
 from pathlib import Path
 
-import nbformat
+try:
+    import nbformat
+except ImportError:  # main() says what to install
+    nbformat = None
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 RECORD = ROOT / "docs" / "gpu-record"
 WIDGET = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+#: What the edition imports beyond the course's own install: nbclient and ipykernel run the chapters,
+#: nbformat and nbconvert write the pages, latex2mathml draws the formulas. pyproject.toml's
+#: ``instructor`` extra installs them all.
+NEEDS = ("nbformat", "nbclient", "ipykernel", "nbconvert", "latex2mathml")
+INSTALL = 'pip install -e ".[instructor]"'
+
+
+def missing_packages():
+    """The packages of NEEDS that cannot be imported here."""
+    from importlib.util import find_spec
+
+    return [name for name in NEEDS if find_spec(name) is None]
 
 
 def chapters():
@@ -121,13 +142,40 @@ def with_record(nb, record):
 
 # --- Pages --------------------------------------------------------------------------------------------
 
+def widget_outputs(model_id, state):
+    """The outputs the widget ``model_id`` showed when the chapter ran: those of every Output widget
+    inside it (an ``interactive`` draws its figure into one), read from the saved widget state."""
+    model = state.get(model_id)
+    if model is None:
+        return []
+    found = list(model["state"].get("outputs", [])) if model.get("model_name") == "OutputModel" else []
+    for child in model["state"].get("children", []):
+        found += widget_outputs(str(child).removeprefix("IPY_MODEL_"), state)
+    return found
+
+
 def without_widgets(nb):
-    """Interactive widgets cannot work in a static page: each becomes a short note."""
+    """Interactive widgets cannot work in a static page, and the script that would draw them comes
+    from a CDN: the saved widget state goes (and with it that script), and each widget becomes the
+    pictures it showed when the chapter ran (an ``interactive`` figure at its first values), under a
+    note that says so; a widget that showed none becomes the note alone."""
+    state = nb.metadata.pop("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     for cell in nb.cells:
+        outputs = []
         for output in cell.get("outputs", []):
-            if WIDGET in output.get("data", {}):
-                output["data"] = {"text/html": "<p><em>(An interactive widget: run the chapter to use it.)</em></p>",
-                                  "text/plain": "(an interactive widget)"}
+            view = output.get("data", {}).get(WIDGET)
+            if view is None:
+                outputs.append(output)
+                continue
+            pictures = [nbformat.from_dict(shown) for shown in widget_outputs(view.get("model_id"), state)
+                        if "image/png" in shown.get("data", {})]
+            note = ("An interactive widget, shown as it first appeared: run the chapter to move its controls."
+                    if pictures else "An interactive widget: run the chapter to use it.")
+            outputs.append(nbformat.v4.new_output("display_data", data={
+                "text/html": f"<p><em>({note})</em></p>", "text/plain": f"({note})"}))
+            outputs += pictures
+        if "outputs" in cell:
+            cell.outputs = outputs
     return nb
 
 
@@ -255,6 +303,10 @@ def main(argv=None):
     parser.add_argument("--executed", help="a folder of chapters already executed, reused instead of running them")
     parser.add_argument("--workers", type=int, default=2, help="chapters executed at once (default: 2)")
     args = parser.parse_args(argv)
+    missing = missing_packages()
+    if missing:  # say so now, not after minutes of running chapters
+        raise SystemExit(f"the HTML edition needs {', '.join(missing)}, not installed here. From the repository's "
+                         f"root, install them and build:\n    {INSTALL} && python tools/build_html.py")
     pages = build(args.out, args.executed, args.workers)
     print(f"wrote {len(pages)} pages; open {pages[0]}")
     return 0

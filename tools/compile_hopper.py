@@ -7,7 +7,8 @@ Gluon has no interpreter, so compiling is the only check these kernels get on a 
 a GPU: it catches errors in layouts, shared memory and barriers that only the compiler sees, and
 prints what each configuration costs: registers per thread at launch (each partition then sets its
 own budget with setmaxnreg, listed last), spilled bytes, shared memory, and the wgmma
-instructions, TMA copies and mbarrier waits in the PTX. ``--variants`` adds the forward variants
+instructions, TMA copies and mbarrier waits in the PTX, and the codes of ptxas's notes (C7517: a
+wgmma wait it had to inject). ``--variants`` adds the forward variants
 that tools/hopper_check.py times (flashattn.measure.gpu_checks.VARIANTS).
 """
 import argparse
@@ -22,7 +23,7 @@ from flashattn.measure import compiled, gpu_checks  # noqa: E402  (the checkout'
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", choices=["fwd", "bwd"], action="append")
+    p.add_argument("--kernel", choices=["fwd", "bwd", "bwd_dq"], action="append")
     p.add_argument("--head-dim", type=int, action="append")
     p.add_argument("--dtype", choices=["fp16", "bf16"], action="append")
     p.add_argument("--causal", type=int, choices=(0, 1), action="append")
@@ -31,14 +32,14 @@ def main():
     args = p.parse_args()
     failures = 0
     print(f"{'kernel':6} {'D':>4} {'dtype':5} {'causal':6} {'config':40} {'regs':>4} {'spill':>5} "
-          f"{'smem':>6} {'wgmma':>5} {'tma':>5} {'waits':>5} setmaxnreg")
-    for kernel in args.kernel or ["fwd", "bwd"]:
+          f"{'smem':>6} {'wgmma':>5} {'tma':>5} {'waits':>5} setmaxnreg ptxas")
+    for kernel in args.kernel or ["fwd", "bwd", "bwd_dq"]:
         for head_dim in args.head_dim or [64, 128]:
             configs = list(args.config or [None])
             if args.variants and kernel == "fwd":
                 configs += gpu_checks.VARIANTS[head_dim]
             try:
-                rows = compiled.in_child("flashattn.measure.compiled:gluon_report", kernel=kernel,
+                rows = compiled.in_child("flashattn.measure.compiled_gluon:gluon_report", kernel=kernel,
                                          head_dims=[head_dim], dtypes=args.dtype or ["fp16", "bf16"],
                                          causal=[bool(c) for c in (args.causal or [0, 1])], configs=configs)
             except compiled.CannotCompile as reason:
@@ -51,8 +52,9 @@ def main():
                     failures += 1
                     print(f"{head} FAILED: {r['error'][:300]}", flush=True)
                     continue
+                notes = " ".join(sorted({code for code, _ in r["ptxas_notes"]}))
                 print(f"{head} {r['regs']:4} {r['spill']:5} {r['smem'] // 1024:5}K {r['wgmma']:5} "
-                      f"{r['tma_loads']}+{r['tma_stores']:<3} {r['mbarrier_waits']:5} {r['setmaxnreg']}",
+                      f"{r['tma_loads']}+{r['tma_stores']:<3} {r['mbarrier_waits']:5} {r['setmaxnreg']} {notes}",
                       flush=True)
     sys.exit(1 if failures else 0)
 

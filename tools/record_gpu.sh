@@ -4,11 +4,15 @@
 #
 #     bash tools/record_gpu.sh OUT_DIR [PART ...]
 #
-# Parts: tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
+# Parts: backward (tools/backward_check.py: the fused Gluon backward and the deterministic one
+# against float64, then the 24 cells of the sweep beside cuDNN; needs Triton >= 3.8 on Hopper),
+# tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
 # compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants,
-# tests-mods (masks, softcap, ALiBi, dropout, bottom-right, SDPA's signature, the KV-cache step),
-# bench-mods (those modifications timed next to PyTorch's counterparts),
+# tests-mods (masks and their tile lists, softcap, ALiBi, dropout, bottom-right, SDPA's signature, the
+# KV-cache step), bench-mods (those modifications timed next to PyTorch's and FlexAttention's),
 # decode-host, decode-paged (a paged KV cache's decoding step next to the contiguous one and SDPA),
+# bench-generate (a transformers Llama generating on a left-padded batch: flashattn, sdpa and eager,
+# dynamic and static caches),
 # tests-gpu (every other GPU test: tile configurations, long sequences, decode, the
 # Gluon kernels), first-call, first-call-timeline (where a first call's seconds go), chapters;
 # tests-kernels (the core kernels' and decode's GPU tests alone), bench-readme (the sweep behind the
@@ -20,7 +24,7 @@
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
 shift
-parts=${*:-tests-variants bench-variants tests-mods bench-mods decode-host decode-paged tests-gpu first-call first-call-timeline chapters}
+parts=${*:-backward tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -44,13 +48,15 @@ part() {  # part NAME SECONDS COMMAND...
     printf '%-16s exit %-3s %4d s  %s\n' "$name" "$status" $((SECONDS - start)) "$(tail -n 1 "$out/$name.txt")"
 }
 
+part backward 420 python tools/backward_check.py --csv "$out/backward.csv"
 part tests-variants 150 $pytest $variant_tests
 part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_decode.py
 part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"
-part tests-mods 240 $pytest tests/test_modifiers.py tests/test_sdpa_dropin.py tests/test_kv_cache.py tests/test_paged_decode.py
-part bench-mods 150 python -m flashattn.measure.score_mods --out "$out/score_mods.csv"
+part tests-mods 420 $pytest tests/test_modifiers.py tests/test_mask_tiles.py tests/test_sdpa_dropin.py tests/test_kv_cache.py tests/test_paged_decode.py
+part bench-mods 600 python -m flashattn.measure.score_mods --out "$out/score_mods.csv"
 part decode-host 50 python -m flashattn.measure.bench_decode --host-ab --out "$out/decode_host_ab.csv"
 part decode-paged 180 python -m flashattn.measure.bench_decode --paged --lengths 4096 16384 --out "$out/decode_paged.csv"
+part bench-generate 300 bash -c "python -m flashattn.measure.bench_generate --out '$out/generate_left_padded.csv' && python -m flashattn.measure.bench_generate --cache static --out '$out/generate_left_padded_static.csv'"
 # the other modules with GPU tests (collecting every module would need the notebook tools too)
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v -F "$(printf '%s\n' $variant_tests)")
 part tests-gpu 300 ${pytest/$workers/} -m gpu $gpu_tests

@@ -45,13 +45,50 @@ def source_html(obj, only=None, note=None) -> str:
             f'<pre style="{pre}">{code}</pre></div>')
 
 
-#: The constexpr flags of what the first chapters leave for later, switched off: chapter 10's windows
-#: and packed sequences (EMPTY_ROWS: rows that see no key, which only they make), and the score
-#: modifications (masks, softcap, ALiBi, dropout, the bottom-right alignment), and decode's paged
-#: cache (PAGED, which the course does not teach). ``show_source(kernel, only=LATER)`` shows a kernel
-#: as chapters 05-09 teach it.
-LATER = {"WINDOW": False, "VARLEN": False, "EMPTY_ROWS": False, "SOFTCAP": False, "ALIBI": False,
-         "MASK_KIND": 0, "DROPOUT": False, "BOTTOM_RIGHT": False, "PAGED": False}
+#: The values that switch off what the first chapters leave for later: chapter 10's windows, packed
+#: sequences (EMPTY_ROWS: rows that see no key, which only they make) and grouped heads (one query
+#: head per K/V head: ``n_group`` = 1), the score modifications (masks and the tile lists LISTED
+#: walks for them, softcap, ALiBi, dropout, the bottom-right alignment), decode's paged cache
+#: (PAGED, which the course does not teach) and the float64 LSE of float32 inputs (an accuracy
+#: detail of flashattn.attention). ``show_source(kernel, only=LATER)`` shows a kernel as chapters
+#: 05-09 teach it.
+LSE64 = "LSE.dtype.element_ty == tl.float64"
+LATER = {"WINDOW": False, "VARLEN": False, "EMPTY_ROWS": False, "n_group": 1, "SOFTCAP": False,
+         "ALIBI": False, "MASK_KIND": 0, "LISTED": False, "DROPOUT": False, "BOTTOM_RIGHT": False,
+         "PAGED": False, LSE64: False}
+
+#: For each key of LATER: the feature it switches off, where the course teaches it, and the words
+#: that name it in a kernel's comments (the teaching view drops the sentences that hold one).
+FEATURES = {
+    "n_group": ("grouped heads", "chapter 10", ("grouped", "GQA")),
+    "WINDOW": ("sliding windows", "chapter 10", ("window",)),
+    "VARLEN": ("packed sequences", "chapter 10", ("packed", "varlen")),
+    "EMPTY_ROWS": ("rows that see no key", "chapter 10", ("saw no key", "sees no key")),
+    "SOFTCAP": ("softcap", "chapter 14", ("softcap", "score modification")),
+    "ALIBI": ("ALiBi", "chapter 14", ("alibi", "score modification")),
+    "MASK_KIND": ("attn_mask", "chapter 14", ("attn_mask", "score modification")),
+    "LISTED": ("an attn_mask's tile lists", "chapter 14", ("attn_mask", "tile list")),
+    "DROPOUT": ("dropout", "chapter 14", ("dropout", "dropped")),
+    "BOTTOM_RIGHT": ("the bottom-right alignment", "chapter 14", ("bottom-right", "bottom_right")),
+    "PAGED": ("paged KV caches", "not taught", ("page",)),
+    LSE64: ("the float64 LSE of float32 inputs", "see attention_forward", ("float64",)),
+}
+
+
+def view_of(obj, only):
+    """``(view, caption)``: the :class:`flashattn.course.teaching_view.View` of ``obj`` with the
+    values of ``only``, and the one line that says what it hides and where that is taught."""
+    words = tuple(w for key in only if key in FEATURES for w in FEATURES[key][2])
+    view = teaching_view.pruned_source(obj, only, words)
+    where = {}
+    for key in view.flags:
+        if key == "LISTED" and "MASK_KIND" in view.flags:  # the lists go with the mask: one feature
+            continue
+        feature, chapter, _ = FEATURES.get(key, (key, None, ()))
+        if feature not in where.setdefault(chapter, []):
+            where[chapter].append(feature)
+    parts = [", ".join(features) + (f" ({chapter})" if chapter else "") for chapter, features in where.items()]
+    return view, f"teaching view, {view.hidden} of {view.lines} lines hidden: without " + "; ".join(parts)
 
 
 def source_text(obj, only=None, note=None):
@@ -59,10 +96,8 @@ def source_text(obj, only=None, note=None):
     if not only:
         lines, first = inspect.getsourcelines(getattr(obj, "fn", obj))
         return "".join(lines), first, note
-    text, first, hidden, used = teaching_view.pruned_source(obj, only)
-    flags = ", ".join(f"{name}={value}" for name, value in used.items())
-    caption = f"teaching view: {hidden} lines of the branches for {flags} hidden" + (f"; {note}" if note else "")
-    return text, first, caption
+    view, caption = view_of(obj, only)
+    return view.text, view.first, caption + (f"; {note}" if note else "")
 
 
 def show_source(obj, only=None, note=None):
@@ -71,10 +106,11 @@ def show_source(obj, only=None, note=None):
     Notebooks never paste kernel code: they show it from here, so what a learner reads is what
     runs. Falls back to plain text outside Jupyter (or without Pygments).
 
-    ``only``, a dict of constexpr flags and values (``{"WINDOW": False, "VARLEN": False}``), shows
-    the teaching view: the branches those values switch off are removed, as the compiler removes
-    them (``flashattn.course.teaching_view``), and the title says how many lines were hidden;
-    ``note`` adds where they are taught ("windows and packed sequences: chapter 10").
+    ``only``, a dict of constexpr flags and values (``LATER``, or ``{"WINDOW": False}``), shows the
+    teaching view: the branches those values switch off are removed, as the compiler removes them,
+    and so are the parameters, arguments, set-up lines, aliases and comments that only those
+    branches use (``flashattn.course.teaching_view``); the title says in one line what was hidden
+    and where it is taught. ``note`` adds a line of its own.
     """
     try:
         from IPython import get_ipython

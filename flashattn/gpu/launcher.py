@@ -72,6 +72,15 @@ def autotuning() -> bool:
     return os.environ.get("FLASHATTN_AUTOTUNE", "0") not in ("", "0")
 
 
+def fixed_config(name, dtype, constexprs):
+    """The tiles kernel ``name`` runs with when they must be known before the launch (a launch
+    table or a mask's tile lists depend on them), as a dict: the interpreter's, or the GPU's
+    default (not autotuned)."""
+    if INTERPRET:
+        return dict(INTERPRETER_CONFIGS[name])
+    return as_dict(default_config(name, dtype, constexprs["DOT_PRECISION"], tile_block_d(constexprs)))
+
+
 def launch(name, kernel, grid, args, constexprs, seq_len, config=None):
     """Run ``kernel`` with ``config`` if given (the fixed one on the interpreter), autotuned under
     FLASHATTN_AUTOTUNE=1, else with the default configuration. Returns the configuration that ran,

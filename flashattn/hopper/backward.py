@@ -1,6 +1,6 @@
-"""The dK/dV backward kernel for Hopper GPUs (sm_90), written in Gluon.
+"""The backward kernel for Hopper GPUs (sm_90), written in Gluon: dK and dV, and with ``DQ`` dQ too.
 
-``flashattn.backward.attn_bwd_dkdv`` is the kernel the course teaches: one program keeps a block
+``flashattn.kernels.backward.attn_bwd_dkdv`` is the kernel the course teaches: one program keeps a block
 of keys and values and streams the queries past it, accumulating
 
     dV += P^T dO        dK += dS^T Q        with  P^T = 2**(K Q^T * scale * log2 e - LSE),
@@ -18,15 +18,21 @@ schedules the forward:
   computes P^T while dP^T is still being multiplied, then issues ``dV += P^T dO`` with P^T from
   registers and computes dS^T while that one runs, then ``dK += dS^T Q``.
 
-LSE and Delta are read with plain loads: a row of them is only 4 bytes per query, and TMA would need
-the sequence length to be a multiple of 4. Rows past the end get ``LSE = +inf``, so that their
-probabilities are exactly 0 whatever their (zero) scores: no mask is needed there. The keys'
-rows past the end compute garbage that the TMA store never writes.
+LSE and Delta are read with plain loads into a little shared memory (a row of them is only 4 bytes
+per query, and TMA would need the sequence length to be a multiple of 4), and from there when
+needed: the LSE starts S^T's accumulator, so that the tensor cores leave ``S^T - LSE / (scale
+log2 e)`` and no row of it is held in registers across the loop. Query rows past the end get
+``LSE = +inf``, so that their probabilities are exactly 0 whatever their (zero) scores: no mask is
+needed there. Key rows past the end are hidden (their dS^T feeds dQ); the TMA store never writes
+their dK and dV.
 
-dQ stays with the Triton kernel (``flashattn.backward.attn_bwd_dq``), which needs no atomics and
-keeps the gradients bit-identical from run to run (this kernel too: each dK/dV tile is written by
-one program, in a fixed order). Gluon has no interpreter: these kernels run only where they are
-compiled for CUDA (``flashattn.backward`` calls them there).
+Without ``DQ``, dQ is left to the Triton kernel (``flashattn.kernels.backward.attn_bwd_dq``), which keeps
+the gradients bit-identical from run to run (each dK/dV tile is written by one program, in a fixed
+order). With ``DQ`` (Triton 3.8 and later: TMA reduce-adds), each query tile's share of
+``dQ = dS K`` is computed here too, a fifth matmul, and added into a float32 accumulator by the copy
+engine, in an order that varies from run to run (:func:`attention_backward`). Gluon has no
+interpreter: these kernels run only where they are compiled for CUDA (``flashattn.ops.dispatch``
+calls them there).
 """
 import torch
 import triton
@@ -34,11 +40,19 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..gpu.launcher import run
 from ..kernels.tiles import qk_scale
 from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, supports, tma_load,  # noqa: F401
                       tma_ok, tma_store)
+
+if hasattr(tma, "async_atomic_add"):  # Triton 3.8 and later
+    tma_reduce_add = tma.async_atomic_add
+else:  # Triton hashes every name a kernel reads, so the DQ branch's must exist where it never runs
+    @gluon.jit
+    def tma_reduce_add(desc, coord, src):
+        gl.static_assert(False, "the fused backward needs Gluon's TMA reduce-add: Triton 3.8 or later")
 
 #: Tile configuration per head dim: BLOCK_N keys per consumer warpgroup (two of them: a program
 #: owns 2 x BLOCK_N keys), BLOCK_M queries per Q/dO tile, STAGES tiles in flight. Chosen from
@@ -49,14 +63,28 @@ CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
     128: dict(BLOCK_M=32, BLOCK_N=64, STAGES=2),
 }
-CONSUMERS = 2
 #: Registers per thread: at launch, then the consumers' and the producer's budgets (setmaxnreg).
 REGISTERS = dict(launch=168, consumer=240, producer=24)
+
+
+#: The same for the kernel's DQ variant (dQ too, five tile products): wgmma multiplies at least
+#: 64 rows, so a query tile has 64 (each consumer takes half of dQ's columns) or 128 (half its
+#: rows). Timed on an H100 (triton 3.9, bf16, N = 8192; docs/gpu-record/2026-12-06-0732-*): at head
+#: dim 64, 128 queries 15 % faster than 64; a third stage no faster; at 128 one stage as fast as two.
+DQ_CONFIGS = {
+    64: dict(BLOCK_M=128, BLOCK_N=64, STAGES=2),
+    128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
+}
 
 
 def tile_config(head_dim, overrides=None):
     """The configuration of a head dim (CONFIGS), with ``overrides``."""
     return dict(CONFIGS[head_dim], **(overrides or {}))
+
+
+def dq_config(head_dim, overrides=None):
+    """The configuration of a head dim for the DQ variant (DQ_CONFIGS), with ``overrides``."""
+    return dict(DQ_CONFIGS[head_dim], **(overrides or {}))
 
 
 def launch_options(cfg):
@@ -92,13 +120,21 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _bwd_consumer(desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-                  LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles, scale, qk_scale,
-                  C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                  kv_ready, ready, empty, ds_ready, done,
+                  LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
+                  qk_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
     the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
-    along columns), as in ``backward.dkdv_inner``."""
+    along columns), as in ``backward.dkdv_inner``.
+
+    With DQ, also this query tile's share of dQ = dS K from the program's 2 x BLOCK_N keys: both
+    consumers put their dS^T in shared memory (``ds_smem``, two buffers, one per parity of the
+    tile), meet at ``ds_ready``, and consumer C multiplies the whole dS by its half of K's columns
+    (64-query tiles) or takes its half of dS's query rows (128-query tiles: every wgmma keeps 64
+    rows), then adds the float32 result into ``desc_dq`` with a TMA reduce-add (the copy engine adds
+    it in L2; nothing waits for it until the buffer is reused)."""
     s_layout: gl.constexpr = mma_layout(BLOCK_M)      # S^T, dP^T: BLOCK_N keys x BLOCK_M queries
     acc_layout: gl.constexpr = mma_layout(HEAD_DIM)   # dK, dV: BLOCK_N keys x head dim
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -107,41 +143,99 @@ def _bwd_consumer(desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, r
 
     kv_first = kv_start + C * BLOCK_N
     offs_kv = kv_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    # At the ragged end, keys past n_kv read as zeros: their probabilities 2**-LSE are not 0 and
+    # may overflow dS^T, which dQ multiplies by those zero keys (inf * 0 = NaN): hide them.
+    ragged = kv_first + BLOCK_N > n_kv
+    keys_in = gl.expand_dims(offs_kv < n_kv, 1)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    stats = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     mbarrier.wait(kv_ready.index(C), 0)
     k = k_smem.index(C).reshape([BLOCK_N, HEAD_DIM])
     v = v_smem.index(C).reshape([BLOCK_N, HEAD_DIM])
+    if DQ:  # consumer C's share of a tile's dQ needs both consumers' keys
+        DQ_ROWS: gl.constexpr = desc_dq.block_type.shape[2]
+        DQ_COLS: gl.constexpr = desc_dq.block_type.shape[3]
+        SPLIT_ROWS: gl.constexpr = DQ_ROWS < BLOCK_M     # else the head dim is split
+        mbarrier.wait(kv_ready.index(1 - C), 0)
+        k_cols0 = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+        k_cols1 = k_smem.index(1).reshape([BLOCK_N, HEAD_DIM])
+        if not SPLIT_ROWS:
+            k_cols0 = k_cols0.slice(C * DQ_COLS, DQ_COLS, dim=1)
+            k_cols1 = k_cols1.slice(C * DQ_COLS, DQ_COLS, dim=1)
+        dq_out = dq_smem.index(C).reshape([DQ_ROWS, DQ_COLS])
 
     for t in range(n_group * n_tiles):  # the producer's order: tile j of query head g
         g = t // n_tiles
         rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q  # that head's LSE, Delta
         stage = t % STAGES
         q_start = q_lo + (t - g * n_tiles) * BLOCK_M
-        offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse = gl.load(LSE + rows + offs_q, mask=offs_q < n_q, other=float("inf"))
-        delta = gl.load(Delta + rows + offs_q, mask=offs_q < n_q, other=0.0)
+        # LSE and Delta pass through shared memory: read straight into the layout of S^T's
+        # columns, each thread would hold a 64-bit address per column it owns.
+        offs_stat = q_start + gl.arange(0, BLOCK_M, layout=stat_layout)
+        stats.index(0).store(gl.load(LSE + rows + offs_stat, mask=offs_stat < n_q, other=float("inf")))
+        stats.index(1).store(gl.load(Delta + rows + offs_stat, mask=offs_stat < n_q, other=0.0))
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # S^T's accumulator starts at -LSE / qk_scale, so that the tensor cores leave
+        # S^T - LSE / qk_scale: no row of the LSE stays in registers. (dP^T's starts at zero: an
+        # accumulator read from registers while S^T's product runs would make ptxas wait for it.)
+        lse = stats.index(0).load(col_layout)
+        sT = warpgroup_mma(k, q.permute((1, 0)), s_zero - gl.expand_dims(lse / qk_scale, 0), is_async=True)
         dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(1, deps=[sT])            # S^T is ready; dP^T may still run
         if IS_CAUSAL:
-            if q_start < kv_first + BLOCK_N - 1:         # a tile on the diagonal: hide q < kv
-                visible = gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_kv, 1)
+            if (q_start < kv_first + BLOCK_N - 1) | ragged:  # on the diagonal: hide q < kv
+                offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
+                visible = (gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_kv, 1)) & keys_in
                 sT = gl.where(visible, sT, float("-inf"))
-        pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))              # P^T from the LSE
+        elif ragged:
+            sT = gl.where(keys_in, sT, float("-inf"))
+        pT = gl.exp2(sT * qk_scale)                                        # P^T from the LSE
         pT_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(pT_op, do, dv, is_async=True)                   # dV += P^T dO
         dpT = warpgroup_mma_wait(1, deps=[dpT])          # dP^T is ready; dV may still run
+        delta = stats.index(1).load(col_layout)
         dsT = pT * (dpT - gl.expand_dims(delta, 0))                        # dS^T (unscaled)
-        dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
-        dk = warpgroup_mma(dsT_op, q, dk, is_async=True)                   # dK += dS^T Q
-        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
-        mbarrier.arrive(empty.index(stage))              # this consumer is done with Q_j, dO_j
+        if DQ:
+            ds = ds_smem.index(t % 2)                    # [2 x BLOCK_N keys, BLOCK_M queries]
+            ds_mine = ds.slice(C * BLOCK_N, BLOCK_N)
+            ds_mine.store(dsT.to(dtype))
+            fence_async_shared()                         # wgmma reads it next (the async proxy)
+            mbarrier.arrive(ds_ready.index(t % 2))
+            dk = warpgroup_mma(ds_mine, q, dk, is_async=True)              # dK += dS^T Q
+            mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)             # both halves of dS^T
+            ds0 = ds.slice(0, BLOCK_N)                   # dS^T of consumer 0's keys, then 1's
+            ds1 = ds.slice(BLOCK_N, BLOCK_N)
+            if SPLIT_ROWS:                               # this consumer's queries only
+                ds0 = ds0.slice(C * DQ_ROWS, DQ_ROWS, dim=1)
+                ds1 = ds1.slice(C * DQ_ROWS, DQ_ROWS, dim=1)
+            dq = warpgroup_mma(ds0.permute((1, 0)), k_cols0,
+                               gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=mma_layout(DQ_COLS)),
+                               use_acc=False, is_async=True)               # dQ = dS K
+            dq = warpgroup_mma(ds1.permute((1, 0)), k_cols1, dq, is_async=True)
+            dv, dk, dq, pT_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pT_op])
+            mbarrier.arrive(empty.index(stage))          # done with Q_j, dO_j
+            tma.store_wait(0)                            # the last tile's reduce-add has read dq_out
+            dq_out.store(dq)
+            fence_async_shared()
+            if SPLIT_ROWS:
+                dq_at = [batch, kv_head * n_group + g, q_start + C * DQ_ROWS, 0]
+            else:
+                dq_at = [batch, kv_head * n_group + g, q_start, C * DQ_COLS]
+            tma_reduce_add(desc_dq, dq_at, dq_smem.index(C))
+        else:
+            dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
+            dk = warpgroup_mma(dsT_op, q, dk, is_async=True)               # dK += dS^T Q
+            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=[dv, dk, pT_op, dsT_op])
+            mbarrier.arrive(empty.index(stage))          # this consumer is done with Q_j, dO_j
 
+    if DQ:  # the other consumer may still read this one's K for its dQ: meet before reusing it
+        mbarrier.arrive(done)
+        mbarrier.wait(done, 0)
     # dK carries the scale once; both leave through the K and V buffers (no longer read).
     k.store((dk * scale).to(dtype))
     v.store(dv.to(dtype))
@@ -152,13 +246,14 @@ def _bwd_consumer(desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, r
 
 
 @gluon.jit(do_not_specialize=["n_q", "n_kv"])
-def attn_bwd_dkdv_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, LSE, Delta,
-                        n_heads, n_group, n_q, n_kv, scale, qk_scale,
-                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LSE, Delta,
+                  n_heads, n_group, n_q, n_kv, scale, qk_scale,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
     # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
+    # With DQ it also adds each query tile's share of dQ into the float32 tensor of desc_dq.
     kv_block, kv_head, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     kv_start = kv_block * (2 * BLOCK_N)
     # The queries that see these keys: from the diagonal on if causal (BLOCK_M divides 2 BLOCK_N,
@@ -177,8 +272,22 @@ def attn_bwd_dkdv_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, LSE, D
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # dQ's buffers: dS^T of both consumers (two, by the tile's parity), each consumer's float32
+    # share of dQ on its way to the reduce-add, and the mbarriers where the consumers meet.
+    ds_rows: gl.constexpr = 2 * BLOCK_N if DQ else 8
+    ds_cols: gl.constexpr = BLOCK_M if DQ else 8
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ds_rows, ds_cols], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 if DQ else 1, ds_rows, ds_cols], ds_layout)
+    if DQ:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + desc_dq.block_type.shape, desc_dq.layout)
+    else:
+        dq_smem = ds_smem
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(kv_ready.index(c), count=1)
+        mbarrier.init(ds_ready.index(c), count=2)
+    mbarrier.init(done, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
@@ -186,18 +295,63 @@ def attn_bwd_dkdv_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, LSE, D
     C0: gl.constexpr = 0
     C1: gl.constexpr = 1
     gl.warp_specialize([
-        (_bwd_consumer, (desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
+        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                         kv_ready, ready, empty, ds_ready, done,
+                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale,
-                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-        (_bwd_consumer, (desc_dk, desc_dv, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty,
-                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_tiles,
+                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ)),
+        (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                         kv_ready, ready, empty, ds_ready, done,
+                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale,
-                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
                          ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def has_dq_reduce():
+    """Whether this Triton's Gluon has TMA's bulk reduce-add on Hopper (``tma.async_atomic_add``,
+    Triton 3.8 and later), which the kernel's DQ variant needs."""
+    return hasattr(tma, "async_atomic_add")
+
+
+def dq_block(block_m, head_dim):
+    """The (1, 1, rows, columns) block of dQ each consumer adds per query tile of ``block_m`` rows:
+    half the rows (128-row tiles) or half the head dim (64-row tiles: wgmma multiplies at least
+    64 rows)."""
+    return [1, 1, block_m // 2, head_dim] if block_m >= 128 else [1, 1, block_m, head_dim // 2]
+
+
+def dq_descriptor(dq_accum, block_m):
+    """A TMA descriptor for the float32 (B, H, N_q, D) accumulator of dQ, in the blocks of
+    :func:`dq_block`."""
+    block = dq_block(block_m, dq_accum.shape[-1])
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()), block, layout)
+
+
+def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None):
+    """One launch of attn_bwd_sm90: ``(dk, dv)``, adding dQ's shares into ``dq_accum`` if given."""
+    batch, heads, n_q, head_dim = q.shape
+    n_kv = k.shape[2]
+    if not tma_ok(do):  # dO from autograd may be expanded or strided: TMA needs rows 16 bytes apart
+        do = do.contiguous()
+    dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense, else contiguous
+    regs, options = launch_options(cfg)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if (2 * bn) % bm:
+        raise ValueError(f"BLOCK_M ({bm}) must divide 2 x BLOCK_N ({2 * bn}): the causal query "
+                         "loop starts at the program's first key")
+    grid = (triton.cdiv(n_kv, 2 * bn), k.shape[1], batch)
+    run(attn_bwd_sm90, grid, descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
+        descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
+        None if dq_accum is None else dq_descriptor(dq_accum, bm),
+        lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
+        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+        IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, **regs, **options)
+    return dk, dv
 
 
 def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=None):
@@ -205,21 +359,18 @@ def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=N
     Triton dK/dV kernel:
     ``lse2`` is the forward's base-2 LSE, ``delta`` is Delta (minus the LSE's gradient, if any),
     both float32 (B, H, N_q), contiguous. ``config`` overrides entries of ``CONFIGS[head_dim]``."""
-    batch, heads, n_q, head_dim = q.shape
-    n_kv = k.shape[2]
-    if not tma_ok(do):  # dO from autograd may be expanded or strided: TMA needs rows 16 bytes apart
-        do = do.contiguous()
-    dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense, else contiguous
-    cfg = tile_config(head_dim, config)
-    regs, options = launch_options(cfg)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if (2 * bn) % bm:
-        raise ValueError(f"BLOCK_M ({bm}) must divide 2 x BLOCK_N ({2 * bn}): the causal query "
-                         "loop starts at the program's first key")
-    grid = (triton.cdiv(n_kv, 2 * bn), k.shape[1], batch)
-    run(attn_bwd_dkdv_sm90, grid, descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
-        descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
-        lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
-        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
-        IS_CAUSAL=bool(is_causal), **regs, **options)
-    return dk, dv
+    return _launch(q, k, v, do, lse2, delta, is_causal, scale, tile_config(q.shape[-1], config))
+
+
+def attention_backward(q, k, v, do, lse2, delta, is_causal, scale, config=None):
+    """``(dq, dk, dv)`` from one kernel, five tile products per pair of tiles: dK and dV as
+    :func:`attention_backward_dkdv`, and dQ added tile by tile into a float32 accumulator by TMA
+    reduce-adds (``has_dq_reduce``), then scaled and cast to q's dtype. The additions of
+    different key blocks land in an order that varies from run to run, so dQ may differ in its
+    last bits between runs (``flashattn.attention(..., deterministic=True)`` keeps the Triton dQ
+    kernel). ``config`` overrides entries of ``DQ_CONFIGS[head_dim]``."""
+    dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dk, dv = _launch(q, k, v, do, lse2, delta, is_causal, scale, dq_config(q.shape[-1], config), dq_accum)
+    dq = torch.empty_like(q)
+    dq.copy_(dq_accum.mul_(scale))
+    return dq, dk, dv

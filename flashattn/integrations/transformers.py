@@ -7,29 +7,72 @@
 transformers looks up each layer's attention function by the name in ``attn_implementation``, in
 its ``AttentionInterface``, and calls it with the query, key and value states ``(B, H, N, D)``
 after the rotary embedding and the KV cache's update. The mask reaching that function is made by
-the mask function registered under the same name in ``AttentionMaskInterface``: here it is the 2-D
-padding mask (True for a token, False for padding) or None, never a 4-D mask of N_q x N_k, since
-the kernels mask causality and windows themselves. (A name missing from the mask interface gets
-no mask at all, and a padded batch would silently attend its padding.)
+the mask function registered under the same name in ``AttentionMaskInterface`` (:func:`layer_mask`),
+from the pattern transformers describes (``mask_function``: causal, a sliding window, chunks,
+image spans, any ``and_mask_function``/``or_mask_function``), the positions of the queries and
+keys (``q_offset``, ``kv_offset``: a cache's) and the 2-D padding mask. It returns one of:
+
+- None: a pattern the kernels place themselves (causal or not, a sliding window, chunks that hold
+  every position), the newest key at the newest query's position (no cache, or a dynamic one),
+  nothing padded;
+- the 2-D padding mask ``(B, N_k)`` (True for a token, False for padding), same pattern;
+- the sequence of each token (``SequenceIds``, int ``(B, N)``) where transformers found sequences
+  packed in rows (``position_ids`` that restart): same pattern, within each sequence;
+- a 4-D mask ``(B, 1, N_q, N_k)``, transformers' own (what ``sdpa`` gets) for everything else: a
+  static cache (its unwritten slots and its queries' positions are known on the device only),
+  chunked attention past the first chunk, bidirectional spans, custom overlays, any function of
+  its own. It is exact by construction.
+  (A name missing from the mask interface would get no mask at all: a padded batch would
+  silently attend its padding.)
+
+Where a causal layer's cached keys can be attended where they lie, the 2-D key mask (a dynamic
+cache) or the 4-D mask (a static one) comes with a *span*, kept beside it (``Spans``: the answer
+stays a plain tensor): each sequence's first valid key and the entries written so far, both on the
+device. That holds for a batch without padding and for one whose 2-D mask has the left-padding form
+(zeros, then ones: ``flashattn.integrations.left_padding``), which is read on the host once per
+batch, at its first call (the prefill), and predicted for its later calls, each held to it by a
+check on the device. A mask as wide as the layer's keys, which start past the first position, is
+read as theirs (as transformers' FlashAttention path reads it): generate makes a static cache's
+masks in advance and hands them back to the mask function.
 
 What the attention function does with what it gets:
 
+- a 4-D mask (that one, or a custom mask passed to the model): ``flashattn.attention`` with it as
+  ``attn_mask``, and nothing else: the mask says which pairs take part, as in ``sdpa`` and
+  ``eager`` (the layer's ``is_causal`` and ``sliding_window`` are in it);
 - no mask, query as long as the keys: ``flashattn.attention``, causal, windowed, grouped heads as
   they come;
 - ``position_ids`` that restart (several sequences packed in a row, as transformers' data collator
   for padding-free training makes them), or FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
   keywords: ``flashattn.varlen_attention`` over the sequences;
 - a padding mask: the tokens are gathered into a packed batch (no padding), attended with
-  ``varlen_attention`` and scattered back; padding rows of the output are 0;
+  ``varlen_attention`` and scattered back; padding rows of the output are 0. With a sliding
+  window (counted, as transformers counts it, in the padded row), the mask goes to
+  ``flashattn.attention`` as a key mask ``(B, 1, 1, N_k)`` beside the causal mask and window;
 - a query shorter than its keys (a KV cache: generation, or a prompt fed in chunks): causal masking
   and sliding windows are aligned bottom-right, the last query seeing the last key
   (``causal_alignment="bottom_right"``; SDPA's ``is_causal`` and flashattn's default align them
   top-left). In a packed batch the alignment holds within each sequence, so a padded batch with a
   cache is one ``varlen_attention`` call. Without gradients or dropout, ``flashattn.decode``, made
-  for this case, runs instead.
+  for this case, runs instead;
+- a mask with a span, the query shorter than its keys, no gradients or dropout: ``flashattn.decode``
+  on the cache in place, ``cache_leftpad`` and ``cache_seqlens`` from the span, ``max_seqlen`` the
+  keys' count: no gather, no copy, nothing read on the host, so a decoding step waits for nothing
+  and can be captured in a CUDA graph. Anything else takes the mask's path above.
+
+Under ``torch.compile`` (and CUDA graph capture) nothing is read on the host: the padding mask goes
+to ``flashattn.attention`` as a key mask ``(B, 1, 1, N_k)`` beside the causal mask and window,
+``position_ids`` are not inspected (transformers then folds packed sequences into the 4-D mask
+itself), and ``decode`` runs only in place with a span, which reads nothing (in a CUDA graph; a
+step compiled by torch.compile, which does not trace decode, takes the mask's path). The mask
+function recognises only the plain causal and bidirectional patterns then (the closure of a
+function made in the graph cannot be read): a window or chunks come as the 4-D mask. Only
+``cu_seq_lens_q``/``_k`` are still read, to size ``varlen_attention``'s launch.
 
 transformers' sliding windows count the query itself: ``sliding_window=w`` lets query ``i`` see
-keys ``i - w < j <= i``, which is FlashAttention's ``window_size=(w - 1, 0)``.
+keys ``i - w < j <= i``, which is FlashAttention's ``window_size=(w - 1, 0)``. A bidirectional
+layer's ``sliding_window=w`` keeps ``|i - j| < w``, ``window_size=(w - 1, w - 1)``, as
+transformers' FlashAttention path reads it (ModernBERT passes its half window plus one).
 """
 import numbers
 
@@ -37,8 +80,11 @@ import torch
 
 import flashattn
 
+from . import left_padding
+
 try:
     from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers import masking_utils
 except ImportError as error:  # the integration is optional: say how to get what it needs
     raise ImportError("flashattn.integrations.transformers needs Hugging Face transformers: "
                       'pip install "flashattn[transformers]"') from error
@@ -49,8 +95,8 @@ DEFAULT_NAME = "fa_triton"
 
 
 def register(name=None):
-    """Register flashattn's attention (and its padding-mask function) with transformers under
-    ``name`` (by default ``DEFAULT_NAME``) and return the name to pass as ``attn_implementation``."""
+    """Register flashattn's attention (and its mask function) with transformers under ``name`` (by
+    default ``DEFAULT_NAME``) and return the name to pass as ``attn_implementation``."""
     name = DEFAULT_NAME if name is None else name
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
@@ -59,26 +105,229 @@ def register(name=None):
                          "FlashAttention backends, one with '/' a kernel from the Hub, and eager, sdpa, "
                          "flex_attention are its own; choose another")
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, padding_mask)
+    AttentionMaskInterface.register(name, layer_mask)
     return name
 
 
-def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                 attention_mask=None, **kwargs):
-    """transformers' mask function for this attention: the 2-D padding mask of the keys the layer
-    holds (bool, ``(B, N_k)``), or None when nothing is padded.
+def tracing(tensor=None):
+    """Whether a graph is being traced or captured (torch.compile, export, a CUDA graph), when
+    nothing may be read on the host."""
+    if torch.compiler.is_compiling():
+        return True
+    if tensor is not None and tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    return False
 
-    The causal and window patterns (``mask_function``) are left to the kernels; the mask function's
-    other overlays (bidirectional image tokens, chunked attention) are not supported.
-    """
+
+# -- The mask function ------------------------------------------------------------------------------
+
+def layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+               attention_mask=None, **kwargs):
+    """transformers' mask function for this attention: None, the 2-D padding mask ``(B, N_k)``
+    (bool), or transformers' own 4-D mask ``(B, 1, N_q, N_k)``, either mask perhaps with a span
+    for decode in place (see the module's docstring).
+
+    ``q_offset``/``kv_offset`` are the positions of the first query and key (ints, or a tensor for
+    a static cache's queries); ``attention_mask`` the 2-D padding mask of every position so far,
+    whose columns ``kv_offset .. kv_offset + N_k - 1`` are this layer's keys (missing columns are
+    padding, as transformers reads them)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and isinstance(kv_offset, numbers.Integral) \
+            and 0 < kv_offset and attention_mask.shape[-1] == kv_length:
+        # A mask exactly as wide as the layer's keys, which start past the first position, is
+        # theirs already, as transformers' FlashAttention path reads it: this function's 2-D
+        # answer handed back (generate makes a static cache's masks in advance, then the model
+        # asks again with what it got). Placed at the keys' columns, it is read as one.
+        attention_mask = torch.nn.functional.pad(attention_mask.bool(), (kv_offset, 0), value=True)
+    if mask_function is None:
+        mask_function = masking_utils.causal_mask_function   # transformers' default
+    pattern = pattern_of(mask_function)
+    in_place = decodes_in_place(pattern, kwargs.get("config"), attention_mask, q_length)
+    if pattern is not None and kernels_place(pattern, q_length, kv_length, q_offset, kv_offset):
+        if in_place and attention_mask is not None and kv_length > q_length:
+            mask = layer_columns(attention_mask, kv_length, kv_offset)   # every key written: all count
+            every = torch.full((batch_size,), kv_length, dtype=torch.int32, device=mask.device)
+            return SPANS.add(mask, left_padding.first_keys(mask), every, pattern)
+        return padding_of(attention_mask, kv_length, kv_offset)
+    packed = packed_pattern_of(mask_function)
+    if packed is not None and attention_mask is None and q_length == kv_length and q_offset == kv_offset == 0 \
+            and kernels_place(packed[1], q_length, kv_length, 0, 0) and packed[1][2] is None \
+            and not tracing(packed[0]):
+        return packed[0].as_subclass(SequenceIds)   # attended as packed sequences
+    for name in ("allow_is_causal_skip", "allow_is_bidirectional_skip"):
+        kwargs.pop(name, None)
+    mask = masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                   attention_mask, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                                   **kwargs)
+    seqlens = written_slots(pattern, batch_size, q_length, kv_length, q_offset, kv_offset, mask.device)
+    if in_place and seqlens is not None:
+        # A static cache: the entries written so far, in place; the 4-D mask for any call decode
+        # cannot take.
+        leftpad = None if attention_mask is None else \
+            left_padding.first_keys(layer_columns(attention_mask, kv_length, kv_offset), seqlens)
+        return SPANS.add(mask.contiguous(), leftpad, seqlens, pattern)
+    return mask
+
+
+def decodes_in_place(pattern, config, attention_mask, q_length):
+    """Whether a causal pattern's cached keys may be attended in place by ``flashattn.decode``
+    (``cache_leftpad``, ``max_seqlen``): no padding, or a batch whose 2-D mask has the
+    left-padding form. That form is read on the host at the batch's first call without gradients
+    (the mask covers its queries alone: a prefill; decode takes no gradients) and predicted for
+    its later calls, each held to it on the device (``flashattn.integrations.left_padding``).
+    Never while compiling: torch.compile does not trace decode."""
+    if pattern is None or not pattern[0] or torch.compiler.is_compiling():
+        return False
+    if attention_mask is None:
+        return True
+    if attention_mask.dim() != 2:
+        return False
+    if attention_mask.shape[-1] == q_length:   # the batch's first call: read once, or forget the last
+        if torch.is_grad_enabled() or tracing(attention_mask):
+            return BATCHES.forget(config)
+        return BATCHES.remember(config, attention_mask)
+    return BATCHES.predicts_form(config, attention_mask)
+
+
+#: The form of each model's batch, as read at its first call; the masks answered with cached keys
+#: that decode may attend in place.
+BATCHES, SPANS = left_padding.Batches(), left_padding.Spans()
+
+
+def written_slots(pattern, batch, q_length, kv_length, q_offset, kv_offset, device):
+    """For a causal layer whose keys are a static cache's ``kv_length`` slots, the newest query at
+    position ``q_offset + q_length - 1`` (``q_offset`` an int or, for a static cache, a tensor on
+    the device): the slots written so far, int32 ``(B,)`` on the device. None for anything else."""
+    if pattern is None or not pattern[0] or pattern[2] is not None or not isinstance(kv_offset, numbers.Integral):
+        return None
+    if isinstance(q_offset, torch.Tensor):
+        if q_offset.numel() != 1 or q_offset.is_floating_point():
+            return None
+        written = (q_offset.reshape(1) + (q_length - kv_offset)).to(device=device, dtype=torch.int32)
+    elif isinstance(q_offset, numbers.Integral) and 0 < q_offset + q_length - kv_offset < kv_length:
+        written = torch.full((1,), q_offset + q_length - kv_offset, dtype=torch.int32, device=device)
+    else:
+        return None
+    return written.expand(batch).contiguous()
+
+
+def layer_columns(attention_mask, kv_length, kv_offset):
+    """The 2-D padding mask of the layer's keys, bool ``(B, N_k)``, contiguous: columns
+    ``kv_offset .. kv_offset + N_k - 1``, those past the mask being padding, as transformers reads
+    them."""
+    mask = attention_mask.bool()
+    if mask.shape[-1] < kv_offset + kv_length:
+        mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[-1]), value=False)
+    return mask[:, kv_offset:kv_offset + kv_length].contiguous()
+
+
+class SequenceIds(torch.Tensor):
+    """The mask function's answer for sequences packed in rows (``(B, N)``, int: the sequence of
+    each token), told apart from a padding mask by its type."""
+
+
+def pattern_of(mask_function):
+    """``(causal, window, chunk)`` when ``mask_function`` is one of transformers' plain patterns:
+    causal or bidirectional, with its sliding window or chunk size (else None), as
+    ``masking_utils`` builds them. None for anything else (overlays, packed sequences, a function
+    of its own): that is computed from the function itself, never guessed."""
+    if mask_function is masking_utils.causal_mask_function:
+        return True, None, None
+    if mask_function is masking_utils.bidirectional_mask_function:
+        return False, None, None
+    parts = _closure_value(mask_function, "and_masks", "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    overlay, base = parts
+    if base is masking_utils.causal_mask_function:
+        window = _closure_value(overlay, "sliding_window_overlay", "sliding_window")
+        if _is_size(window):
+            return True, int(window), None
+        chunk = _closure_value(overlay, "chunked_overlay", "chunk_size")
+        if _is_size(chunk):
+            return True, None, int(chunk)
+    if base is masking_utils.bidirectional_mask_function:
+        window = _closure_value(overlay, "sliding_window_bidirectional_overlay", "sliding_window")
+        if _is_size(window):
+            return False, int(window), None
+    return None
+
+
+def packed_pattern_of(mask_function):
+    """``(sequence_ids, pattern)`` when ``mask_function`` is a plain pattern within sequences packed
+    in rows, as transformers builds it from ``position_ids`` that restart: ``sequence_ids`` (int,
+    ``(B, N)``) numbers each token's sequence. None otherwise."""
+    parts = _closure_value(mask_function, "and_masks", "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    within, same_sequence = parts
+    ids = _closure_value(same_sequence, "packed_sequence_mask_function", "packed_sequence_mask")
+    base = _closure_value(within, "remap_positions_for_packed_sequence", "mask_function")
+    pattern = None if base is None else pattern_of(base)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or pattern is None:
+        return None
+    return ids, pattern
+
+
+def _closure_value(function, factory, name):
+    """The variable ``name`` that ``masking_utils.<factory>`` closed ``function`` over, or None when
+    ``function`` was not made by that factory (told by its code, which every function a factory
+    makes shares). While compiling, None: the 4-D mask is made instead, exact as ever."""
+    if torch.compiler.is_compiling():
+        return None   # torch.compile cannot read the closure of a function made in its graph
+    code = getattr(function, "__code__", None)
+    if code is None or code is not _FACTORY_CODES[factory] or name not in code.co_freevars:
+        return None
+    return function.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def _made_by(factory):
+    """A function made by ``masking_utils.<factory>`` (arguments that only build it)."""
+    build = getattr(masking_utils, factory, None)
+    if build is None:       # a transformers without it: nothing is recognised as its
+        return None
+    mask, ids = masking_utils.causal_mask_function, torch.zeros(1, 1, dtype=torch.int64)
+    arguments = {"and_masks": (mask, mask), "sliding_window_overlay": (1,),
+                 "sliding_window_bidirectional_overlay": (1,), "chunked_overlay": (1, ids[0]),
+                 "packed_sequence_mask_function": (ids,), "remap_positions_for_packed_sequence": (mask, ids)}
+    return build(*arguments[factory])
+
+
+#: The code of the functions each factory makes, found once, at import (not while tracing).
+_FACTORY_CODES = {factory: getattr(_made_by(factory), "__code__", None)
+                  for factory in ("and_masks", "sliding_window_overlay", "sliding_window_bidirectional_overlay",
+                                  "chunked_overlay", "packed_sequence_mask_function",
+                                  "remap_positions_for_packed_sequence")}
+
+
+def _is_size(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+def kernels_place(pattern, q_length, kv_length, q_offset, kv_offset):
+    """Whether the kernels place ``pattern`` themselves: the positions are known on the host and
+    are those the kernels assume (the last query at the last key for a causal layer, the first
+    query at the first key for a bidirectional window), and chunks, if any, hold every position."""
+    causal, window, chunk = pattern
+    if not all(isinstance(n, numbers.Integral) for n in (q_offset, kv_offset)):
+        return False    # a static cache's queries: their positions are on the device
+    if causal:
+        # Chunks of ``chunk`` positions all in the first one: plain causal attention.
+        return q_offset + q_length == kv_offset + kv_length and (chunk is None or kv_offset + kv_length <= chunk)
+    return window is None or q_offset == kv_offset
+
+
+def padding_of(attention_mask, kv_length, kv_offset):
+    """The 2-D padding mask of the layer's keys (bool), or None when nothing is padded (read on the
+    host; while tracing it cannot be, and the mask is returned as it is)."""
     if attention_mask is None:
         return None
-    # A sliding-window cache holds only the last keys: their columns are the mask's last ones.
-    mask = attention_mask[:, -kv_length:].bool()
-    if mask.shape[-1] == kv_length and bool(mask.all()):
+    mask = layer_columns(attention_mask, kv_length, kv_offset)
+    if not tracing(mask) and bool(mask.all()):
         return None
     return mask
 
+
+# -- The attention function -------------------------------------------------------------------------
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, sliding_window=None, softcap=None, **kwargs):
@@ -88,6 +337,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("flashattn's transformers integration does not support attention sinks "
                                   "(s_aux); use attn_implementation='eager'")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("flashattn's transformers integration does not support position_bias (a "
+                                  "learned additive bias, as T5's); use attn_implementation='eager' or 'sdpa'")
     if kwargs.get("output_attentions"):
         raise NotImplementedError("flashattn never forms the attention weights (output_attentions=True); "
                                   "use attn_implementation='eager'")
@@ -96,51 +348,100 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if heads_q % heads_kv:
         raise ValueError(f"the query has {heads_q} heads and the keys {heads_kv}: the query heads must be "
                          "a multiple of the key heads")
+    options = dict(scale=scaling, dropout=float(dropout or 0.0), softcap=softcap, gqa=heads_q != heads_kv,
+                   tracing=tracing(query))
+    span = None if attention_mask is None or torch.compiler.is_compiling() else SPANS.of(attention_mask)
+    if span is not None:
+        out = in_place(module, query, key, value, attention_mask, span, options, is_causal, sliding_window)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # The whole pattern, as sdpa and eager take it: nothing else applies.
+        call = Call(causal=False, window=(-1, -1), **options)
+        return call.masked(query, key, value, attention_mask).transpose(1, 2).contiguous(), None
+
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     if causal and n_q > n_k:
         raise ValueError(f"a causal layer got {n_q} queries but only {n_k} keys: a query's own key "
                          "must be among the keys")
-    call = Call(scale=scaling, causal=causal, window=window_of(sliding_window, causal),
-                dropout=float(dropout or 0.0), softcap=softcap, gqa=heads_q != heads_kv)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # (B, N, H, D): the tokens' layout
-
+    call = Call(causal=causal, window=window_of(sliding_window, causal), **options)
+    if isinstance(attention_mask, SequenceIds):
+        lengths = run_lengths(attention_mask.as_subclass(torch.Tensor))
+        q, k, v = (t.transpose(1, 2).reshape(-1, *t.shape[1:2], t.shape[3]) for t in (query, key, value))
+        out = call.packed(q, k, v, lengths, lengths).view(batch, n_q, heads_q, value.shape[-1])
+        return out.contiguous(), None
     if attention_mask is not None:
-        out = padded(call, q, k, v, attention_mask)
-    else:
-        lengths = packed_lengths(kwargs, batch, n_q, n_k)
-        if lengths is not None:
-            out = call.packed(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), *lengths)  # v: its head dim
-            out = out.view(batch, n_q, heads_q, value.shape[-1])
+        if attention_mask.dim() != 2:
+            raise ValueError("flashattn's attention takes the 2-D padding mask or the 4-D mask of its mask "
+                             f"function; got a mask of shape {tuple(attention_mask.shape)}")
+        if attention_mask.shape[1] != n_k:
+            raise ValueError(f"the padding mask has {attention_mask.shape[1]} columns but the layer holds "
+                             f"{n_k} keys; they must be equal")
+        if call.tracing or call.window != (-1, -1):
+            # The key mask beside the causal mask and the window, at the tokens' places in the
+            # padded rows, where transformers counts a window (packed, the tokens' places would
+            # move: exact only without a window). Nothing is read on the host.
+            keys = attention_mask.to(device=query.device, dtype=torch.bool)[:, None, None, :]
+            out = call.masked(query, key, value, keys).transpose(1, 2)
         else:
-            out = call.dense(query, key, value).transpose(1, 2)
+            out = padded(call, *(t.transpose(1, 2) for t in (query, key, value)), attention_mask)
+        return out.contiguous(), None
+    lengths = packed_lengths(kwargs, batch, n_q, n_k, call.tracing)
+    if lengths is not None:
+        q, k, v = (t.transpose(1, 2).reshape(-1, *t.shape[1:2], t.shape[3]) for t in (query, key, value))
+        out = call.packed(q, k, v, *lengths).view(batch, n_q, heads_q, value.shape[-1])  # v: its head dim
+    else:
+        out = call.dense(query, key, value).transpose(1, 2)
     return out.contiguous(), None
 
 
+def in_place(module, query, key, value, mask, span, options, is_causal, sliding_window):
+    """``flashattn.decode`` on the cached keys where they lie, ``(B, H, N_q, D)``, for a ``mask``
+    the mask function answered with ``span`` (``Spans``: each sequence's first valid key and valid
+    entries, the pattern); None where decode cannot compute the call (gradients, dropout, a query
+    as long as its keys, a layer whose causality or window differs from its mask's pattern): the
+    general path then runs with the mask. Nothing is read on the host."""
+    batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
+    cache_leftpad, cache_seqlens, (_, window, _) = span
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    call = Call(causal=True, window=window_of(window, True), **options)
+    if not causal or window_of(sliding_window, True) != call.window or n_k <= n_q or mask.shape[-1] != n_k \
+            or mask.shape[0] != batch or not call.may_decode(query, key, value, n_q, reads=False):
+        return None
+    return flashattn.decode(query, key, value, cache_seqlens, scale=call.scale, softcap=call.softcap or 0.0,
+                            window_size=call.window, cache_leftpad=cache_leftpad, max_seqlen=n_k)
+
+
 def window_of(sliding_window, causal):
-    """FlashAttention's ``window_size`` for transformers' ``sliding_window`` (None: no window)."""
+    """FlashAttention's ``window_size`` for a layer's ``sliding_window`` (None: no window)."""
     if sliding_window is None:
         return -1, -1
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) \
             or sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     # Causal: key j is seen from query i when i - sliding_window < j <= i (the query counts). Not
-    # causal: masking_utils' bidirectional window keeps |i - j| <= sliding_window.
-    return (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+    # causal: |i - j| < sliding_window, as transformers' FlashAttention path maps it (a model's
+    # bidirectional mask agrees: ModernBERT passes its half window + 1 and masks |i - j| <= half).
+    return (sliding_window - 1, 0) if causal else (sliding_window - 1, sliding_window - 1)
 
 
 class Call:
-    """One layer's call: the options every sequence shares, and the three ways to run it."""
+    """One layer's call: the options every sequence shares, and the ways to run it."""
 
-    def __init__(self, scale, causal, window, dropout, softcap, gqa):
+    def __init__(self, scale, causal, window, dropout, softcap, gqa, tracing=False):
         self.scale, self.causal, self.window = scale, causal, window
-        self.dropout, self.softcap, self.gqa = dropout, softcap, gqa
+        self.dropout, self.softcap, self.gqa, self.tracing = dropout, softcap, gqa, tracing
 
-    def may_decode(self, query, key, value, n_q):
+    def may_decode(self, query, key, value, n_q, reads=True):
         """Whether ``flashattn.decode`` can compute this call: causal, forward only, no dropout
-        (softcap and windows it takes, aligned bottom-right), and values of the queries' head dim
-        (decode's kernels hold one)."""
+        (softcap and windows it takes, aligned bottom-right), values of the queries' head dim
+        (decode's kernels hold one), and not while tracing (decode reads its lengths on the host;
+        with ``reads=False``, a call with ``max_seqlen`` that reads nothing, it may be captured in
+        a CUDA graph, but torch.compile does not trace it)."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return self.causal and not grad and not self.dropout and value.shape[-1] == query.shape[-1]
+        traced = self.tracing if reads else torch.compiler.is_compiling()
+        return (self.causal and not grad and not self.dropout and value.shape[-1] == query.shape[-1]
+                and not traced)
 
     def options(self, cached):
         """The keywords of a flashattn call beyond the defaults; ``cached``: some sequence has more
@@ -165,6 +466,12 @@ class Call:
             return flashattn.decode(query, key, value, lengths, scale=self.scale, softcap=self.softcap or 0.0,
                                     window_size=self.window)
         return flashattn.attention(query, key, value, **self.options(cached=n_k > n_q))
+
+    def masked(self, query, key, value, attn_mask):
+        """``(B, H, N, D)`` in and out, with ``attn_mask`` (bool or additive, broadcast to
+        ``(B, H, N_q, N_k)``) beside the call's causal mask and window."""
+        n_q, n_k = query.shape[2], key.shape[2]
+        return flashattn.attention(query, key, value, attn_mask.to(query.device), **self.options(cached=n_k > n_q))
 
     def packed(self, q, k, v, lengths_q, lengths_k):
         """Packed sequences, ``(tokens, H, D)``, of the given lengths (lists of ints)."""
@@ -193,25 +500,13 @@ class Call:
 
 
 def padded(call, q, k, v, attention_mask):
-    """A padded batch, ``(B, N, H, D)``: its tokens packed, attended, and scattered back (padding
-    rows get 0)."""
-    if attention_mask.dim() != 2:
-        raise ValueError("flashattn's attention takes the 2-D padding mask its mask function makes; got "
-                         f"a mask of shape {tuple(attention_mask.shape)} (a custom 4-D mask: use 'sdpa' "
-                         "or 'eager')")
+    """A padded batch, ``(B, N, H, D)``, its mask ``(B, N_k)``: its tokens packed, attended, and
+    scattered back (padding rows get 0). Reads the lengths on the host (not while tracing)."""
     batch, n_q, heads_q, _ = q.shape
-    n_k = k.shape[1]
     mask = attention_mask.to(device=q.device, dtype=torch.bool)
-    if mask.shape[1] > n_k:
-        raise ValueError(f"the padding mask has {mask.shape[1]} columns but the layer holds {n_k} keys")
-    if mask.shape[1] < n_k:  # a static cache: its entries past the mask are not written yet
-        mask = torch.cat([mask, mask.new_zeros(batch, n_k - mask.shape[1])], dim=1)
-        end = attention_mask.shape[1]
-    else:
-        end = n_k
     # Causal self-attention: the queries are the newest tokens, the mask's last columns. Without
     # causality every query row is computed (as SDPA does for padding rows).
-    rows = mask[:, end - n_q:end] if call.causal else mask.new_ones(batch, n_q)
+    rows = mask[:, -n_q:] if call.causal else mask.new_ones(batch, n_q)
     q_index, k_index = rows.reshape(-1).nonzero().flatten(), mask.reshape(-1).nonzero().flatten()
     flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]  # v keeps its own head dim
     out = call.packed(flat[0][q_index], flat[1][k_index], flat[2][k_index],
@@ -220,10 +515,11 @@ def padded(call, q, k, v, attention_mask):
     return full.view(batch, n_q, heads_q, v.shape[3])
 
 
-def packed_lengths(kwargs, batch, n_q, n_k):
+def packed_lengths(kwargs, batch, n_q, n_k, tracing=False):
     """``(lengths_q, lengths_k)`` of the sequences packed in the batch's rows, from
     FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` or from ``position_ids`` restarting; None
-    when each row is one sequence."""
+    when each row is one sequence. While tracing ``position_ids`` are not read (transformers puts
+    packed sequences into its 4-D mask then)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None:
         cu_k = cu_q if cu_k is None else cu_k
@@ -231,20 +527,27 @@ def packed_lengths(kwargs, batch, n_q, n_k):
         return ([b - a for a, b in zip(bounds_q, bounds_q[1:])],
                 [b - a for a, b in zip(bounds_k, bounds_k[1:])])
     position_ids = kwargs.get("position_ids")
-    if position_ids is None or n_q != n_k or n_q < 2:
+    if tracing or position_ids is None or n_q != n_k or n_q < 2:
         return None
     positions = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
     if positions.shape[1] != n_q:
         return None
     # A sequence starts where the position does not follow the previous one (as transformers
     # finds packed sequences), and at each row.
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
-    if not bool(starts[:, 1:].any()):
+    sequence_ids = (positions.diff(dim=1, prepend=positions[:, :1] - 1) != 1).cumsum(1)
+    if not bool(sequence_ids[:, -1].any()):
         return None
-    bounds = starts.reshape(-1).nonzero().flatten().tolist() + [batch * n_q]
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    lengths = run_lengths(sequence_ids)
     return lengths, lengths
+
+
+def run_lengths(sequence_ids):
+    """The lengths of the runs of equal ids in each row of ``sequence_ids`` ``(B, N)``, row after
+    row (read on the host)."""
+    starts = torch.ones_like(sequence_ids, dtype=torch.bool)
+    starts[:, 1:] = sequence_ids[:, 1:] != sequence_ids[:, :-1]
+    bounds = starts.reshape(-1).nonzero().flatten().tolist() + [sequence_ids.numel()]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def cumulative(lengths, device):

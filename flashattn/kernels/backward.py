@@ -22,7 +22,8 @@ packed sequences the kernels take the forward's ranges and tables (see flashattn
 program stores its tile, zeros included, so keys that no query sees get dK = dV = 0.
 The score modifications and dropout of the forward (see flashattn.kernels.forward) are rebuilt
 the same way, dropout's mask from the seed and each pair's index, and a softcap multiplies dS by
-its derivative ``1 - tanh**2``.
+its derivative ``1 - tanh**2``. With an attn_mask both kernels walk its tile lists, as the forward
+does: the dQ kernel per query block, the dK/dV kernel per key block (flashattn.kernels.masks).
 FlashAttention-2 instead lets the dK/dV program add its share of dQ into memory with atomic adds
 (5 tile matmuls per tile pair instead of 7); docs/performance.md compares the two.
 
@@ -76,16 +77,25 @@ def dkdv_inner(dk, dv, k, v,
                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 WINDOW: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False, win_left=0, win_right=0,
                 n_kv=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
-                seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, n_cols_all=0,
+                seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, kv_start=0, Tiles=None,
                 SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
-                MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False):
+                MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = 0, LISTED: tl.constexpr = False,
+                BLOCK_KV: tl.constexpr = 16):
     """Accumulate into dK and dV the query blocks ``[q_lo, q_hi)``.
 
     Everything here is transposed (keys along rows, queries along columns) because the key block
     is the one that stays: ``sT = K Q^T`` is S^T, and so on. The score modifications and dropout
     are the forward's (see forward.fwd_inner), rebuilt from the same ids: dV takes the dropped,
-    rescaled P, dP the same mask, and the softcap's ``1 - tanh**2`` multiplies dS."""
+    rescaled P, dP the same mask, and the softcap's ``1 - tanh**2`` multiplies dS. LISTED walks
+    the query blocks an attn_mask's tile list names (see forward.fwd_inner), ``kv_start`` being
+    the key block's first key."""
+    if LISTED:
+        tile_next = tl.load(Tiles + q_lo // BLOCK_Q, mask=q_lo < q_hi, other=0)
     for q_start in range(q_lo, q_hi, BLOCK_Q):
+        if LISTED:
+            listed = q_start // BLOCK_Q + 1
+            q_start = tile_next * BLOCK_Q
+            tile_next = tl.load(Tiles + listed, mask=listed * BLOCK_Q < q_hi, other=0)
         q_start = tl.multiple_of(q_start, BLOCK_Q)
         offs_q = q_start + tl.arange(0, BLOCK_Q)
         q = load_tile(Q, offs_q, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
@@ -124,8 +134,8 @@ def dkdv_inner(dk, dv, k, v,
             pT = tl.exp2(sT * s_scale - lse[None, :])                # P^T, rebuilt from the LSE
         pT_kept = pT
         if DROPOUT:  # O = (P * keep / (1 - p)) V: the same factor on dV's P and on dP
-            keepT = dropout_keep(seed, p_drop, drop_row0 + offs_q[None, :], drop_col0 + offs_kv[:, None],
-                                 n_cols_all)
+            keepT = dropout_keep(seed, p_drop, drop_row0 + offs_q[None, :], tl.arange(0, BLOCK_KV)[:, None],
+                                 drop_col0 + kv_start, BLOCK_KV, DROPOUT)
             pT_kept = tl.where(keepT, pT * (1.0 / (1.0 - p_drop)), 0.0)
         dv = dot_acc(pT_kept.to(do.dtype), do, dv, DOT_PRECISION)               # dV += P^T dO
         dpT = dot(v, tl.trans(do), DOT_PRECISION)            # dP^T = V dO^T
@@ -138,7 +148,7 @@ def dkdv_inner(dk, dv, k, v,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right", "seed"])  # one binary per length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right", "seed"])  # one binary for every length
 def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
@@ -155,8 +165,9 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
                    WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
                    softcap=0.0, Slopes=None, stride_sb=0, stride_sh=0,
                    Mask=None, stride_mb=0, stride_mh=0, stride_mq=0, stride_mk=0, seed=0, p_drop=0.0,
+                   Lists=None, stride_lb=0, stride_lh=0, stride_lr=0,
                    SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-                   DROPOUT: tl.constexpr = False, BOTTOM_RIGHT: tl.constexpr = False):
+                   DROPOUT: tl.constexpr = 0, BOTTOM_RIGHT: tl.constexpr = False):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention K/V head ``kv_head`` is
     # read by the n_group query heads kv_head * n_group + g: this program sums their shares of
     # dK and dV itself, in a fixed order (no atomics, no copy of K and V per query head).
@@ -171,7 +182,6 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
     LSE += batch.to(tl.int64) * n_heads * n_q
     Delta += batch.to(tl.int64) * n_heads * n_q
     n_rows = n_q  # the LSE's row length: all sequences' queries under VARLEN
-    n_cols_all = n_kv
     q_offset = 0
     drop_col0 = 0
     if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
@@ -224,34 +234,52 @@ def attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, dK, dV,
         # the slope is the query head's (the shift and bounds were set above, once for all heads)
         head_shift, head_left, head_right, slope = score_mod_setup(n_q, n_kv, 0, 0, batch, head, Programs, Slopes,
                                                                    stride_sb, stride_sh, ALIBI, VARLEN, False)
-        Mask_h = Mask
-        if MASK_KIND != 0:
-            Mask_h = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
         drop_row0 = (batch.to(tl.int64) * n_heads + head) * n_rows + q_offset
-        dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
-                             stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_lo, tl.minimum(q_full_lo, n_q),
-                             n_q, qk_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, True, IS_CAUSAL,
-                             DOT_PRECISION, WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
-                             n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
-                             Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
-                             drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
-                             SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
-        dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
-                             stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_full_lo, q_full_hi, n_q, qk_scale,
-                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
-                             WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
-                             n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
-                             Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
-                             drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
-                             SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
-        dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
-                             stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_full_hi, q_hi, n_q, qk_scale,
-                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
-                             WINDOW, WINDOW or VARLEN or MASK_KIND != 0, win_left, win_right,
-                             n_kv=n_kv, shift=shift, softcap=softcap, slope=slope,
-                             Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
-                             drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
-                             SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+        if MASK_KIND != 0:
+            # attn_mask's tile lists for this key block and query head (see attn_fwd): the query
+            # blocks that need no mask, then those that need it
+            Mask_h = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+            Tiles = Lists + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + kv_block * stride_lr
+            n_full = tl.load(Tiles)
+            n_listed = n_full + tl.load(Tiles + 1)
+            dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                                 stride_don, stride_dod, offs_kv, offs_d, offs_dv, 0, n_full * BLOCK_Q, n_q, qk_scale,
+                                 HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
+                                 WINDOW, True, win_left, win_right, n_kv=n_kv, shift=shift, softcap=softcap,
+                                 slope=slope, seed=seed, p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0,
+                                 kv_start=kv_start, Tiles=Tiles + 2, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT,
+                                 LISTED=True, BLOCK_KV=BLOCK_KV)
+            dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                                 stride_don, stride_dod, offs_kv, offs_d, offs_dv, n_full * BLOCK_Q,
+                                 n_listed * BLOCK_Q, n_q, qk_scale,
+                                 HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                                 WINDOW, True, win_left, win_right, n_kv=n_kv, shift=shift, softcap=softcap,
+                                 slope=slope, Mask=Mask_h, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed,
+                                 p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, kv_start=kv_start,
+                                 Tiles=Tiles + 2, SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+                                 LISTED=True, BLOCK_KV=BLOCK_KV)
+        else:
+            dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                                 stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_lo, tl.minimum(q_full_lo, n_q),
+                                 n_q, qk_scale, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, True, IS_CAUSAL,
+                                 DOT_PRECISION, WINDOW, WINDOW or VARLEN, win_left, win_right,
+                                 n_kv=n_kv, shift=shift, softcap=softcap, slope=slope, seed=seed, p_drop=p_drop,
+                                 drop_row0=drop_row0, drop_col0=drop_col0, kv_start=kv_start,
+                                 SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT, BLOCK_KV=BLOCK_KV)
+            dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                                 stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_full_lo, q_full_hi, n_q, qk_scale,
+                                 HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, False, IS_CAUSAL, DOT_PRECISION,
+                                 WINDOW, WINDOW or VARLEN, win_left, win_right,
+                                 n_kv=n_kv, shift=shift, softcap=softcap, slope=slope, seed=seed, p_drop=p_drop,
+                                 drop_row0=drop_row0, drop_col0=drop_col0, kv_start=kv_start,
+                                 SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT, BLOCK_KV=BLOCK_KV)
+            dk, dv = dkdv_inner(dk, dv, k, v, Q_h, dO_h, LSE_h, Delta_h, stride_qn, stride_qd,
+                                 stride_don, stride_dod, offs_kv, offs_d, offs_dv, q_full_hi, q_hi, n_q, qk_scale,
+                                 HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_Q, True, IS_CAUSAL, DOT_PRECISION,
+                                 WINDOW, WINDOW or VARLEN, win_left, win_right,
+                                 n_kv=n_kv, shift=shift, softcap=softcap, slope=slope, seed=seed, p_drop=p_drop,
+                                 drop_row0=drop_row0, drop_col0=drop_col0, kv_start=kv_start,
+                                 SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT, BLOCK_KV=BLOCK_KV)
 
     # Every program stores its whole tile, zeros included: keys no query sees get dK = dV = 0.
     dk *= scale  # S = scale * Q K^T, so dK carries the scale once
@@ -268,12 +296,18 @@ def dq_inner(dq, q, do, lse, delta,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
               WINDOW: tl.constexpr = False, win_left=0, win_right=0,
               n_q=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
-              seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, n_cols_all=0,
+              seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, Tiles=None,
               SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
-              MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False):
-    """Accumulate into dQ the key blocks ``[kv_lo, kv_hi)`` (modifications and dropout as in
-    :func:`dkdv_inner`)."""
+              MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = 0, LISTED: tl.constexpr = False):
+    """Accumulate into dQ the key blocks ``[kv_lo, kv_hi)`` (modifications, dropout and LISTED as
+    in :func:`dkdv_inner`)."""
+    if LISTED:
+        tile_next = tl.load(Tiles + kv_lo // BLOCK_KV, mask=kv_lo < kv_hi, other=0)
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
+        if LISTED:
+            listed = kv_start // BLOCK_KV + 1
+            kv_start = tile_next * BLOCK_KV
+            tile_next = tl.load(Tiles + listed, mask=listed * BLOCK_KV < kv_hi, other=0)
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)
         offs_kv = kv_start + tl.arange(0, BLOCK_KV)
         k = load_tile(K, offs_kv, offs_d, stride_kn, stride_kd, n_kv, HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
@@ -297,8 +331,8 @@ def dq_inner(dq, q, do, lse, delta,
         p = tl.exp2(s * s_scale - lse[:, None])                       # P, rebuilt from the LSE
         dp = dot(do, tl.trans(v), DOT_PRECISION)    # dP = dO V^T
         if DROPOUT:
-            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], drop_col0 + offs_kv[None, :],
-                                n_cols_all)
+            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], tl.arange(0, BLOCK_KV)[None, :],
+                                drop_col0 + kv_start, BLOCK_KV, DROPOUT)
             dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
         ds = p * (dp - delta[:, None])                                 # dS (unscaled)
         if SOFTCAP:
@@ -307,7 +341,7 @@ def dq_inner(dq, q, do, lse, delta,
     return dq
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right", "seed"])  # one binary per length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right", "seed"])  # one binary for every length
 def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                  stride_qb, stride_qh, stride_qn, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -323,8 +357,9 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
                  WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
                  softcap=0.0, Slopes=None, stride_sb=0, stride_sh=0,
                  Mask=None, stride_mb=0, stride_mh=0, stride_mq=0, stride_mk=0, seed=0, p_drop=0.0,
+                 Lists=None, stride_lb=0, stride_lh=0, stride_lr=0,
                  SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-                 DROPOUT: tl.constexpr = False, BOTTOM_RIGHT: tl.constexpr = False):
+                 DROPOUT: tl.constexpr = 0, BOTTOM_RIGHT: tl.constexpr = False):
     # The forward kernel's grid and its grouped heads and packed sequences (see attn_fwd).
     q_block = tl.program_id(0)
     if IS_CAUSAL and not VARLEN:  # the last query blocks visit the most keys: start them first
@@ -338,9 +373,8 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
     dQ += batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
     LSE += (batch.to(tl.int64) * n_heads + head) * n_q
     Delta += (batch.to(tl.int64) * n_heads + head) * n_q
-    drop_row0 = (batch.to(tl.int64) * n_heads + head) * n_q  # dropout's ids, as in attn_fwd
+    drop_row0 = (batch.to(tl.int64) * n_heads + head) * n_q  # dropout's rows, as in attn_fwd
     drop_col0 = 0
-    n_cols_all = n_kv
     if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
         q_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
                                                                       q_block)
@@ -381,54 +415,66 @@ def attn_bwd_dq(Q, K, V, dO, LSE, Delta, dQ,
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
 
-    # The same stages as the forward kernel.
-    if WINDOW:
+    # The same stages as the forward kernel (with an attn_mask, the same tile lists).
+    if MASK_KIND != 0:
+        Tiles = Lists + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_block * stride_lr
+        n_full = tl.load(Tiles)
+        n_listed = n_full + tl.load(Tiles + 1)
+        dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, offs_dv, 0, n_full * BLOCK_KV, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION, WINDOW,
+                       win_left, win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, seed=seed,
+                       p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, Tiles=Tiles + 2,
+                       SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT, LISTED=True)
+        dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_q, offs_d, offs_dv, n_full * BLOCK_KV, n_listed * BLOCK_KV, n_kv, qk_scale,
+                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION, WINDOW,
+                       win_left, win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
+                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, Tiles=Tiles + 2, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, LISTED=True)
+    elif WINDOW:
         kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
                                                                 BLOCK_Q, BLOCK_KV)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, offs_dv, kv_lo, kv_full_lo, n_kv, qk_scale,
                        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
-                       win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
-                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                       win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope,
+                       seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, offs_dv, kv_full_lo, kv_full_hi, n_kv, qk_scale,
                        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, False, DOT_PRECISION, True, win_left,
-                       win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
-                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                       win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope,
+                       seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, offs_dv, kv_full_hi, kv_hi, n_kv, qk_scale,
                        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, False, DOT_PRECISION, True, win_left,
-                       win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
-                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                       win_right, n_q=n_q, shift=shift, softcap=softcap, slope=slope,
+                       seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT)
     else:
         kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, offs_dv, 0, kv_full_end, n_kv, qk_scale,
                        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
-                       n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
-                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                       n_q=n_q, shift=shift, softcap=softcap, slope=slope,
+                       seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT)
         dq = dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_q, offs_d, offs_dv, kv_full_end, kv_end, n_kv, qk_scale,
                        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
-                       n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                       stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop, drop_row0=drop_row0,
-                       drop_col0=drop_col0, n_cols_all=n_cols_all, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                       MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                       n_q=n_q, shift=shift, softcap=softcap, slope=slope,
+                       seed=seed, p_drop=p_drop, drop_row0=drop_row0,
+                       drop_col0=drop_col0, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT)
 
     dq *= scale * row_factor[:, None]
     store_tile(dQ, dq, offs_q, offs_d, stride_dqn, stride_dqd, n_q, HEAD_DIM, HEAD_DIM < BLOCK_D)
 
 
 def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
-                       window_size=(-1, -1), sequences=None, dkdv=None, mods=None):
+                       window_size=(-1, -1), sequences=None, dkdv=None, mods=None, fused=None):
     """Launch the three backward kernels on (B, H, N, D) tensors of any strides.
 
     ``lse2`` is the forward's base-2 log-sum-exp. ``dlse``, if given, is the gradient reaching the
@@ -437,8 +483,10 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     ``k``/``v`` with fewer heads than ``q``, ``window_size`` and ``sequences`` as in
     ``forward.attention_forward``. ``dkdv``, if given, computes dK and dV in place of the Triton
     kernel: ``dkdv(q, k, v, do, lse2, delta, is_causal, scale) -> (dk, dv)`` (``flashattn.ops.dispatch``
-    passes the Gluon kernel of ``flashattn.hopper.backward`` there). Returns ``(dq, dk, dv)`` in
-    the dtypes of q, k and v. ``mods`` (a ``flashattn.kernels.mods.ScoreMods``): the forward's.
+    passes the Gluon kernel of ``flashattn.hopper.backward`` there); ``fused``, if given, computes
+    all three after Delta: ``fused(q, k, v, do, lse2, delta, is_causal, scale) -> (dq, dk, dv)``.
+    Returns ``(dq, dk, dv)`` in the dtypes of q, k and v. ``mods`` (a
+    ``flashattn.kernels.mods.ScoreMods``): the forward's.
     """
     configs = configs or {}
     batch, heads, n_q, head_dim = q.shape
@@ -458,6 +506,13 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
                    WINDOW=window, VARLEN=sequences is not None)
     seq_len = max(n_q, n_kv)
     variants = (heads // heads_kv, win_left, win_right)
+    lists = {}
+    listed = [] if mods.attn_mask is None or fused is not None else ["bwd_dq"] + (["bwd_dkdv"] if dkdv is None else [])
+    if listed:  # the mask's tile lists depend on the tiles: they are fixed first, the mask read once for both
+        configs = dict(configs, **{name: configs.get(name) or launcher.fixed_config(name, q.dtype, masking)
+                                   for name in listed})
+        lists = mods.mask_lists(n_q, n_kv, {name: configs[name] for name in listed}, causal, window,
+                                win_left, win_right)
 
     delta = torch.empty_like(lse2, dtype=torch.float32)
     launcher.launch(  # rows are independent here: packed sequences need no table
@@ -467,6 +522,8 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
         dict(HEAD_DIM=head_dim_v, BLOCK_D=block_d(head_dim_v)), seq_len, configs.get("bwd_preprocess"))
     if dlse is not None:
         delta -= dlse
+    if fused is not None:
+        return tuple(t.to(d) for t, d in zip(fused(q, k, v, do, lse2, delta, causal, scale), dtypes))
 
     def grid_and_tables(name, side, block_name, blocks, grid_heads):
         """The grid and the table arguments of the dK/dV (side "kv") or dQ (side "q") kernel."""
@@ -489,13 +546,13 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
             "bwd_dkdv", attn_bwd_dkdv, grid,
             (q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
              *dk.stride(), *dv.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
-            dict(masking, **mod_args), seq_len, _checked_dkdv(config))
+            dict(masking, **{**mod_args, **lists.get("bwd_dkdv", {})}), seq_len, _checked_dkdv(config))
     config, grid, tables = grid_and_tables("bwd_dq", "q", "BLOCK_Q", n_q, heads)
     launcher.launch(
         "bwd_dq", attn_bwd_dq, grid,
         (q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
          *dq.stride(), heads, n_q, n_kv, scale, qk_scale(scale), *variants, *tables),
-        dict(masking, **mod_args), seq_len, config)
+        dict(masking, **{**mod_args, **lists.get("bwd_dq", {})}), seq_len, config)
     return tuple(t.to(d) for t, d in zip((dq, dk, dv), dtypes))
 
 

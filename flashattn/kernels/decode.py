@@ -51,25 +51,34 @@ MAX_SPLITS = 64
 INTERPRETER_SMS = 8
 
 
-@triton.jit(do_not_specialize=["n_q", "group", "num_splits", "n_max", "win_left"])  # one binary for every length
-def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes,
+@triton.jit(do_not_specialize=["n_q", "group", "num_splits", "n_max", "win_left", "win_right"])  # one binary for every length
+def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes, LeftPad, CacheRows,
                   stride_qb, stride_qh, stride_qn, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
                   stride_pb, stride_sb, stride_sh,
-                  n_q, group, num_splits, qk_scale, n_max, softcap, win_left, n_pages,
+                  n_q, group, num_splits, qk_scale, n_max, softcap, win_left, win_right, n_pages, n_cache,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_KV: tl.constexpr, FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   SOFTCAP: tl.constexpr = False, WINDOW: tl.constexpr = False, ALIBI: tl.constexpr = False,
-                  PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16):
+                  PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, CAUSAL: tl.constexpr = True,
+                  LEFTPAD: tl.constexpr = False, CACHE_ROWS: tl.constexpr = False):
     # Grid: axis 0 = (row block, split), axis 1 = KV heads, axis 2 = batch.
     split = tl.program_id(0) % num_splits
     row_block = tl.program_id(0) // num_splits
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
-    # This sequence's cache length L, kept within the cache: lengths that were not checked on the
-    # host (decode's max_seqlen mode) must not make the program read outside it.
-    n_kv = tl.minimum(tl.maximum(tl.load(LENS + batch).to(tl.int32), 0), n_max)
+    # This sequence's valid keys are cache entries [start, end): end is its length L, start its
+    # first valid key (LEFTPAD: a left-padded batch), both kept within the cache: values that were
+    # not checked on the host (decode's max_seqlen mode) must not make the program read outside it.
+    end = tl.minimum(tl.maximum(tl.load(LENS + batch).to(tl.int32), 0), n_max)
+    if LEFTPAD:
+        start = tl.minimum(tl.maximum(tl.load(LeftPad + batch).to(tl.int32), 0), end)
+    else:
+        start = 0
+    # From here on keys are counted from start, as if the padding were not there: key j is cache
+    # entry start + j, and the sequence has n_kv = end - start keys.
+    n_kv = end - start
 
     # Row r of the tile is new token t = r % n_q of query head kv_head * group + r // n_q.
     n_rows = group * n_q
@@ -80,16 +89,24 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes,
     row_offsets = (offs_r // n_q) * stride_qh + t * stride_qn
     q_ptrs = Q + row_offsets[:, None] + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    # The new tokens are the last n_q of the cache: token t sits at position L - n_q + t and sees
-    # keys 0 .. L - n_q + t (bottom-right alignment), the causal mask of the forward kernel.
+    # The new tokens are the last n_q of the keys: token t sits at position n_kv - n_q + t and, with
+    # CAUSAL, sees keys 0 .. n_kv - n_q + t (bottom-right alignment); without, it sees every key.
     pos = n_kv - n_q + t
+    if CAUSAL:
+        # A token placed before key 0 (fewer keys than new tokens) sees none: it is masked as if it
+        # sat at key 0 (so that every row sees key 0 and -inf masks stay safe) and written as a
+        # row without keys at the end.
+        pos = tl.maximum(pos, 0)
 
     # Keys [0, n_seen) are seen by every row. They are cut into num_splits runs of whole tiles,
-    # and the last run also takes the keys only later tokens see, [n_seen, L). So every split
+    # and the last run also takes the keys only later tokens see, [n_seen, n_kv). So every split
     # starts with a key that all its rows see, and -inf masks stay safe as in the forward kernel
     # (under a window a row may first meet hidden keys: fwd_inner's guard for windows covers it).
-    # Splits past the end (a short sequence, or L = 0) get no keys.
-    n_seen = tl.maximum(n_kv - n_q + 1, 0)
+    # Splits past the end (a short sequence, or no key) get no keys.
+    if CAUSAL:
+        n_seen = tl.minimum(tl.maximum(n_kv - n_q + 1, 1), n_kv)
+    else:
+        n_seen = n_kv
     # A sliding window of win_left keys before each token: the tiles before the first token's
     # window are never loaded, and the splits share the keys from there on.
     if WINDOW:
@@ -106,13 +123,18 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes,
     if WINDOW:
         kv_full_end = kv_lo
 
+    if CACHE_ROWS:  # the batch entry reads row CacheRows[batch] of the cache (clamped into it)
+        cache_row = tl.minimum(tl.maximum(tl.load(CacheRows + batch), 0), n_cache - 1).to(tl.int64)
+    else:
+        cache_row = batch.to(tl.int64)
     if PAGED:
         # A paged cache (num_pages, PAGE_SIZE, H_kv, D): the sequence's keys lie in the pages its
-        # row of the block table Pages names, stride_kb (stride_vb) apart; fwd_inner gathers them.
+        # row of the block table Pages names, stride_kb (stride_vb) apart; fwd_inner gathers them,
+        # key j from cache entry start + j.
         Pages += batch.to(tl.int64) * stride_pb
     else:
-        K += batch.to(tl.int64) * stride_kb
-        V += batch.to(tl.int64) * stride_vb
+        K += cache_row * stride_kb + start.to(tl.int64) * stride_kn
+        V += cache_row * stride_vb + start.to(tl.int64) * stride_vn
     K += kv_head.to(tl.int64) * stride_kh
     V += kv_head.to(tl.int64) * stride_vh
     if ALIBI:
@@ -127,30 +149,32 @@ def decode_split(Q, K, V, LENS, O, LSE, Pages, Slopes,
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     # The forward kernel's inner loop, unchanged (V of q's head dim: offs_d and HEAD_DIM twice):
     # whole tiles without a mask, then the diagonal
-    # (where keys past a row's position, and past L, are hidden; keys >= L are never loaded).
+    # (where keys past a row's position, and past n_kv, are hidden; keys >= n_kv are never loaded).
     # Softcap (Gemma 2), ALiBi and the window are the forward kernel's too: the rows' positions
     # pos are already the keys' (shift 0), so ALiBi's distance is |pos - j|.
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                pos, offs_d, offs_d, kv_lo, kv_full_end, n_kv, qk_scale,
-                               HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_KV, False, True, DOT_PRECISION,
-                               WINDOW, win_left, 0,
+                               HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_KV, False, CAUSAL, DOT_PRECISION,
+                               WINDOW, win_left, win_right,
                                softcap=softcap, slope=slope, Pages=Pages, n_pages=n_pages,
-                               stride_kp=stride_kb, stride_vp=stride_vb, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                               PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
+                               stride_kp=stride_kb, stride_vp=stride_vb, page_shift=start,
+                               SOFTCAP=SOFTCAP, ALIBI=ALIBI, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
     acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                pos, offs_d, offs_d, kv_full_end, kv_hi, n_kv, qk_scale,
-                               HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_KV, True, True, DOT_PRECISION,
-                               WINDOW, win_left, 0,
+                               HEAD_DIM, BLOCK_D, HEAD_DIM, BLOCK_D, BLOCK_KV, True, CAUSAL, DOT_PRECISION,
+                               WINDOW, win_left, win_right,
                                softcap=softcap, slope=slope, Pages=Pages, n_pages=n_pages,
-                               stride_kp=stride_kb, stride_vp=stride_vb, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                               PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
+                               stride_kp=stride_kb, stride_vp=stride_vb, page_shift=start,
+                               SOFTCAP=SOFTCAP, ALIBI=ALIBI, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
 
-    # A split without keys has L = 0: it writes the neutral state O = 0, LSE = -inf, which
-    # weighs nothing in the merge (and is the answer for L = 0: an empty sum, like SDPA).
+    # A row that saw no key (a split without keys, no key at all, or a token before the first
+    # key) has L = 0: it writes the neutral state O = 0, LSE = -inf, which weighs nothing in the
+    # merge (and is the answer for a row without keys: an empty sum, like SDPA).
     has_keys = l_i > 0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+    if CAUSAL:  # not a token before key 0 (recomputed here rather than held through the loop)
+        has_keys = has_keys & (n_kv - n_q + offs_r % n_q >= 0)
+    o = acc / tl.where(has_keys, l_i, float("inf"))[:, None]  # a row without keys divides by inf: O = 0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     if FINAL:  # the only split: this is the answer, LSE in natural log
         lse = lse * LN2
     # Outputs are (B, H_q, N_q, num_splits, D), contiguous: this program's rows are rows
@@ -219,7 +243,7 @@ def choose_num_splits(programs, n_seen, block_kv, n_sm, programs_per_sm=PROGRAMS
 
 
 def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, config=None,
-                   partials=False, block_table=None):
+                   partials=False, block_table=None, **options):
     """Launch the decode kernels on checked arguments: ``q`` (B, H_q, N_q, D), caches (B, H_kv,
     N_max, D) of any strides, ``lengths`` an int32/int64 tensor (B,) on the device, ``max_len``
     its largest value. ``num_splits`` and ``config`` (BLOCK_KV, num_warps, num_stages) default to
@@ -228,10 +252,11 @@ def decode_forward(q, k_cache, v_cache, lengths, max_len, scale, num_splits=None
     With ``partials``, the merge is not run: returns the split kernel's partial states instead,
     ``o_part`` (B, H_q, N_q, num_splits, D) and ``lse_part`` (B, H_q, N_q, num_splits), float32,
     each O_s divided by its own sum and LSE_s in base 2 (-inf for a split without keys).
-    With ``block_table`` the caches are paged, ``(num_pages, page_size, H_kv, D)``."""
+    With ``block_table`` the caches are paged, ``(num_pages, page_size, H_kv, D)``. ``options`` are
+    :meth:`Plan.run`'s (``causal``, ``cache_leftpad``, ``window``, ...)."""
     plan = Plan(q, k_cache, v_cache, config, block_table)
     out, lse = plan.run(q, k_cache, v_cache, lengths, max_len, scale, num_splits, partials,
-                        block_table=block_table)
+                        block_table=block_table, **options)
     return (out, lse) if partials else (out, lse.view(plan.rows))
 
 
@@ -287,9 +312,11 @@ class Plan:
         if self.paged:
             self.n_pages, self.page_size, self.kv_heads = k_cache.shape[:3]
             self.n_max = block_table.shape[1] * self.page_size
+            self.n_cache = 1
         else:
             self.n_pages, self.page_size = 1, 16
             self.kv_heads, self.n_max = k_cache.shape[1], k_cache.shape[2]
+            self.n_cache = k_cache.shape[0]  # the cache's rows (B, or more with cache_batch_idx)
         self.group = n_heads // self.kv_heads
         self.rows = (batch, n_heads, n_q)
         self.n_rows = batch * n_heads * n_q
@@ -318,17 +345,23 @@ class Plan:
             return (*q.stride(), *(t.stride(i) for t in (k_cache, v_cache) for i in (0, 2, 1, 3)))
         return (*q.stride(), *k_cache.stride(), *v_cache.stride())
 
-    def num_splits(self, max_len):
-        return choose_num_splits(self.batch * self.kv_heads * self.row_blocks, max_len - self.n_q + 1,
+    def num_splits(self, max_len, causal=True):
+        seen = max_len - self.n_q + 1 if causal else max_len  # keys every new token sees, at most
+        return choose_num_splits(self.batch * self.kv_heads * self.row_blocks, seen,
                                  self.config["BLOCK_KV"], sm_count(self.device))
 
     def run(self, q, k_cache, v_cache, lengths, max_len, scale, num_splits=None, partials=False,
-            keep_lse=True, softcap=0.0, window=-1, block_table=None, alibi_slopes=None):
+            keep_lse=True, softcap=0.0, window=-1, block_table=None, alibi_slopes=None, causal=True,
+            window_right=-1, cache_leftpad=None, cache_batch_idx=None):
         """The launches, on arguments of this plan's shapes, dtypes, strides and alignment;
         ``softcap`` > 0 caps the scores, ``window`` >= 0 lets each token see only that many keys
-        before it; ``block_table`` (B, max_blocks) int32 names each sequence's pages of a paged
-        cache (the plan's, if it was made for one); ``alibi_slopes`` (1 or B, H_q) float32 adds
-        ``-slope * |pos - j|`` to the scores.
+        before it (and, not ``causal``, ``window_right`` >= 0 that many after it); ``block_table``
+        (B, max_blocks) int32 names each sequence's pages of a paged cache (the plan's, if it was
+        made for one); ``alibi_slopes`` (1 or B, H_q) float32 adds ``-slope * |pos - j|`` to the
+        scores. ``causal`` False lets every new token see every key. ``cache_leftpad`` (B,) on the
+        device: each sequence's first valid key (its keys are entries ``[leftpad, L)``);
+        ``cache_batch_idx`` (B,) on the device: the cache row each sequence reads (a contiguous
+        cache). ``lengths``, the two and the page indices are clamped into the cache by the kernel.
         Returns ``(out, lse)`` with lse flat (B * H_q * N_q,), or the partial states, shaped.
         Without ``keep_lse`` (the caller drops lse), lse may be a view of the partial states'
         buffer (it would hold that buffer's memory while it lives)."""
@@ -344,7 +377,7 @@ class Plan:
             return (torch.zeros(self.out_shape, device=self.device, dtype=self.out_dtype),
                     torch.full(self.rows, float("-inf"), device=self.device, dtype=torch.float32))
         if num_splits is None:
-            num_splits = self.num_splits(max_len)
+            num_splits = self.num_splits(max_len, causal)
         final = num_splits == 1 and not partials
         n_rows, f32 = self.n_rows, torch.float32
         one = HOST["buffers"] == "one"
@@ -365,11 +398,20 @@ class Plan:
             o_part = torch.empty(n_rows * num_splits * self.head_dim, device=self.device, dtype=f32)
             lse_part = torch.empty(n_rows * num_splits, device=self.device, dtype=f32)
         key = (num_splits, partials, lengths.data_ptr() % 16)
-        capped, windowed = softcap > 0, window >= 0
+        # A window bounds the keys before each token (window >= 0) or, not causal, after it; an
+        # unbounded side of a window is a bound past every key.
+        windowed = window >= 0 or (not causal and window_right >= 0)
+        unbounded = self.n_max + self.n_q
+        win_left = window if window >= 0 else unbounded
+        win_right = 0 if causal else (window_right if window_right >= 0 else unbounded)
+        capped = softcap > 0
         # What Triton specializes on besides the plan's key: the block table's alignment (its
-        # shape and strides are in the plan's key), the slopes' alignment and strides.
+        # shape and strides are in the plan's key), the slopes' alignment and strides, and the
+        # alignment of the left padding and of the cache rows (their dtypes are in the plan's key).
         stride_pb = block_table.stride(0) if self.paged else 0
-        split_key = key + (capped, windowed, self.paged and block_table.data_ptr() % 16)
+        split_key = key + (capped, windowed, causal, self.paged and block_table.data_ptr() % 16,
+                           None if cache_leftpad is None else cache_leftpad.data_ptr() % 16,
+                           None if cache_batch_idx is None else cache_batch_idx.data_ptr() % 16)
         if alibi_slopes is not None:
             slopes = ScoreMods(alibi_slopes=alibi_slopes).kernel_args(self.n_q, self.n_max, False)
             stride_sb, stride_sh = slopes["stride_sb"], slopes["stride_sh"]
@@ -379,13 +421,15 @@ class Plan:
         direct.launch(self.kernels, ("split",) + split_key, decode_split,
                       (self.row_blocks * num_splits, self.kv_heads, self.batch),
                       (q, k_cache, v_cache, lengths, o_part, lse_part, block_table if self.paged else None,
-                       alibi_slopes, *strides, stride_pb, stride_sb, stride_sh,
+                       alibi_slopes, cache_leftpad, cache_batch_idx, *strides, stride_pb, stride_sb, stride_sh,
                        self.n_q, self.group, num_splits, qk_scale(scale), self.n_max,
-                       float(softcap), max(int(window), 0), self.n_pages),
+                       float(softcap), int(win_left), int(win_right), self.n_pages, self.n_cache),
                       lambda: dict(HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_R=self.block_r,
                                    FINAL=final, DOT_PRECISION=self.precision, SOFTCAP=capped,
                                    WINDOW=windowed, ALIBI=alibi_slopes is not None, PAGED=self.paged,
-                                   PAGE_SIZE=self.page_size, **self.config),
+                                   PAGE_SIZE=self.page_size, CAUSAL=bool(causal),
+                                   LEFTPAD=cache_leftpad is not None, CACHE_ROWS=cache_batch_idx is not None,
+                                   **self.config),
                       HOST["launch"])
         if partials:
             return (o_part[:n_rows * num_splits * self.head_dim].view(*self.rows, num_splits, self.head_dim),

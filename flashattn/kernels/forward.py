@@ -19,13 +19,18 @@ Three variants switch on with arguments, not copies of the kernel (``flashattn.a
 * a sliding window (``WINDOW``): masked tiles at both edges of the window, whole tiles between,
   none outside (``tiles.kv_window_bounds``), so the cost grows with N * window;
 * packed sequences (``VARLEN``): each program reads its (sequence, query block) from a table and
-  the sequence's offset and length from ``cu_seqlens``, then works as for one sequence.
+  the sequence's offset and length from ``cu_seqlens``, then works as for one sequence; with
+  ``PAGED`` (chunked prefill over a paged KV cache) the keys and values of a sequence are gathered
+  through its row of a block table, as decode's are.
 
 More switch on the same way for what flashattn.attention adds to the scores
 (``flashattn.kernels.mods``): SOFTCAP, ALIBI and MASK_KIND change each tile of scores
 (``tiles.modified_scores``), DROPOUT drops probabilities with Philox (``tiles.dropout_keep``), and
 BOTTOM_RIGHT moves every query to key position ``i + N_kv - N_q`` (the window's bounds shifted, so
-the same tile ranges skip what the mask hides).
+the same tile ranges skip what the mask hides). With an attn_mask the tiles come from lists made
+once per launch (``flashattn.kernels.masks``): the tiles that need no mask, read without it, then
+those that need the mask or the positions' checks; the tiles the mask (or the causal mask, the
+window) hides entirely are never loaded.
 
 A row that sees no key under a window or a mask, or in a sequence without keys, gets the output 0
 and the LSE -inf.
@@ -55,11 +60,11 @@ def fwd_inner(acc, m_i, l_i, q,
                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                WINDOW: tl.constexpr = False, win_left=0, win_right=0,
                n_q=0, shift=0, softcap=0.0, slope=0.0, Mask=None, stride_mq=0, stride_mk=0,
-               seed=0, p_drop=0.0, drop_row0=0, drop_col0=0, n_cols_all=0,
-               Pages=None, n_pages=1, stride_kp=0, stride_vp=0,
+               seed=0, p_drop=0.0, drop_row0=0, drop_col0=0,
+               Pages=None, n_pages=1, stride_kp=0, stride_vp=0, page_shift=0, Tiles=None,
                SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
-               MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = False,
-               PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16):
+               MASK_KIND: tl.constexpr = 0, DROPOUT: tl.constexpr = 0,
+               PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, LISTED: tl.constexpr = False):
     """Fold the key/value tiles ``[kv_lo, kv_hi)`` into the running state ``(acc, m_i, l_i)``.
 
     ``m_i`` is the running row maximum and ``l_i`` the running row sum, both in base 2 and already
@@ -67,16 +72,25 @@ def fwd_inner(acc, m_i, l_i, q,
     ``i`` sees only keys ``i - win_left .. i + win_right``. SOFTCAP, ALIBI and MASK_KIND change
     the scores (``tiles.modified_scores``); DROPOUT drops probabilities from ``acc`` but not from
     ``l_i`` (the softmax's denominator is that of all keys), its 1/(1-p) applied at the end.
-    PAGED (decode's paged KV cache) reads key ``j`` from row ``j % PAGE_SIZE`` of page
-    ``Pages[j // PAGE_SIZE]``, ``stride_kp``/``stride_vp`` apart, instead of row ``j`` of K and V.
+    PAGED (a paged KV cache) reads key ``j`` from row ``p % PAGE_SIZE`` of page
+    ``Pages[p // PAGE_SIZE]``, ``p = j + page_shift`` (decode's keys counted from a sequence's first
+    valid one), ``stride_kp``/``stride_vp`` apart, instead of row ``j`` of K and V.
+    LISTED (an attn_mask's tile lists, ``flashattn.kernels.masks``) walks the key tiles whose
+    indices ``Tiles`` holds at positions ``[kv_lo, kv_hi) / BLOCK_KV`` instead of ``[kv_lo, kv_hi)``.
     """
     if PAGED:
         # The pages of the first tile's keys; each iteration reads those of the next tile, so that
         # a tile's addresses never wait on a load of the same iteration (the compiler then keeps
         # as many K and V tiles in flight as without pages).
         offs_next = kv_lo + tl.arange(0, BLOCK_KV)
-        page_next = tl.load(Pages + offs_next // PAGE_SIZE, mask=offs_next < n_kv, other=0)
+        page_next = tl.load(Pages + (offs_next + page_shift) // PAGE_SIZE, mask=offs_next < n_kv, other=0)
+    if LISTED:  # the first tile's index; each iteration reads the next one's, as for the pages
+        tile_next = tl.load(Tiles + kv_lo // BLOCK_KV, mask=kv_lo < kv_hi, other=0)
     for kv_start in range(kv_lo, kv_hi, BLOCK_KV):
+        if LISTED:
+            listed = kv_start // BLOCK_KV + 1
+            kv_start = tile_next * BLOCK_KV
+            tile_next = tl.load(Tiles + listed, mask=listed * BLOCK_KV < kv_hi, other=0)
         kv_start = tl.multiple_of(kv_start, BLOCK_KV)  # lets the compiler prove aligned addresses
         offs_kv = kv_start + tl.arange(0, BLOCK_KV)
         if PAGED:
@@ -84,8 +98,8 @@ def fwd_inner(acc, m_i, l_i, q,
             # bad entry cannot read outside the cache), then its row within the page.
             page = tl.minimum(tl.maximum(page_next, 0), n_pages - 1).to(tl.int64)
             offs_next = offs_kv + BLOCK_KV
-            page_next = tl.load(Pages + offs_next // PAGE_SIZE, mask=offs_next < n_kv, other=0)
-            in_page = offs_kv % PAGE_SIZE
+            page_next = tl.load(Pages + (offs_next + page_shift) // PAGE_SIZE, mask=offs_next < n_kv, other=0)
+            in_page = (offs_kv + page_shift) % PAGE_SIZE
             k = load_rows(K, page * stride_kp + in_page * stride_kn, offs_kv, offs_d, stride_kd, n_kv,
                           HEAD_DIM, MASKED, HEAD_DIM < BLOCK_D)
         else:
@@ -121,8 +135,8 @@ def fwd_inner(acc, m_i, l_i, q,
         alpha = tl.exp2(m_i - m_ref)                                # rescales what came before
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], drop_col0 + offs_kv[None, :],
-                                n_cols_all)
+            keep = dropout_keep(seed, p_drop, drop_row0 + offs_q[:, None], tl.arange(0, BLOCK_KV)[None, :],
+                                drop_col0 + kv_start, BLOCK_KV, DROPOUT)
             p = tl.where(keep, p, 0.0)
         if PAGED:
             v = load_rows(V, page * stride_vp + in_page * stride_vn, offs_kv, offs_dv, stride_vd, n_kv,
@@ -136,7 +150,7 @@ def fwd_inner(acc, m_i, l_i, q,
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right", "seed"])  # one binary per length
+@triton.jit(do_not_specialize=["n_heads", "n_q", "n_kv", "win_left", "win_right", "seed"])  # one binary for every length
 def attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qn, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
@@ -151,8 +165,11 @@ def attn_fwd(Q, K, V, O, LSE,
               WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
               softcap=0.0, Slopes=None, stride_sb=0, stride_sh=0,
               Mask=None, stride_mb=0, stride_mh=0, stride_mq=0, stride_mk=0, seed=0, p_drop=0.0,
+              Lists=None, stride_lb=0, stride_lh=0, stride_lr=0,
               SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
-              DROPOUT: tl.constexpr = False, BOTTOM_RIGHT: tl.constexpr = False):
+              DROPOUT: tl.constexpr = 0, BOTTOM_RIGHT: tl.constexpr = False,
+              Pages=None, stride_pb=0, stride_kp=0, stride_vp=0, n_pages=1,
+              PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16):
     # Grid: axis 0 = query blocks, axis 1 = heads, axis 2 = batch. Programs are started in axis-0
     # order, so the blocks running side by side belong to one head and share its K and V in L2.
     # Grouped-query attention: query head ``head`` reads K/V head ``head // n_group`` in place.
@@ -170,18 +187,20 @@ def attn_fwd(Q, K, V, O, LSE,
     V += batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     O += batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     LSE += (batch.to(tl.int64) * n_heads + head) * n_q
-    # Dropout's element ids count (batch, head, row, column) in the whole tensors' rows and columns.
+    # Dropout's pairs are counted by (batch, head, row) and column in the whole tensors.
     drop_row0 = (batch.to(tl.int64) * n_heads + head) * n_q
     drop_col0 = 0
-    n_cols_all = n_kv
     if VARLEN:  # move to this program's sequence; from here on n_q and n_kv are its lengths
         q_block, q_offset, n_q, kv_offset, n_kv = sequence_of_program(Programs, CuSeqQ, CuSeqK,
                                                                       q_block)
         Q += q_offset * stride_qn
         O += q_offset * stride_on
         LSE += q_offset
-        K += kv_offset * stride_kn
-        V += kv_offset * stride_vn
+        if PAGED:  # a paged KV cache: the sequence's keys are in the pages its row of the table names
+            Pages += tl.load(Programs + 2 * tl.program_id(0)).to(tl.int64) * stride_pb
+        else:
+            K += kv_offset * stride_kn
+            V += kv_offset * stride_vn
         drop_row0 += q_offset
         drop_col0 = kv_offset
     shift, win_left, win_right, slope = score_mod_setup(n_q, n_kv, win_left, win_right, batch, head,
@@ -200,7 +219,26 @@ def attn_fwd(Q, K, V, O, LSE,
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=tl.float32)
 
-    if WINDOW:
+    if MASK_KIND != 0:
+        # attn_mask's tile lists (flashattn.kernels.masks): this query block's tiles that need no
+        # mask at all, then those that need it (the mask's or the positions'); no other is loaded.
+        Tiles = Lists + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_block * stride_lr
+        n_full = tl.load(Tiles)
+        n_listed = n_full + tl.load(Tiles + 1)
+        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, offs_dv, 0, n_full * BLOCK_KV, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
+                                   WINDOW, win_left, win_right, n_q=n_q, shift=shift, softcap=softcap,
+                                   slope=slope, seed=seed, p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0,
+                                   Tiles=Tiles + 2, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT, LISTED=True)
+        acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_q, offs_d, offs_dv, n_full * BLOCK_KV, n_listed * BLOCK_KV, n_kv, qk_scale,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
+                                   WINDOW, win_left, win_right, n_q=n_q, shift=shift, softcap=softcap,
+                                   slope=slope, Mask=Mask, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed,
+                                   p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, Tiles=Tiles + 2,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, LISTED=True)
+    elif WINDOW:
         # A sliding window: masked tiles at its two edges, whole tiles between, none outside.
         kv_lo, kv_full_lo, kv_full_hi, kv_hi = kv_window_bounds(q_start, n_kv, win_left, win_right,
                                                                 BLOCK_Q, BLOCK_KV)
@@ -208,41 +246,46 @@ def attn_fwd(Q, K, V, O, LSE,
                                    offs_q, offs_d, offs_dv, kv_lo, kv_full_lo, n_kv, qk_scale,
                                    HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, False, DOT_PRECISION,
                                    True, win_left, win_right, n_q=n_q, shift=shift, softcap=softcap,
-                                   slope=slope, Mask=Mask, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed,
-                                   p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
-                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                                   slope=slope, seed=seed, p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT,
+                                   Pages=Pages, n_pages=n_pages, stride_kp=stride_kp, stride_vp=stride_vp,
+                                   PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, offs_dv, kv_full_lo, kv_full_hi, n_kv, qk_scale,
                                    HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, False, DOT_PRECISION,
                                    True, win_left, win_right, n_q=n_q, shift=shift, softcap=softcap,
-                                   slope=slope, Mask=Mask, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed,
-                                   p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
-                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                                   slope=slope, seed=seed, p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT,
+                                   Pages=Pages, n_pages=n_pages, stride_kp=stride_kp, stride_vp=stride_vp,
+                                   PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, offs_dv, kv_full_hi, kv_hi, n_kv, qk_scale,
                                    HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, False, DOT_PRECISION,
                                    True, win_left, win_right, n_q=n_q, shift=shift, softcap=softcap,
-                                   slope=slope, Mask=Mask, stride_mq=stride_mq, stride_mk=stride_mk, seed=seed,
-                                   p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
-                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                                   slope=slope, seed=seed, p_drop=p_drop, drop_row0=drop_row0, drop_col0=drop_col0,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT,
+                                   Pages=Pages, n_pages=n_pages, stride_kp=stride_kp, stride_vp=stride_vp,
+                                   PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
     else:
         kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
         # Stage 1: whole tiles every query of the block sees.
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, offs_dv, 0, kv_full_end, n_kv, qk_scale,
                                    HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, False, IS_CAUSAL, DOT_PRECISION,
-                                   n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
-                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
-                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                                   n_q=n_q, shift=shift, softcap=softcap, slope=slope, seed=seed, p_drop=p_drop,
+                                   drop_row0=drop_row0, drop_col0=drop_col0,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT,
+                                   Pages=Pages, n_pages=n_pages, stride_kp=stride_kp, stride_vp=stride_vp,
+                                   PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
         # Stage 2: the diagonal and the ragged end, with the element-wise mask.
         acc, m_i, l_i = fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_q, offs_d, offs_dv, kv_full_end, kv_end, n_kv, qk_scale,
                                    HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_KV, True, IS_CAUSAL, DOT_PRECISION,
-                                   n_q=n_q, shift=shift, softcap=softcap, slope=slope, Mask=Mask,
-                                   stride_mq=stride_mq, stride_mk=stride_mk, seed=seed, p_drop=p_drop,
-                                   drop_row0=drop_row0, drop_col0=drop_col0, n_cols_all=n_cols_all,
-                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT)
+                                   n_q=n_q, shift=shift, softcap=softcap, slope=slope, seed=seed, p_drop=p_drop,
+                                   drop_row0=drop_row0, drop_col0=drop_col0,
+                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT,
+                                   Pages=Pages, n_pages=n_pages, stride_kp=stride_kp, stride_vp=stride_vp,
+                                   PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
 
     if WINDOW or VARLEN or MASK_KIND != 0:
         # A row that saw no key (outside every window, masked out, or a sequence without keys) has
@@ -271,7 +314,7 @@ def empty_output(q, head_dim_v):
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
-                      lse_dtype=torch.float32, mods=None):
+                      lse_dtype=torch.float32, mods=None, block_table=None):
     """Launch the forward kernel on (B, H, N, D) tensors of any strides.
 
     Returns ``(o, lse2)``: the output, typed like ``q`` and shaped like it but for the last dim,
@@ -292,11 +335,18 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
     ``mods`` (a ``flashattn.kernels.mods.ScoreMods``) adds a softcap, ALiBi, an attn_mask,
     dropout or the bottom-right alignment; None: none of them.
 
+    ``block_table`` (with ``sequences``; an int32 ``(batch, max_blocks)`` tensor) says that ``k``
+    and ``v`` are a paged KV cache ``(num_pages, page_size, H_kv, D)``: key ``j`` of sequence ``b``
+    is row ``j % page_size`` of page ``block_table[b, j // page_size]`` (forward only).
+
     This is the Triton kernel everywhere; ``flashattn.ops.dispatch`` sends some calls on an
     H100/H200 to the Gluon kernel of ``flashattn.hopper.forward`` instead.
     """
     batch, heads, n_q, head_dim = q.shape
-    n_kv, head_dim_v = k.shape[2], v.shape[3]
+    paged = block_table is not None
+    # a paged cache holds every sequence's keys (as many as cu_seqlens_k counts) in its pages
+    n_kv = int(sequences.lengths_k.sum()) if paged else k.shape[2]
+    kv_heads, head_dim_v = k.shape[2 if paged else 1], v.shape[3]
     mods = mods or NO_MODS
     causal, window, win_left, win_right = window_masking(
         is_causal, window_size, n_q + n_kv, mods.aligned_bottom_right(n_q, n_kv, sequences is not None))
@@ -313,6 +363,14 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
                       DOT_PRECISION=configs.dot_precision(q.dtype, configs.block_d(max(head_dim, head_dim_v))),
                       WINDOW=window, VARLEN=sequences is not None)
     mod_args = mods.kernel_args(n_q, n_kv, sequences is not None)
+    if mods.attn_mask is not None:  # the mask's tile lists depend on the tile: it is fixed first
+        config = config or launcher.fixed_config("fwd", q.dtype, constexprs)
+        mod_args.update(mods.mask_lists(n_q, n_kv, {"fwd": config}, causal, window, win_left, win_right)["fwd"])
+    k_strides, v_strides = k.stride(), v.stride()
+    if paged:  # (page, row within the page, head, feature) as the kernel's (-, head, row, feature)
+        k_strides, v_strides = ((0, t.stride(2), t.stride(1), t.stride(3)) for t in (k, v))
+        mod_args.update(Pages=block_table, stride_pb=block_table.stride(0), stride_kp=k.stride(0),
+                        stride_vp=v.stride(0), n_pages=k.shape[0], PAGED=True, PAGE_SIZE=k.shape[1])
     programs = cu_seqlens_q = cu_seqlens_k = None
     if sequences is None:
         def grid(meta):
@@ -326,8 +384,8 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
             return o.to(out_dtype), lse2
     launcher.launch(
         "fwd", attn_fwd, grid,
-        (q, k, v, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        (q, k, v, o, lse2, *q.stride(), *k_strides, *v_strides, *o.stride(),
          heads, n_q, n_kv, qk_scale(scale),
-         heads // k.shape[1], win_left, win_right, programs, cu_seqlens_q, cu_seqlens_k),
+         heads // kv_heads, win_left, win_right, programs, cu_seqlens_q, cu_seqlens_k),
         dict(constexprs, **mod_args), seq_len=max(n_q, n_kv), config=config)
     return o.to(out_dtype), lse2

@@ -8,8 +8,7 @@ builds those tables from the lengths, longest work first.
 import numpy as np
 import torch
 
-from ..gpu import configs
-from ..gpu.runtime import INTERPRET
+from ..gpu import launcher
 
 
 class Sequences:
@@ -24,10 +23,7 @@ class Sequences:
 
     def config(self, name, dtype, constexprs):
         """The tiles kernel ``name`` runs with (a dict): the interpreter's, or the GPU's default."""
-        if INTERPRET:
-            return dict(configs.INTERPRETER_CONFIGS[name])
-        return configs.as_dict(configs.default_config(name, dtype, constexprs["DOT_PRECISION"],
-                                                     configs.tile_block_d(constexprs)))
+        return launcher.fixed_config(name, dtype, constexprs)
 
     def programs(self, side, block, win_left, win_right):
         """The launch table: an int32 tensor ``(programs, 2)`` of ``(sequence, block)``, one row

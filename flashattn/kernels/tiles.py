@@ -216,6 +216,7 @@ def sequence_of_program(Programs, CuSeqQ, CuSeqK, program):
 # off by default, so that a kernel without them compiles to what it was before they existed.
 
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # MASK_KIND: no attn_mask, a boolean one, an additive one
+MASK_KEYS = 4  # added to MASK_KIND: the mask has one row for every query (a key-padding mask)
 
 
 @triton.jit
@@ -247,7 +248,8 @@ def modified_scores(s, rows, cols, n_q, n_kv, qk_scale, softcap, slope, shift,
     (``shift = N_kv - N_q`` aligned bottom-right, else 0). The cap acts on the natural-log scaled
     score, as in the formula: ``qk_scale * ln 2`` is the softmax scale again. A boolean mask hides
     a pair with -inf; an additive one is read as float32 and added before the conversion to base 2.
-    Pairs outside the sequences read no mask (the kernels hide them anyway)."""
+    Pairs outside the sequences read no mask (the kernels hide them anyway). A mask with one row
+    for every query (MASK_KEYS) is read once per key of the tile, not once per pair."""
     if SOFTCAP:
         t = tanh(s * (qk_scale * 0.6931471805599453 / softcap))
         s2 = t * (softcap * 1.4426950408889634)
@@ -258,9 +260,13 @@ def modified_scores(s, rows, cols, n_q, n_kv, qk_scale, softcap, slope, shift,
     if ALIBI:
         s2 = s2 - (slope * 1.4426950408889634) * tl.abs(rows + shift - cols).to(tl.float32)
     if MASK_KIND != 0:
-        ptrs = Mask + rows.to(tl.int64) * stride_mq + cols.to(tl.int64) * stride_mk
-        inside = (rows < n_q) & (cols < n_kv)
-        if MASK_KIND == 1:
+        if MASK_KIND & 4:  # one row for every query: read as a row (or column) of keys, broadcast
+            ptrs = Mask + cols.to(tl.int64) * stride_mk
+            inside = cols < n_kv
+        else:
+            ptrs = Mask + rows.to(tl.int64) * stride_mq + cols.to(tl.int64) * stride_mk
+            inside = (rows < n_q) & (cols < n_kv)
+        if MASK_KIND & 1:
             keep = tl.load(ptrs, mask=inside, other=0)
             s2 = tl.where(keep != 0, s2, float("-inf"))
         else:
@@ -269,13 +275,45 @@ def modified_scores(s, rows, cols, n_q, n_kv, qk_scale, softcap, slope, shift,
     return s2, dcap
 
 
+#: DROPOUT: how the kernels find a pair's bits (0: no dropout). Both give every pair the same bits.
+DROP_TILE = 1  # the tile's first column is a multiple of 32 (whenever BLOCK_KV is): offsets in the tile
+DROP_PAIR = 2  # columns start anywhere (packed sequences): each pair's column in full
+
+
 @triton.jit
-def dropout_keep(seed, p_drop, rows, cols, n_cols):
-    """Which pairs of the tile dropout keeps: True with probability ``1 - p_drop``, from Philox on
-    the pair's element id ``rows * n_cols + cols`` (64-bit). The forward and both backward kernels
-    call it with the same ids, so the backward regenerates the forward's mask instead of reading
-    one: nothing N_q x N_kv is stored. ``rows`` already carries the (batch, head) slice."""
-    return tl.rand(seed, rows.to(tl.int64) * n_cols + cols.to(tl.int64)) >= p_drop
+def dropout_threshold(p_drop):
+    """Dropout compares 16 random bits per pair with ``round(p_drop * 2**16)``: a pair is dropped
+    with a probability within 2**-17 of ``p_drop`` (the kept ones are still scaled by
+    ``1 / (1 - p_drop)``)."""
+    return tl.cast(p_drop * 65536.0 + 0.5, tl.int32)
+
+
+@triton.jit
+def dropout_keep(seed, p_drop, rows, cols, col0, BLOCK_KV: tl.constexpr, DROPOUT: tl.constexpr):
+    """Which pairs of a tile dropout keeps: True with probability ``1 - p_drop``. ``rows`` are the
+    pairs' row ids (the (batch, head) slice's rows of the whole tensors), ``col0 + cols`` their
+    columns, ``cols`` the offsets in a tile of ``BLOCK_KV`` columns; the two broadcast against
+    each other, either way round (the dK/dV kernel's tiles are transposed).
+
+    One Philox call (``tl.philox``, 10 rounds) gives four 32-bit numbers: 8 pairs of 16 bits. The
+    pair (r, c) takes the call of counter ``(4 * (c // 32) + c % 8 // 2, r's low and high 32 bits,
+    0)``, its number ``c // 8 % 4``, bits ``16 * (c % 2)`` on. The columns of one call, ``c % 8 // 2``
+    fixed within 32, are those a thread holds in a tensor core's tile of results (pairs of
+    neighbours, 8 apart): computed pair by pair, the compiler runs each call once for them all.
+    The forward and both backward kernels draw the same pairs, so the backward regenerates the
+    forward's mask instead of reading one: nothing N_q x N_kv is stored."""
+    if DROPOUT == 1 and BLOCK_KV % 32 == 0:  # the offsets alone say where a pair sits in its call
+        c = cols
+    else:
+        c = col0 % 32 + cols
+    group = (col0 // 32 + (c >> 5)) * 4 + ((c >> 1) & 3)
+    rows = rows.to(tl.int64)
+    r0, r1, r2, r3 = tl.philox(seed, group.to(tl.uint32), rows.to(tl.uint32), (rows >> 32).to(tl.uint32),
+                               group.to(tl.uint32) * 0)
+    word = (c >> 3) & 3
+    bits = tl.where(word < 2, tl.where(word == 0, r0, r1), tl.where(word == 2, r2, r3))
+    bits = (bits >> ((c & 1) * 16).to(tl.uint32)) & 0xFFFF
+    return bits.to(tl.int32) >= dropout_threshold(p_drop)
 
 
 @triton.jit

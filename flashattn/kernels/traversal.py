@@ -86,16 +86,19 @@ def work_fraction(kinds: np.ndarray) -> float:
     return float((kinds != SKIPPED).mean()) if kinds.size else 0.0
 
 
-def decode_split_bounds(n_kv: int, n_q: int, num_splits: int, block_kv: int):
+def decode_split_bounds(n_kv: int, n_q: int, num_splits: int, block_kv: int, causal: bool = True):
     """The keys each split of the decode kernel (``flashattn.decode``) reads, for a sequence whose
     cache holds ``n_kv`` keys, the last ``n_q`` of them new: a list of ``(lo, hi)``, one per split.
 
-    Keys ``[0, n_seen)``, ``n_seen = n_kv - n_q + 1``, are seen by every new token. They are cut
-    into ``num_splits`` runs of whole tiles of ``block_kv`` keys; the last run that starts inside
-    them also takes the keys only later tokens see, ``[n_seen, n_kv)``. So every split that has
-    keys starts with a key all its rows see, and the splits past the end get none (``lo == hi``).
+    Keys ``[0, n_seen)``, ``n_seen = n_kv - n_q + 1`` (causal; every key when not), are seen by
+    every new token. They are cut into ``num_splits`` runs of whole tiles of ``block_kv`` keys;
+    the last run that starts inside them also takes the keys only later tokens see, ``[n_seen,
+    n_kv)``. So every split that has keys starts with a key all its rows see, and the splits past
+    the end get none (``lo == hi``). With fewer keys than new tokens, the tokens before key 0 see
+    none: the kernel masks them as if they sat at key 0, so ``n_seen`` is 1 and the first split
+    takes every key.
     """
-    n_seen = max(n_kv - n_q + 1, 0)
+    n_seen = min(max(n_kv - n_q + 1, 1), n_kv) if causal else n_kv
     span = cdiv(cdiv(n_seen, block_kv), num_splits) * block_kv
     bounds = []
     for split in range(num_splits):

@@ -13,13 +13,14 @@ launches a kernel). :func:`in_child` does that in a child process, so that a tes
 running on the interpreter can ask for a compiled kernel's facts.
 
 The Gluon kernels for Hopper (``flashattn.hopper.forward``, ``flashattn.hopper.backward``) have no
-interpreter at all: :func:`compile_gluon` and :func:`gluon_report` compile them, and
-:func:`facts` reads what the compiler made (wgmma, TMA copies, mbarrier waits, register budgets).
+interpreter at all: ``flashattn.measure.compiled_gluon`` compiles them, and :func:`facts` reads
+what the compiler made (wgmma, TMA copies and reduce-adds, mbarrier waits, register budgets).
 
 A notebook asks for the PTX of a kernel (one of the package's, or one it defines) compiled for any
 NVIDIA architecture with :func:`ptx_of`, which runs the compiler through :func:`in_child`.
 """
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -72,7 +73,7 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), target=SM90, *
     ``constexprs`` gives the compile-time arguments, ``floats`` names the float32 scalars; every
     other argument is an int32. ``aligned`` names the arguments Triton may assume divisible by 16,
     as it does for the pointers and strides of contiguous tensors. ``options`` go to the
-    compiler (``num_warps``, ``num_stages``; Triton's defaults otherwise).
+    compiler (``num_warps``, ``num_stages``, ``enable_fp_fusion``; Triton's defaults otherwise).
     """
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -90,28 +91,31 @@ def compile_sm90(fn, pointers, constexprs, floats=(), aligned=(), target=SM90, *
 #: The tables of packed sequences (flashattn.ops.varlen): ``constexprs`` of :func:`compile_kernel`
 #: gives them as "pointer" to compile the VARLEN kernels.
 VARIANT_POINTERS = ("Programs", "CuSeqQ", "CuSeqK")
-#: The score modifications' tensors (flashattn.kernels.mods) and decode's block table: ``constexprs``
-#: gives their element type ("fp32", "u8", "i32") to compile the kernels with ALIBI, MASK_KIND or
-#: PAGED on.
-MOD_POINTERS = ("Slopes", "Mask", "Pages")
-#: decode with every variant on: a paged cache (pages of 16 keys), ALiBi, softcap and a window.
-DECODE_ALL_VARIANTS = dict(PAGED=True, PAGE_SIZE=16, ALIBI=True, SOFTCAP=True, WINDOW=True,
-                           Pages="i32", Slopes="fp32")
+#: The score modifications' tensors (flashattn.kernels.mods; Lists: an attn_mask's tile lists),
+#: decode's block table, left padding and cache rows: ``constexprs`` gives their element type ("fp32",
+#: "u8", "i32") to compile the kernels with ALIBI, MASK_KIND, PAGED, LEFTPAD or CACHE_ROWS on.
+MOD_POINTERS = ("Slopes", "Mask", "Lists", "Pages", "LeftPad", "CacheRows")
+#: decode with every variant on: a paged cache (pages of 16 keys) of a left-padded batch, ALiBi,
+#: softcap and a window (CACHE_ROWS goes without pages).
+DECODE_ALL_VARIANTS = dict(PAGED=True, PAGE_SIZE=16, ALIBI=True, SOFTCAP=True, WINDOW=True, LEFTPAD=True,
+                           Pages="i32", Slopes="fp32", LeftPad="i32")
 
 
-def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM90):
+def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM90, **options):
     """Compile one of the package's kernels (a key of :data:`KERNELS`) for contiguous inputs of
     ``dtype`` ("fp16", "bf16", "fp32"), as a launch would, for ``target`` (see :func:`target`): the
     head-dim strides equal 1 (Triton turns such ints into constants), the pointers and other strides
     are divisible by 16; v's head dim (HEAD_DIM_V, BLOCK_DV) is q's unless ``constexprs`` gives
     it. Without grouped heads (``n_group="runtime"`` compiles them) and without packed sequences
-    (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``)."""
+    (``Programs=CuSeqQ=CuSeqK="pointer"`` compiles them, with ``VARLEN=True``). ``options``: more
+    of the compiler's (``enable_fp_fusion``)."""
     fn, tensors, fixed = KERNELS[name]
     # As flashattn.attention launches them without grouped heads, windows or packed sequences:
     # Triton turns n_group = 1 into a constant and the absent tables (None) into constexprs.
     # ``constexprs`` may override them (a table is then an int32 pointer, see VARIANT_POINTERS).
     variants = {"n_group": 1, "Programs": None, "CuSeqQ": None, "CuSeqK": None, "WINDOW": False,
-                "VARLEN": False, "Slopes": None, "Mask": None, "Pages": None}
+                "VARLEN": False, "Slopes": None, "Mask": None, "Lists": None, "Pages": None, "LeftPad": None,
+                "CacheRows": None}
     constexprs = {**{arg: value for arg, value in variants.items() if arg in fn.arg_names}, **constexprs}
     # Every other switch at its default (SOFTCAP, ALIBI, MASK_KIND, DROPOUT, BOTTOM_RIGHT off), as a
     # launch that does not pass it: left out here, it would compile as a run-time int.
@@ -131,27 +135,28 @@ def compile_kernel(name, dtype, constexprs, num_warps=4, num_stages=2, target=SM
         constexprs["stride_mk"] = 1
     if constexprs.get("n_group") == "runtime":  # grouped-query attention: a run-time int
         del constexprs["n_group"]
-    # The mask's and the slopes' strides are plain ints (0 on broadcast dims), not multiples of 16,
-    # nor is the block table's (its row: max_blocks pages).
+    # The mask's, its tile lists' and the slopes' strides are plain ints (0 on broadcast dims), not
+    # multiples of 16, nor is the block table's (its row: max_blocks pages).
     aligned = set(pointers) | {arg for arg in fn.arg_names if arg.startswith("stride_")
-                               and not arg.startswith(("stride_m", "stride_s", "stride_p"))}
+                               and not arg.startswith(("stride_m", "stride_s", "stride_p", "stride_l"))}
     return compile_sm90(fn, pointers, constexprs, floats=("scale", "qk_scale", "softcap", "p_drop"),
-                        aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages)
+                        aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages, **options)
 
 
-def _cuobjdump(compiled, flag):
-    """What the cuobjdump that ships with Triton prints about a compiled kernel's cubin."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+@functools.lru_cache(maxsize=4)  # several facts of one kernel read the same SASS: disassembled once
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What the cuobjdump that ships with Triton prints about a cubin (``flag``: -sass, -res-usage)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        return subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
 
 
 def resources(compiled):
     """``(registers per thread, spilled bytes per thread, shared memory bytes)`` of a compiled
     kernel, read with the cuobjdump that ships with Triton (-1 where it cannot say)."""
-    out = _cuobjdump(compiled, "-res-usage")
+    out = cuobjdump(compiled.asm["cubin"], "-res-usage")
     regs = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
     return (int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1,
@@ -187,7 +192,8 @@ def facts(compiled):
     """What a compiled kernel holds, as a dict: registers per thread at launch, spilled bytes,
     shared memory bytes, and counts read from its PTX: wgmma instructions (``wgmma``) and waits
     for them (``wgmma_waits``), TMA copies into and out of shared memory (``tma_loads``,
-    ``tma_stores``), mbarrier waits (``mbarrier_waits``), and the register budgets the warps set
+    ``tma_stores``) and TMA reduce-adds into global memory (``tma_reduces``), mbarrier waits
+    (``mbarrier_waits``), and the register budgets the warps set
     themselves (``setmaxnreg``, sorted)."""
     regs, spill, smem = resources(compiled)
     ptx = compiled.asm["ptx"]
@@ -197,6 +203,7 @@ def facts(compiled):
                 tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", ptx)),
                 tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                 mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
+                tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk", ptx)),
                 setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
 
 
@@ -207,125 +214,32 @@ class CannotCompile(RuntimeError):
     """This machine's Triton cannot compile for sm_90 (no CUDA backend, no ptxas, no Gluon)."""
 
 
-def _gluon(module):
-    """``flashattn.hopper.<module>`` ("forward" or "backward"), a Gluon kernel module;
-    CannotCompile where Triton has no Gluon."""
-    import importlib
-
-    try:
-        return importlib.import_module(f"flashattn.hopper.{module}")
-    except ImportError as error:
-        raise CannotCompile(f"no Gluon compiler here: {error}") from error
-
-
-def compile_gluon(fn, signature, constexprs, aligned=(), **options):
-    """Compile the @gluon.jit ``fn`` for sm_90: ``signature`` maps each run-time argument to its
-    type ("*fp32", "i32", "fp32", "tensordesc<...>"), ``constexprs`` gives the compile-time ones;
-    ``aligned`` names the arguments Triton may assume divisible by 16."""
-    try:
-        from triton.experimental.gluon._runtime import GluonASTSource
-    except ImportError as error:
-        raise CannotCompile(f"no Gluon compiler here: {error}") from error
-    sig = dict(signature, **{name: "constexpr" for name in constexprs})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=SM90, options=options)
-
-
-def _descriptor_type(module, dtype, rows, head_dim):
-    """The signature type of a TMA descriptor argument, as ``module.descriptor`` builds it."""
-    block = [1, 1, rows, head_dim]
-    layout = module.block_layout(block, TORCH_DTYPES[dtype])
-    return f"tensordesc<{dtype}{block},{layout!r}>"
-
-
-def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False):
-    """The Gluon forward (``flashattn.hopper.forward``) compiled for ``dtype`` ("fp16", "bf16"), head dim,
-    masking (``window``: a sliding window, which takes the masked configuration) and ``config``
-    (overrides of ``hopper.tile_config``) as a launch compiles it."""
-    hopper = _gluon("forward")
-    cfg = hopper.tile_config(head_dim, causal or window, config)
-    regs, options = hopper.launch_options(cfg)
-    q, kv = (_descriptor_type(hopper, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
-    signature = dict(desc_q=q, desc_k=kv, desc_v=kv, desc_o=q, LSE="*fp32", n_heads="i32",
-                     n_q="i32", n_kv="i32", qk_scale="fp32", n_group="i32", win_left="i32", win_right="i32")
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and not window,
-                      PINGPONG=bool(cfg["PINGPONG"]), CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"],
-                      WINDOW=bool(window), **regs)
-    return compile_gluon(hopper.attn_fwd_sm90, signature, constexprs, aligned=["LSE"], **options)
-
-
-def compile_hopper_backward(head_dim, dtype, causal, config=None):
-    """The Gluon dK/dV kernel (``flashattn.hopper.backward``) compiled as a launch compiles it."""
-    bwd = _gluon("backward")
-    cfg = bwd.tile_config(head_dim, config)
-    regs, options = bwd.launch_options(cfg)
-    q, kv = (_descriptor_type(bwd, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
-    signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv,
-                     LSE="*fp32", Delta="*fp32", n_heads="i32", n_group="i32", n_q="i32", n_kv="i32",
-                     scale="fp32", qk_scale="fp32")
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), **regs)
-    return compile_gluon(bwd.attn_bwd_dkdv_sm90, signature, constexprs, aligned=["LSE", "Delta"],
-                         **options)
-
-
-def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), causal=(False, True),
-                 configs=(None,)):
-    """Compile a Gluon kernel ("fwd" or "bwd") for every combination and return one dict per
-    compilation: its settings and :func:`facts`, or ``error``. ``causal`` may hold "window" for
-    the forward: its sliding-window variant. CannotCompile when the first one
-    fails in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
-    compile_one = {"fwd": compile_hopper_forward, "bwd": compile_hopper_backward}[kernel]
-    rows = []
-    for head_dim in head_dims:
-        for dtype in dtypes:
-            for is_causal in causal:
-                for config in configs:
-                    row = dict(kernel=kernel, head_dim=head_dim, dtype=dtype, causal=bool(is_causal),
-                               config=config or {})
-                    try:
-                        if is_causal == "window":  # the forward's sliding window (masked tiles)
-                            row["causal"] = "window"
-                            row.update(facts(compile_hopper_forward(head_dim, dtype, True, config, window=True)))
-                        else:
-                            row.update(facts(compile_one(head_dim, dtype, is_causal, config)))
-                    except CannotCompile:
-                        raise
-                    except Exception as error:  # report and go on: one configuration cannot hide others
-                        if not rows and "ptxas" in str(error).lower():
-                            raise CannotCompile(f"cannot compile for sm_90 here: {str(error)[:200]}")
-                        text = str(error)  # a compile error ends with its cause, after the source
-                        text = text if len(text) <= 900 else f"{text[:300]} ... {text[-600:]}"
-                        row["error"] = f"{type(error).__name__}: {text}"
-                    rows.append(row)
-    return rows
-
-
 def variant_report(dtype="bf16", head_dim=128, arch=90):
-    """The attention kernels compiled for sm_``arch`` with each variant switched on (grouped heads,
-    a sliding window, packed sequences, and all three; the score modifications and dropout with a
-    bottom-right window, with packed sequences, and a float mask), in ``dtype`` with the default tiles of
-    ``flashattn.gpu.defaults`` for that architecture: one dict per kernel and variant with its registers,
-    spilled bytes and shared memory. Run it through :func:`in_child` from the interpreter."""
+    """The attention kernels compiled for sm_``arch`` with each variant on (grouped heads, a window,
+    packed sequences, all three; the score modifications and dropout with a bottom-right window, with
+    packed sequences; a float, a boolean and a key-padding mask; causal dropout), in ``dtype`` with the
+    default tiles of ``flashattn.gpu.defaults`` there: one dict per kernel and variant with its
+    registers, spilled bytes and shared memory. Run it through :func:`in_child`."""
     torch_dtype = TORCH_DTYPES[dtype]
     rows = []
     for name in ("fwd", "bwd_dkdv", "bwd_dq"):
         precision = configs.dot_precision(torch_dtype, head_dim)
         config = configs.default_config(name, torch_dtype, precision, head_dim, archs.ARCHS[arch])
-        for variant, extra in (("gqa", dict(n_group="runtime", IS_CAUSAL=True)),
-                               ("window", dict(WINDOW=True, IS_CAUSAL=False)),
+        for variant, extra in (("gqa", dict(n_group="runtime", IS_CAUSAL=True)), ("window", dict(WINDOW=True, IS_CAUSAL=False)),
                                ("varlen", dict(VARLEN=True, IS_CAUSAL=True, Programs="pointer",
                                                CuSeqQ="pointer", CuSeqK="pointer")),
                                ("all", dict(n_group="runtime", WINDOW=True, VARLEN=True, IS_CAUSAL=False,
                                             Programs="pointer", CuSeqQ="pointer", CuSeqK="pointer")),
                                ("mods", dict(n_group="runtime", WINDOW=True, IS_CAUSAL=False, BOTTOM_RIGHT=True,
                                              SOFTCAP=True, ALIBI=True, Slopes="fp32", MASK_KIND=1, Mask="u8",
-                                             DROPOUT=True)),
+                                             Lists="i32", DROPOUT=1)),
                                ("mods-varlen", dict(WINDOW=True, VARLEN=True, IS_CAUSAL=False, BOTTOM_RIGHT=True,
                                                     Programs="pointer", CuSeqQ="pointer", CuSeqK="pointer",
-                                                    ALIBI=True, Slopes="fp32", DROPOUT=True)),
-                               ("float-mask", dict(IS_CAUSAL=False, MASK_KIND=2, Mask="fp32"))):
+                                                    ALIBI=True, Slopes="fp32", DROPOUT=2)),
+                               ("float-mask", dict(IS_CAUSAL=False, MASK_KIND=2, Mask="fp32", Lists="i32")),
+                               ("bool-mask", dict(IS_CAUSAL=False, MASK_KIND=1, Mask="u8", Lists="i32")),
+                               ("key-padding", dict(IS_CAUSAL=False, MASK_KIND=5, Mask="u8", Lists="i32")),
+                               ("dropout", dict(IS_CAUSAL=True, DROPOUT=1))):
             constexprs = dict(config.kwargs, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION=precision,
                               **extra)
             kernel = compile_kernel(name, dtype, constexprs, num_warps=config.num_warps,
@@ -334,12 +248,6 @@ def variant_report(dtype="bf16", head_dim=128, arch=90):
             rows.append(dict(kernel=name, variant=variant, config=str(config), registers=registers,
                              spilled=spilled, smem=smem))
     return rows
-
-
-def gluon_reports(jobs):
-    """:func:`gluon_report` for each dict of arguments in ``jobs``, one list of rows: several
-    reports from one child process."""
-    return [row for job in jobs for row in gluon_report(**job)]
 
 
 # ---------------------------------------------------------------------------- in a child process
@@ -404,13 +312,20 @@ def ptx_of(kernel, pointers=None, constexprs=None, floats=(), arch=90, dtype="fp
                              arch=arch, dtype=dtype, num_warps=num_warps, num_stages=num_stages)])[0]
 
 
+#: The compiler's options a job of :func:`ptx_of_many` may set (Triton's default where it does not).
+#: ``enable_fp_fusion``: whether a multiply and an add may fuse into one fma; Triton 3.9 fuses
+#: unless told otherwise and warns that Triton 3.10 will not, so a PTX that depends on it sets it.
+PTX_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
 def ptx_of_many(jobs, timeout=300):
-    """:func:`ptx_of` for several kernels (``jobs``: dicts of its arguments), compiled by one child
-    process (starting one costs a few seconds: torch and Triton are imported afresh)."""
+    """:func:`ptx_of` for several kernels (``jobs``: dicts of its arguments, and any of
+    :data:`PTX_OPTIONS`), compiled by one child process (starting one costs a few seconds: torch
+    and Triton are imported afresh)."""
     specs = []
     for job in jobs:
         kernel = job["kernel"]
-        spec = {key: job.get(key) for key in ("constexprs", "arch", "dtype", "num_warps", "num_stages")}
+        spec = {key: job.get(key) for key in ("constexprs", "arch", "dtype", *PTX_OPTIONS)}
         spec["floats"] = list(job.get("floats") or ())
         spec["pointers"] = job.get("pointers") or {}
         spec["arch"] = spec["arch"] or 90
@@ -433,7 +348,7 @@ def _ptx_jobs(specs):
     out = []
     with tempfile.TemporaryDirectory() as folder:
         for n, spec in enumerate(specs):
-            options = {k: spec[k] for k in ("num_warps", "num_stages") if spec.get(k) is not None}
+            options = {k: spec[k] for k in PTX_OPTIONS if spec.get(k) is not None}
             constexprs = spec.get("constexprs") or {}
             if "package" in spec:
                 compiled = compile_kernel(spec["package"], spec["dtype"], constexprs, target=target(spec["arch"]), **options)
@@ -463,7 +378,7 @@ def instructions(compiled):
     cuobjdump disassembles it), and ``"shapes"``: the sorted PTX shapes of its matrix products
     (``wgmma ... m64n64k16`` gives "wgmma m64n64k16", ``mma.sync ... m16n8k16`` "mma m16n8k16")."""
     counts = dict.fromkeys(OPCODES, 0)
-    for line in _cuobjdump(compiled, "-sass").splitlines():
+    for line in cuobjdump(compiled.asm["cubin"], "-sass").splitlines():
         match = re.match(r"\s+/\*[0-9a-f]+\*/\s+([A-Z0-9_]+)", line)
         if match and match.group(1) in counts:
             counts[match.group(1)] += 1
@@ -492,8 +407,6 @@ def dtype_paths(arch):
 def table_keys(arch, block_ds=BLOCK_DS):
     """The (kernel, dtype, dot precision, BLOCK_D) entries ``flashattn.gpu.defaults`` holds for ``arch``
     (the Delta kernel has no dot: its precision is None)."""
-    from ..gpu import configs
-
     keys = {}
     for dtype, precision in dtype_paths(arch):
         for name in ATTENTION_KERNELS:
@@ -510,10 +423,6 @@ def default_candidates(arch, name, dtype, precision, block_d):
     H200 measured them, those whose tiles fit the architecture's shared memory by the rule (the
     registers are left to the compiler, which counts them exactly), then the fallback and the
     smallest tiles."""
-    import torch
-
-    from ..gpu import configs
-
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     candidates = configs.candidates(name, torch_dtype, precision, arch) + [configs.FALLBACK_CONFIGS[name]]
     if name == "bwd_preprocess":
@@ -534,10 +443,6 @@ def choosable(arch, block_ds=BLOCK_DS):
     """Every distinct (kernel, dtype, BLOCK_D, dot precision, configuration) that runs on ``arch``
     without timing (configs.default_config), one per compile: the masking mode and head dims of one
     class share a compile here (HEAD_DIM = BLOCK_D, causal)."""
-    import torch
-
-    from ..gpu import configs
-
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     items = []
     for name, dtype, precision, block_d in table_keys(arch, block_ds):

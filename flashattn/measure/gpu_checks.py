@@ -150,6 +150,7 @@ def child_gluon(args):
     calls = []
     fwd = _count_calls(hopper, "attention_forward", calls)
     dkdv = _count_calls(hopper_backward, "attention_backward_dkdv", calls)
+    _count_calls(hopper_backward, "attention_backward", calls)  # the fused backward (Triton >= 3.8)
     causal, d, scale = bool(args.causal), args.head_dim, args.head_dim ** -0.5
     for cid, (name, b, h, n_q, n_kv, layout, bwd, mag) in zip(gluon_cases(args.dtype, d, causal), SHAPES):
         if cid in args.skip:
@@ -164,11 +165,13 @@ def child_gluon(args):
             checks = compare_with_reference(q, k, v, is_causal=causal, backward=bwd)
             torch.cuda.synchronize()
             assert "attention_forward" in calls, "flashattn.attention did not call the Gluon forward"
-            # The backward takes the Gluon dK/dV only at dispatch.GLUON_DKDV_HEAD_DIMS (compared
-            # with the Triton kernel's below at every head dim).
-            wanted = bwd and d in dispatch.GLUON_DKDV_HEAD_DIMS
-            assert ("attention_backward_dkdv" in calls) == wanted, (
-                f"the backward {'did not call' if wanted else 'called'} the Gluon dK/dV at head dim {d}")
+            # The backward takes the fused Gluon kernel where Triton has TMA reduce-adds, else the
+            # Gluon dK/dV only at dispatch.GLUON_DKDV_HEAD_DIMS (compared with the Triton kernel's
+            # below at every head dim).
+            kernel = "attention_backward" if hopper_backward.has_dq_reduce() else "attention_backward_dkdv"
+            wanted = bwd and (kernel == "attention_backward" or d in dispatch.GLUON_DKDV_HEAD_DIMS)
+            assert (kernel in calls) == wanted, (
+                f"the backward {'did not call' if wanted else 'called'} the Gluon {kernel} at head dim {d}")
             # The Gluon results next to the Triton kernels' (FLASHATTN_GLUON=0 turns Gluon off).
             o, lse2 = fwd(q, k, v, causal, scale)
             os.environ["FLASHATTN_GLUON"] = "0"

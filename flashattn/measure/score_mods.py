@@ -1,25 +1,29 @@
 """Benchmark the score modifications on a GPU, each next to what PyTorch offers for it, in bfloat16.
 
-    python -m flashattn.measure.score_mods --out DIR/score_mods.csv          # on a GPU, about a minute
+    python -m flashattn.measure.score_mods --out DIR/score_mods.csv          # on a GPU, a few minutes
     python -m flashattn.measure.score_mods --quick --out DIR/score_mods.csv  # tiny, on the interpreter
 
-One row per (modification, provider, mode), B = 2, H = 16, N = 4096, D = 128, causal unless said:
+One row per (modification, provider, mode), B = 4, H = 32, N = 8192, D = 128, causal unless said:
 
-* ``causal``: the plain causal kernel, the baseline of every other row (``flashattn``, ``sdpa``);
-* ``key-padding``: a boolean ``(B, 1, 1, N)`` mask hiding the last quarter of each sequence's keys,
-  not causal (twice the causal baseline's pairs, a quarter of them hidden); SDPA gets the same mask;
-* ``float-mask``: an additive ``(B, 1, N, N)`` float mask, read tile by tile (SDPA: the same mask);
-* ``alibi``: ALiBi slopes per head; SDPA gets the bias as a float mask it has to read;
-* ``softcap``: Gemma 2's cap of 50 on the scores; PyTorch has no such SDPA argument, so its row is
-  FlexAttention's ``score_mod`` where it compiles here, else none;
-* ``dropout``: ``dropout_p = 0.1`` in training mode (SDPA draws its own mask: the times compare,
-  the values cannot);
-* ``bottom-right``: causal aligned bottom-right with 1024 queries against 4096 keys (a chunk of a
+* ``dense`` and ``causal``: the plain kernels, the baselines of the rows below (``flashattn``,
+  ``sdpa``); ``ratio_to_baseline`` is a row's time over its provider's baseline;
+* ``key-padding``: a boolean ``(B, 1, 1, N)`` mask keeping the first N, 3N/4, N/2 and N/4 keys of
+  the four sequences, not causal (baseline ``dense``: 5/8 of its pairs are kept); SDPA gets the
+  same mask, FlexAttention (``flex``, compiled) a block mask made from the lengths;
+* ``float-mask``: an additive ``(B, 1, N, N)`` float mask, -inf above the diagonal;
+* ``alibi``: ALiBi slopes per head; SDPA gets the bias as a float mask it has to read, FlexAttention
+  a ``score_mod`` with the causal block mask;
+* ``softcap``: Gemma 2's cap of 50 on the scores; FlexAttention's ``score_mod`` (no SDPA row);
+* ``dropout``: ``dropout_p = 0.1`` in training mode, against SDPA's FlashAttention-2 backend
+  (``sdpa-flash``; each draws its own mask: the times compare, the values cannot);
+* ``bottom-right``: causal aligned bottom-right with N/4 queries against N keys (a chunk of a
   prompt after a cache), SDPA with ``causal_lower_right``.
 
-Before timing, every flashattn output without dropout is compared with its PyTorch counterpart
-(``max_diff``; a difference over ``variants.TOLERANCE`` stops the run). Modes ``fwd``, ``bwd`` and
-``fwd+bwd`` are the medians of ``triton.testing.do_bench`` (the interpreter: one timed call).
+Before timing, every flashattn output without dropout is compared with its peers' (``max_diff``;
+a difference over ``variants.TOLERANCE`` stops the run). Modes ``fwd``, ``bwd`` and ``fwd+bwd``
+are the medians of ``triton.testing.do_bench`` (the interpreter: one timed call);
+``flashattn_speedup`` is a peer's time over flashattn's for the same modification and mode. A
+peer that fails (FlexAttention cannot compile here, say) is reported and left out.
 """
 import argparse
 import csv
@@ -34,11 +38,12 @@ import torch.nn.functional as F
 import flashattn
 from .variants import leaves, max_diff, timed_modes
 
-FIELDS = ["gpu", "torch", "triton", "date", "modification", "provider", "mode", "ms", "ratio_to_causal",
-          "max_diff"]
-SIZES = {"gpu": dict(batch=2, heads=16, n=4096, head_dim=128, chunk=1024),
-         "quick": dict(batch=1, heads=2, n=48, head_dim=16, chunk=16)}
+FIELDS = ["gpu", "torch", "triton", "date", "modification", "provider", "mode", "ms", "baseline",
+          "ratio_to_baseline", "flashattn_speedup", "max_diff"]
+SIZES = {"gpu": dict(batch=4, heads=32, n=8192, head_dim=128, chunk=2048),
+         "quick": dict(batch=4, heads=1, n=32, head_dim=16, chunk=16)}
 SOFTCAP = 50.0
+DROPOUT = 0.1
 
 
 def alibi_slopes(heads, device):
@@ -46,63 +51,107 @@ def alibi_slopes(heads, device):
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], device=device)
 
 
-def alibi_bias(slopes, n_q, n_k, device):
-    """The additive bias ALiBi is, as a (H, n_q, n_k) float tensor, top-left aligned."""
+def alibi_bias(slopes, n_q, n_k, device, dtype=torch.float32):
+    """The additive bias ALiBi is, as a (H, n_q, n_k) tensor of ``dtype``, top-left aligned (built
+    in that dtype: at H = 32 and N = 8192 a float32 copy alone would take 8.6 GB)."""
     i = torch.arange(n_q, device=device)[:, None]
     j = torch.arange(n_k, device=device)[None, :]
-    return -slopes[:, None, None] * (i - j).abs()
+    return -slopes.to(dtype)[:, None, None] * (i - j).abs().to(dtype)
 
 
-def _flex_softcap(q, k, v):
-    """FlexAttention with a softcap score_mod, compiled; None where it is not available."""
+def padding_lengths(batch, n):
+    """The kept keys of each sequence: N, 3N/4, N/2, N/4, and again for a larger batch."""
+    return [n * (4 - b % 4) // 4 for b in range(batch)]
+
+
+def key_padding_mask(lengths, n, device):
+    """The boolean ``(B, 1, 1, N)`` mask keeping the first ``lengths[b]`` keys of sequence ``b``."""
+    kept = torch.arange(n, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    return kept.reshape(len(lengths), 1, 1, n)
+
+
+def key_padding_mod(lengths):
+    """FlexAttention's ``mask_mod`` of :func:`key_padding_mask`: ``lengths`` a tensor on the device."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+    return mask_mod
+
+
+def causal_mod(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def _flex(q, k, v, mask_mod, batch=None, score_mod=None):
+    """FlexAttention with the block mask of ``mask_mod`` (per sequence where ``batch`` is given)
+    and ``score_mod``, compiled; None where it is not available."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None
-
-    def score_mod(score, b, h, i, j):
-        return SOFTCAP * torch.tanh(score / SOFTCAP)
-
-    def causal(b, h, i, j):
-        return j <= i
-
-    block_mask = create_block_mask(causal, None, None, q.shape[-2], k.shape[-2], device=q.device)
+    block_mask = create_block_mask(mask_mod, batch, None, q.shape[-2], k.shape[-2], device=q.device)
     compiled = torch.compile(flex_attention)
     return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
+def _sdpa_flash(q, k, v, **kwargs):
+    """SDPA on its FlashAttention-2 backend alone."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return call
+
+
 def cases(s, device, dtype):
-    """``{modification: (flashattn call, pytorch call or None, leaves, compare)}``."""
+    """``{modification: (baseline, leaves, flashattn call, {peer: call}, compare)}``: the peers'
+    outputs are compared with flashattn's where ``compare``."""
     batch, heads, n, d = s["batch"], s["heads"], s["n"], s["head_dim"]
     g = torch.Generator().manual_seed(0)
     q, k, v = leaves(*(torch.randn(batch, heads, n, d, generator=g).to(device, dtype) for _ in range(3)))
-    kept = torch.arange(n, device=device) < (3 * n) // 4
-    key_padding = kept.expand(batch, 1, 1, n)
+    on_gpu = device.type == "cuda"
+    lengths = padding_lengths(batch, n)
+    key_padding = key_padding_mask(lengths, n, device)
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     float_mask = torch.randn(batch, 1, n, n, generator=g).to(device, dtype).masked_fill(~causal, float("-inf"))
     slopes = alibi_slopes(heads, device)
-    bias = (alibi_bias(slopes, n, n, device).to(dtype).masked_fill(~causal, float("-inf"))).expand(batch, -1, -1, -1)
+    bias = alibi_bias(slopes, n, n, device, dtype).masked_fill_(~causal, float("-inf")).expand(batch, -1, -1, -1)
     q_chunk = leaves(q[:, :, -s["chunk"]:].detach())[0]
     from torch.nn.attention.bias import causal_lower_right
 
     lower_right = causal_lower_right(s["chunk"], n)
-    flex = _flex_softcap(q, k, v) if device.type == "cuda" else None
+    qkv = (q, k, v)
+
+    def sdpa(*args, **kwargs):
+        return lambda: F.scaled_dot_product_attention(*args, **kwargs)
+
+    def flex(*args, **kwargs):
+        return {"flex": _flex(*args, **kwargs)} if on_gpu else {}
+
+    def softcap_mod(score, b, h, i, j):
+        return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+    def alibi_mod(score, b, h, i, j):
+        return score - slopes[h] * (i - j).abs()
+
+    fa = flashattn.attention
     return {
-        "causal": (lambda: flashattn.attention(q, k, v, is_causal=True),
-                   lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), True),
-        "key-padding": (lambda: flashattn.attention(q, k, v, key_padding),
-                        lambda: F.scaled_dot_product_attention(q, k, v, key_padding), (q, k, v), True),
-        "float-mask": (lambda: flashattn.attention(q, k, v, float_mask),
-                       lambda: F.scaled_dot_product_attention(q, k, v, float_mask), (q, k, v), True),
-        "alibi": (lambda: flashattn.attention(q, k, v, is_causal=True, alibi_slopes=slopes),
-                  lambda: F.scaled_dot_product_attention(q, k, v, bias), (q, k, v), True),
-        "softcap": (lambda: flashattn.attention(q, k, v, is_causal=True, softcap=SOFTCAP), flex, (q, k, v),
-                    flex is not None),
-        "dropout": (lambda: flashattn.attention(q, k, v, dropout_p=0.1, is_causal=True),
-                    lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True), (q, k, v),
-                    False),
-        "bottom-right": (lambda: flashattn.attention(q_chunk, k, v, is_causal=True, causal_alignment="bottom_right"),
-                         lambda: F.scaled_dot_product_attention(q_chunk, k, v, lower_right), (q_chunk, k, v), True),
+        "dense": ("dense", qkv, lambda: fa(q, k, v), {"sdpa": sdpa(q, k, v)}, True),
+        "causal": ("causal", qkv, lambda: fa(q, k, v, is_causal=True), {"sdpa": sdpa(q, k, v, is_causal=True)}, True),
+        "key-padding": ("dense", qkv, lambda: fa(q, k, v, key_padding),
+                        {"sdpa": sdpa(q, k, v, key_padding),
+                         **flex(q, k, v, key_padding_mod(torch.tensor(lengths, device=device)), batch)}, True),
+        "float-mask": ("causal", qkv, lambda: fa(q, k, v, float_mask), {"sdpa": sdpa(q, k, v, float_mask)}, True),
+        "alibi": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, alibi_slopes=slopes),
+                  {"sdpa": sdpa(q, k, v, bias), **flex(q, k, v, causal_mod, score_mod=alibi_mod)}, True),
+        "softcap": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, softcap=SOFTCAP),
+                    flex(q, k, v, causal_mod, score_mod=softcap_mod), True),
+        "dropout": ("causal", qkv, lambda: fa(q, k, v, dropout_p=DROPOUT, is_causal=True),
+                    {"sdpa-flash": _sdpa_flash(q, k, v, dropout_p=DROPOUT, is_causal=True)} if on_gpu else
+                    {"sdpa": sdpa(q, k, v, dropout_p=DROPOUT, is_causal=True)}, False),
+        "bottom-right": ("causal", (q_chunk, k, v),
+                         lambda: fa(q_chunk, k, v, is_causal=True, causal_alignment="bottom_right"),
+                         {"sdpa": sdpa(q_chunk, k, v, lower_right)}, True),
     }
 
 
@@ -113,23 +162,37 @@ def run(quick, out):
 
     meta = dict(gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                 torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat())
-    rows, baseline = [], {}
-    for name, (ours, theirs, inputs, compare) in cases(s, device, dtype).items():
-        diff = ""
-        if compare:
-            with torch.no_grad():
-                diff = f"{max_diff(ours(), theirs()):.3g}"
-        for provider, fn in (("flashattn", ours), ("pytorch", theirs)):
+    rows, baselines = [], {}
+    for name, (baseline, inputs, ours, peers, compare) in cases(s, device, dtype).items():
+        times, diffs = {}, {}
+        for provider, fn in (("flashattn", ours), *peers.items()):
             if fn is None:
                 continue
-            for mode, ms in timed_modes(fn, inputs, quick).items():
-                if name == "causal":
-                    baseline[(provider, mode)] = ms
-                ratio = ms / baseline[(provider, mode)] if (provider, mode) in baseline else math.nan
-                rows.append(dict(meta, modification=name, provider=provider, mode=mode, ms=f"{ms:.4g}",
-                                 ratio_to_causal=f"{ratio:.3g}", max_diff=diff if provider == "flashattn" else ""))
-                print(f"{name:>13} {provider:>10} {mode:>8} {ms:9.4g} ms  x{ratio:5.2f} of its causal   "
-                      f"max_diff {diff or '-'}", flush=True)
+            try:
+                if compare and provider != "flashattn":
+                    with torch.no_grad():
+                        diffs[provider] = f"{max_diff(ours(), fn()):.3g}"
+                times[provider] = timed_modes(fn, inputs, quick)
+            except AssertionError:
+                raise
+            except Exception as error:  # a peer that cannot run here is left out, said so
+                if provider == "flashattn":
+                    raise
+                print(f"{name:>13} {provider:>10} left out: {type(error).__name__}: {str(error)[:200]}", flush=True)
+        if name == baseline:
+            baselines[name] = times
+        for provider, modes in times.items():
+            for mode, ms in modes.items():
+                base = baselines.get(baseline, {}).get(provider, {}).get(mode, math.nan)
+                ours_ms = times["flashattn"][mode]
+                row = dict(meta, modification=name, provider=provider, mode=mode, ms=f"{ms:.4g}", baseline=baseline,
+                           ratio_to_baseline=f"{ms / base:.3g}",
+                           flashattn_speedup="" if provider == "flashattn" else f"{ms / ours_ms:.3g}",
+                           max_diff=diffs.get(provider, ""))
+                rows.append(row)
+                print(f"{name:>13} {provider:>10} {mode:>8} {ms:9.4g} ms  x{ms / base:5.2f} of its {baseline:6}"
+                      + (f"  flashattn {ms / ours_ms:5.2f}x as fast" if provider != "flashattn" else "")
+                      + (f"  max_diff {row['max_diff']}" if row["max_diff"] else ""), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)

@@ -10,6 +10,7 @@ import numbers
 import numpy as np
 import torch
 
+from ..kernels.mods import dropout_mask
 from .autograd import attention_op, natural_lse
 from .modifiers import causal_bias, score_mods
 from .modifiers import type_name as _type_name
@@ -19,21 +20,22 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-              return_lse=False, window_size=(-1, -1), causal_alignment="top_left", softcap=0.0,
-              alibi_slopes=None):
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+              *, return_lse=False, window_size=(-1, -1), causal_alignment="top_left", softcap=0.0,
+              alibi_slopes=None, return_dropout_mask=False, deterministic=False):
     """Scaled dot-product attention, ``softmax(q @ k^T * scale) @ v``, computed by FlashAttention.
 
     A drop-in for ``torch.nn.functional.scaled_dot_product_attention``: its arguments in its order,
     then FlashAttention's own, keyword-only.
 
     Args:
-        q: queries, shape ``(..., N_q, D)``.
-        k, v: keys ``(..., N_kv, D)`` and values ``(..., N_kv, D_v)``, with the same leading dims
-            as ``q``, or 1 where q's are larger (broadcast as SDPA does, read in place with stride
-            0). Any strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)`` works as is).
-            v may have a head dim of its own, as in SDPA (DeepSeek's MLA: D = 192, D_v = 128);
-            D and D_v are each 1 to 256.
+        query, key, value (q, k, v below, SDPA's names): queries ``(..., N_q, D)``, keys
+            ``(..., N_kv, D)`` and values ``(..., N_kv, D_v)``. Their leading dims broadcast as
+            SDPA broadcasts them: a missing dim counts as 1, and a dim of 1 (k's and v's heads
+            included) is read in place with stride 0, never copied; k and v must have the same
+            leading dims. Any strides (a ``(B, N, H, D)`` tensor transposed to ``(B, H, N, D)``
+            works as is). v may have a head dim of its own, as in SDPA (DeepSeek's MLA: D = 192,
+            D_v = 128); D and D_v are each 1 to 256.
         attn_mask: None; a bool tensor (True: the pair takes part) or a float tensor (added to the
             scaled scores), broadcastable to ``(..., H, N_q, N_kv)``; or one of
             ``torch.nn.attention.bias.causal_upper_left/causal_lower_right(N_q, N_kv)``, which are
@@ -41,11 +43,15 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
             tile, a stride of 0 on each broadcast dim: a key-padding mask ``(B, 1, 1, N_kv)`` is
             never expanded (leading dims beyond batch and heads that broadcast partly are expanded
             to the batch). No gradient flows to it: a float mask that requires grad is refused.
+            With ``is_causal=True`` as well, both apply: a pair takes part only where the mask
+            keeps it and causality allows it (what SDPA's CPU path computes; some of SDPA's GPU
+            backends refuse the pair of arguments instead).
         dropout_p: probability of dropping each attention probability (kept ones are scaled by
             ``1 / (1 - dropout_p)``), applied whenever > 0, as SDPA does. The mask is drawn in the
             kernel (Philox) from a seed taken from torch's default generator, so
             ``torch.manual_seed`` reproduces it; the backward regenerates it (nothing N x N stored).
-            The returned lse is that of the scores before dropout.
+            The returned lse is that of the scores before dropout. ``return_dropout_mask`` shows
+            the mask a call drew.
         is_causal: mask so that query ``i`` sees keys ``0..pos(i)``, ``pos`` as ``causal_alignment``.
         scale: the factor applied to ``q @ k^T``; defaults to ``1 / sqrt(D)``.
         enable_gqa: grouped-query attention, as SDPA's flag: ``q`` is ``(..., H_q, N_q, D)`` and
@@ -67,6 +73,19 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         alibi_slopes: None, or float32 slopes of shape ``(H_q,)`` or ``(..., H_q)`` (q's leading
             dims): the score of query ``i`` and key ``j`` gets ``- slope * |pos(i) - j|`` (ALiBi,
             added after the softcap). No gradient flows to the slopes.
+        return_dropout_mask: also return the dropout mask this call drew, a bool tensor of shape
+            ``(..., N_q, N_kv)`` (q's leading dims), True where a probability was kept (all True
+            when ``dropout_p`` is 0), as FlashAttention's ``return_attn_probs`` serves its tests:
+            a reference given this mask reproduces the call exactly. A debugging aid: it is
+            formed in memory, N_q x N_kv per head, by the kernels' own random draw (and reading
+            the call's seed on the host, it breaks a torch.compile graph). Pairs that the mask,
+            the window or causality remove are False or True alike: they take no part anyway.
+        deterministic: gradients bit-identical from run to run. By default the backward may add
+            dQ's shares from different key blocks in an order that varies (on Hopper with Triton
+            >= 3.8: one fused kernel, five tile products per pair of tiles), so dQ can differ in
+            its last bits between runs; ``True`` (or ``torch.use_deterministic_algorithms(True)``)
+            computes dQ in a kernel of its own instead, in a fixed order, at a cost the docs state
+            (docs/performance.md). The forward is deterministic either way.
 
     A query that sees no key (outside every window, or masked out entirely) gets the output 0, the
     lse -inf and zero gradients (SDPA would give NaN for a fully masked row). Pairs are modified in
@@ -74,7 +93,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 
     Returns:
         ``out`` of shape ``(..., N_q, D_v)`` in ``q``'s dtype, or ``(out, lse)`` with ``lse`` of shape ``(..., N_q)``,
-        float32, natural log (``torch.logsumexp`` of the scores). Both are differentiable.
+        float32, natural log (``torch.logsumexp`` of the scores). Both are differentiable. With
+        ``return_dropout_mask``, the mask comes last: ``(out, keep)`` or ``(out, lse, keep)``.
 
     Dtypes float16, bfloat16 and float32 are supported. float32 follows
     ``torch.get_float32_matmul_precision()``: 'highest' (PyTorch's default) keeps float32's
@@ -88,18 +108,18 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     no double backward (a gradient of the gradients raises a RuntimeError). Calls with a mask, a
     softcap, ALiBi, dropout or the bottom-right alignment always run the Triton kernels.
     """
-    q, k, v = _autocast(q, k, v)
+    q, k, v = _autocast(query, key, value)
     attn_mask, is_causal, causal_alignment = causal_bias(attn_mask, is_causal, causal_alignment, q, k)
-    check_inputs(q, k, v, is_causal, scale, return_lse, enable_gqa)
+    q, k, v, gqa = broadcast(q, k, v, enable_gqa)
+    check_inputs(q, k, v, is_causal, scale, return_lse, gqa)
     window_size = check_window_size(window_size)
-    is_causal, return_lse = bool(is_causal), bool(return_lse)  # numpy bools too
+    for name, flag in (("return_dropout_mask", return_dropout_mask), ("deterministic", deterministic)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {_type_name(flag)}")
+    is_causal, return_lse, deterministic = bool(is_causal), bool(return_lse), bool(deterministic)  # numpy bools too
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
-    if k.dim() > 3 and k.shape[:-3] != q.shape[:-3]:
-        # k and v broadcast over q's batch dims (checked above): a view with stride 0 there, so
-        # every batch element reads the same K and V in place; autograd sums their gradients.
-        k, v = (t.expand(*q.shape[:-3], *t.shape[-3:]) for t in (k, v))
     # The kernels index (batch, head, seq, head_dim) with a stride for each. A 3-D or 4-D input is
     # used as is (no copy); more leading dims are merged into the batch, which reshape does
     # without copying whenever their strides allow it.
@@ -111,9 +131,60 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
                       batch, heads)
     q4 = q.reshape(batch, heads, q.shape[-2], head_dim)
     k4, v4 = (t.reshape(batch, heads_kv, *t.shape[-2:]) for t in (k, v))
-    out, lse2 = attention_op(q4, k4, v4, is_causal, scale, window_size, None, mods)
-    out = out.reshape(*q.shape[:-1], v.shape[-1])
-    return (out, natural_lse(lse2).reshape(q.shape[:-1])) if return_lse else out
+    out, lse2 = attention_op(q4, k4, v4, is_causal, scale, window_size, None, mods, deterministic)
+    results = (out.reshape(*q.shape[:-1], v.shape[-1]),)
+    if return_lse:
+        results += (natural_lse(lse2).reshape(q.shape[:-1]),)
+    if return_dropout_mask:
+        results += (_drawn_mask(mods, (batch, heads, q.shape[-2], k.shape[-2]), q.device).reshape(
+            *q.shape[:-1], k.shape[-2]),)
+    return results if len(results) > 1 else results[0]
+
+
+def _drawn_mask(mods, shape, device):
+    """The keep-mask of a call whose additions are ``mods`` (None: nothing, so no dropout)."""
+    if mods is None or not mods.dropout_p:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    return dropout_mask(shape, mods.dropout_p, mods.seed, device)
+
+
+def broadcast(q, k, v, enable_gqa):
+    """``(q, k, v, gqa)``: the inputs with their leading dims broadcast as SDPA broadcasts them, by
+    views (stride 0 on a broadcast dim, no copy), and whether the kernels group K/V heads.
+
+    A missing leading dim counts as 1; a dim of 1 takes the other side's size. In the heads dim
+    (the last leading one) k's and v's single head serves every query head as a group of all
+    of them (read in place, its gradient summed by the kernels), and q's single head is expanded.
+    Anything that does not broadcast is left as it is, for :func:`check_inputs` to name."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k, v)) \
+            or not isinstance(enable_gqa, (bool, np.bool_)) or k.shape[:-2] != v.shape[:-2]:
+        return q, k, v, enable_gqa
+    if q.shape[:-2] == k.shape[:-2]:
+        return q, k, v, enable_gqa
+    n = max(q.dim(), k.dim()) - 2
+    lead_q = (1,) * (n - q.dim() + 2) + tuple(q.shape[:-2])
+    lead_k = (1,) * (n - k.dim() + 2) + tuple(k.shape[:-2])
+    if any(a != b and 1 not in (a, b) for a, b in zip(lead_q[:-1], lead_k[:-1])):
+        return q, k, v, enable_gqa
+    batch = tuple(max(a, b) for a, b in zip(lead_q[:-1], lead_k[:-1]))
+    heads_q, heads_kv = lead_q[-1], lead_k[-1]
+    gqa = bool(enable_gqa)
+    if heads_q == 1 and heads_kv > 1:
+        heads_q = heads_kv       # q's one head broadcast over k's
+    elif heads_kv == 1 and heads_q > 1:
+        gqa = True               # one K/V head for all query heads: a group of H_q, in place
+    q = _viewed(q, (*batch, heads_q))
+    k, v = (_viewed(t, (*batch, heads_kv)) for t in (k, v))
+    return q, k, v, gqa
+
+
+def _viewed(t, lead):
+    """``t`` with leading dims ``lead``: itself if it has them, else a view (1s added in front,
+    dims of 1 expanded)."""
+    if tuple(t.shape[:-2]) == lead:
+        return t
+    t = t.reshape((1,) * (len(lead) + 2 - t.dim()) + tuple(t.shape))
+    return t if tuple(t.shape[:-2]) == lead else t.expand(*lead, *t.shape[-2:])
 
 
 def _autocast(q, k, v):

@@ -23,9 +23,11 @@ from .dispatch import attention_backward, attention_forward
 MAX_GRID_DIM = 65535
 
 
-def attention_op(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None):
+def attention_op(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None,
+                 deterministic=False):
     """``(out, lse2)`` as :class:`FlashAttention` computes them, through autograd only when a
-    gradient may be asked for.
+    gradient may be asked for (``deterministic``: the backward's, see
+    :func:`flashattn.ops.dispatch.attention_backward`).
 
     Without one the operator is called directly: torch.compile (torch 2.13) traces an
     autograd.Function's ``forward`` under no_grad with its arguments bound one place off (the
@@ -33,17 +35,19 @@ def attention_op(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None
     not iterable" at the window's unpacking; and an inference call has no backward to prepare."""
     tensors = (q, k, v) + ((mods.alibi_slopes, mods.attn_mask) if mods is not None else ())
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return FlashAttention.apply(q, k, v, is_causal, scale, window_size, sequences, mods)
+        return FlashAttention.apply(q, k, v, is_causal, scale, window_size, sequences, mods, bool(deterministic))
     return torch.ops.flashattn.forward(q, k, v, is_causal, scale, *window_size, *_sequence_args(sequences),
                                        *_mod_args(mods))
 
 
 class FlashAttention(torch.autograd.Function):
-    """``apply(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None) -> (out, lse2)``,
+    """``apply(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None,
+    deterministic=False) -> (out, lse2)``,
     lse2 the base-2 log-sum-exp of each row (float32, float64 for float32 kernels), which
     :func:`natural_lse` turns into the public one. ``k``/``v`` may have fewer heads than ``q``
     (grouped-query attention); ``sequences`` marks packed sequences (``flashattn.ops.varlen``);
-    ``mods`` (a ``flashattn.kernels.mods.ScoreMods``) the softcap, ALiBi, mask, dropout and alignment.
+    ``mods`` (a ``flashattn.kernels.mods.ScoreMods``) the softcap, ALiBi, mask, dropout and alignment;
+    ``deterministic`` asks the backward for gradients bit-identical from run to run.
 
     Both outputs are differentiable, and the natural-log LSE is computed outside, by autograd:
     with ``lse2`` returned as a third, non-differentiable output beside a natural-log ``lse`` of
@@ -53,7 +57,7 @@ class FlashAttention(torch.autograd.Function):
     generate_vmap_rule = True  # torch.func.vmap runs forward and backward on batched tensors
 
     @staticmethod
-    def forward(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None):
+    def forward(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None, deterministic=False):
         return torch.ops.flashattn.forward(q, k, v, is_causal, scale, *window_size, *_sequence_args(sequences),
                                            *_mod_args(mods))
 
@@ -66,6 +70,7 @@ class FlashAttention(torch.autograd.Function):
         ctx.window_size = tuple(rest[0]) if rest else (-1, -1)
         ctx.sequences = rest[1] if len(rest) > 1 else None
         ctx.mods = rest[2] if len(rest) > 2 else None
+        ctx.deterministic = rest[3] if len(rest) > 3 else False
         ctx.set_materialize_grads(False)  # an unused output gets None, not a tensor of zeros
 
     @staticmethod
@@ -79,10 +84,10 @@ class FlashAttention(torch.autograd.Function):
         with torch.no_grad():
             dq, dk, dv = torch.ops.flashattn.backward(q, k, v, o, lse2, do, dlse, ctx.is_causal, ctx.scale,
                                                       *ctx.window_size, *_sequence_args(ctx.sequences),
-                                                      *_mod_args(ctx.mods))
+                                                      *_mod_args(ctx.mods), ctx.deterministic)
         if differentiable:  # create_graph=True: these gradients may be differentiated
             dq, dk, dv = _FirstOrderOnly.apply(dq, dk, dv, q, k, v, o, do)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def natural_lse(lse2):
@@ -236,7 +241,8 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
                  cu_seqlens_k: torch.Tensor | None, lengths_q: list[int] | None,
                  lengths_k: list[int] | None, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
-                 bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 bottom_right: bool = False,
+                 deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`flashattn.ops.dispatch.attention_backward`."""
     sequences = _sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
     mods = _mods(softcap, alibi_slopes, attn_mask, dropout_p, seed, bottom_right)
@@ -245,7 +251,8 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
     def run(q, k, v, o, lse2, do, dlse):
         # The kernels index the LSE as a contiguous (B, H, N_q) array: a slice of it is not one.
         return attention_backward(q, k, v, o, lse2.contiguous(), do, is_causal, scale, dlse=dlse,
-                                  window_size=(window_left, window_right), sequences=sequences, mods=mods)
+                                  window_size=(window_left, window_right), sequences=sequences, mods=mods,
+                                  deterministic=deterministic)
     if mods is not None:
         return run(q, k, v, o, lse2, do, dlse)
     return _sliced(run, (q, k, v, o, lse2, do, dlse))

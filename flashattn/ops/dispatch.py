@@ -3,10 +3,13 @@ measured faster, the Triton kernels everywhere else.
 
 Both compute the same output and the same base-2 LSE in the same layout, so they mix within one
 call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``
-(grouped heads too, and sliding windows with as many queries as keys), and the backward takes its
-dK/dV from ``flashattn.hopper.backward`` at the head dims of :data:`GLUON_DKDV_HEAD_DIMS` (grouped
-heads too; no windows), its Delta and dQ from the Triton kernels. Packed sequences and a fixed
-configuration take the Triton kernels; so does every call with ``FLASHATTN_GLUON=0``.
+(grouped heads too, and sliding windows with as many queries as keys). The backward (no windows)
+takes, with a Triton whose Gluon has TMA reduce-adds (3.8 and later), all three gradients from the
+fused kernel of ``flashattn.hopper.backward`` (dQ added by reduce-adds, in an order that varies),
+unless ``deterministic`` asks for gradients bit-identical from run to run; else its dK/dV from the
+Gluon dK/dV kernel at the head dims of :data:`GLUON_DKDV_HEAD_DIMS` and its Delta and dQ from the
+Triton kernels (grouped heads too). Packed sequences and a fixed configuration take the Triton
+kernels; so does every call with ``FLASHATTN_GLUON=0``.
 
 So does every call whose v has a head dim of its own (D_v != D, as in DeepSeek's MLA): the Gluon
 kernels hold V and O in tiles of q's head dim.
@@ -57,13 +60,25 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
 
 
 def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, configs=None,
-                       window_size=(-1, -1), sequences=None, mods=None):
-    """``(dq, dk, dv)`` as :func:`flashattn.kernels.backward.attention_backward` computes them,
-    dK/dV from the Gluon kernel where it applies (see the module's docstring)."""
+                       window_size=(-1, -1), sequences=None, mods=None, deterministic=False):
+    """``(dq, dk, dv)`` as :func:`flashattn.kernels.backward.attention_backward` computes them.
+
+    On Hopper, for the calls the Gluon kernels compute (see the module's docstring): with a Triton
+    whose Gluon has TMA reduce-adds (3.8 and later) and unless ``deterministic`` (or
+    ``torch.use_deterministic_algorithms``) asks for gradients bit-identical from run to run, one
+    Gluon kernel computes dK, dV and dQ (:func:`flashattn.hopper.backward.attention_backward`,
+    five tile products per pair of tiles); else dK/dV come from the Gluon kernel at the head dims
+    of :data:`GLUON_DKDV_HEAD_DIMS` and dQ from the Triton kernel (seven tile products)."""
     plain, _, _ = _plain(q, k, v, is_causal, window_size, sequences, mods)
-    gluon = None
-    if plain and (configs or {}).get("bwd_dkdv") is None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS:
-        gluon = hopper.load("backward")
-    dkdv = gluon.attention_backward_dkdv if gluon is not None and gluon.supports(q, k, v) else None
+    configs = configs or {}
+    gluon = hopper.load("backward") if plain and configs.get("bwd_dkdv") is None else None
+    if gluon is not None and not gluon.supports(q, k, v):
+        gluon = None
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if gluon is not None and not deterministic and configs.get("bwd_dq") is None and gluon.has_dq_reduce():
+        return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,
+                                           window_size, sequences, fused=gluon.attention_backward)
+    use_dkdv = gluon is not None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS
     return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,
-                                       window_size, sequences, dkdv=dkdv, mods=mods)
+                                       window_size, sequences, mods=mods,
+                                       dkdv=gluon.attention_backward_dkdv if use_dkdv else None)

@@ -1,12 +1,15 @@
 """The KV-cache step around ``flashattn.decode``: rotary embedding of the new tokens, and their keys
 and values written into the cache in place, as FlashAttention's ``flash_attn_with_kvcache`` does;
-and the paged cache's checks (a ``block_table`` naming each sequence's pages).
+the paged cache's checks (a ``block_table`` naming each sequence's pages), and those of the left
+padding (``cache_leftpad``) and of the cache rows (``cache_batch_idx``).
 
 Both are a few elementwise operations and one indexed write per step, on the GPU, with every
 index computed there from ``cache_seqlens``: nothing is read on the host, so a step that appends
 can still be captured in a CUDA graph (``decode``'s ``max_seqlen``).
 """
 import torch
+
+from ..kernels.decode import HOST
 
 
 def check_new(q, k_cache, k_new, v_new, paged=False):
@@ -20,8 +23,8 @@ def check_new(q, k_cache, k_new, v_new, paged=False):
         return False
     if paged:
         batch, (kv_heads, head_dim) = q.shape[0], k_cache.shape[2:]
-    else:
-        batch, kv_heads, _, head_dim = k_cache.shape
+    else:  # q's batch: with cache_batch_idx the cache may have more rows
+        batch, (kv_heads, _, head_dim) = q.shape[0], k_cache.shape[1:]
     expected = (batch, kv_heads, q.shape[2], head_dim)
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if not isinstance(t, torch.Tensor):
@@ -87,12 +90,16 @@ def rotate(x, pos, rotary_cos, rotary_sin, interleaved):
     return torch.cat((out.to(x.dtype), kept), dim=-1)
 
 
-def append(k_cache, v_cache, k_new, v_new, pos):
+def append(k_cache, v_cache, k_new, v_new, pos, cache_batch_idx=None):
     """Write the new tokens' keys and values into the caches in place, at ``pos`` ``(B, N_new)``,
     clamped into the cache (an unchecked length overwrites the cache's last entries, never memory
-    outside it)."""
+    outside it); sequence ``b`` into cache row ``cache_batch_idx[b]`` (clamped into the cache), or
+    ``b``."""
     pos = pos.clamp(0, k_cache.shape[2] - 1)
-    batch = torch.arange(k_cache.shape[0], device=k_cache.device)[:, None]
+    if cache_batch_idx is None:
+        batch = torch.arange(k_cache.shape[0], device=k_cache.device)[:, None]
+    else:
+        batch = cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)[:, None]
     # k_cache[batch, :, pos] is (B, N_new, H_kv, D): advanced indices first, then the sliced heads
     k_cache[batch, :, pos] = k_new.transpose(1, 2)
     v_cache[batch, :, pos] = v_new.transpose(1, 2)
@@ -105,10 +112,13 @@ BLOCK_TABLE_DTYPE = torch.int32
 PAGE_MULTIPLE = 16
 
 
-def check_paged(q, k_cache, block_table):
+def check_paged(q, k_cache, block_table, batch=None, name="k_cache"):
     """Raise a TypeError or ValueError naming the argument unless ``block_table`` is a 2-D int32
     tensor ``(B, max_blocks)`` on q's device and the caches are paged, ``(num_pages, page_size,
-    H_kv, D)`` with a page size that is a multiple of 16 (the caches' other checks are decode's)."""
+    H_kv, D)`` with a page size that is a multiple of 16 (the caches' other checks are the
+    caller's). ``B`` is q's batch unless ``batch`` says otherwise (varlen_attention's sequences);
+    ``name`` is the cache's argument."""
+    batch = q.shape[0] if batch is None else batch
     if not isinstance(block_table, torch.Tensor):
         raise TypeError(f"block_table must be a torch.Tensor of int32 or None, got {type(block_table).__name__}")
     if block_table.dtype != BLOCK_TABLE_DTYPE:
@@ -116,16 +126,17 @@ def check_paged(q, k_cache, block_table):
     if block_table.device != q.device:
         raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}; it is read by "
                          "the kernel, on q's device")
-    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or block_table.shape[1] == 0:
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
         raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected (B, max_blocks) = "
-                         f"({q.shape[0]}, >= 1): one row of page indices per sequence of q")
+                         f"({batch}, >= 1): one row of page indices per sequence")
+    if k_cache.dim() != 4 or k_cache.shape[0] == 0:
+        raise ValueError(f"{name} has shape {tuple(k_cache.shape)}: with block_table the caches are paged, "
+                         "(num_pages, page_size, H_kv, D), with at least one page")
     page_size = k_cache.shape[1]
     if page_size == 0 or page_size % PAGE_MULTIPLE:
-        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}: with block_table the caches are paged, "
+        raise ValueError(f"{name} has shape {tuple(k_cache.shape)}: with block_table the caches are paged, "
                          f"(num_pages, page_size, H_kv, D), and page_size = {page_size} must be a positive "
-                         f"multiple of {PAGE_MULTIPLE} (a cache (B, H_kv, N_max, D) takes no block_table)")
-    if k_cache.shape[0] == 0:
-        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}: a paged cache needs at least one page")
+                         f"multiple of {PAGE_MULTIPLE} (a contiguous cache takes no block_table)")
     if block_table.stride(1) != 1:
         raise ValueError(f"block_table has strides {block_table.stride()}; each row must be contiguous "
                          "(pass block_table.contiguous())")
@@ -159,3 +170,76 @@ def append_paged(k_cache, v_cache, k_new, v_new, pos, block_table):
     # k_cache[pages, rows] is (B, N_new, H_kv, D)
     k_cache[pages, rows] = k_new.transpose(1, 2)
     v_cache[pages, rows] = v_new.transpose(1, 2)
+
+
+#: The dtypes of cache_leftpad and cache_batch_idx (FlashAttention takes int32).
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_index_tensors(q, k_cache, cache_leftpad, cache_batch_idx, block_table):
+    """Raise a TypeError or ValueError naming the argument unless ``cache_leftpad`` and
+    ``cache_batch_idx`` are each None or an int32/int64 tensor ``(B,)`` on q's device or the CPU,
+    and ``cache_batch_idx`` comes without ``block_table``."""
+    batch = q.shape[0]
+    for name, t in (("cache_leftpad", cache_leftpad), ("cache_batch_idx", cache_batch_idx)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, or None; got {type(t).__name__}")
+        if t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32 or torch.int64")
+        if t.shape != (batch,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({batch},), one entry per "
+                             "sequence of q")
+        if t.device not in (q.device, torch.device("cpu")):
+            raise ValueError(f"{name} is on {t.device}; expected {q.device} (like q) or the CPU")
+    if cache_batch_idx is not None and block_table is not None:
+        raise ValueError("cache_batch_idx and block_table were both given: with a paged cache each "
+                         "sequence's row of block_table already names its pages (reorder the table's "
+                         "rows instead)")
+
+
+def on_device(tensor, host, device):
+    """``tensor`` (whose values ``host`` holds on the CPU) on ``device``, contiguous: copied from
+    the host without waiting for the GPU's queued work (from pageable memory, CUDA stages the few
+    bytes before the call returns; see ``kernels.decode.HOST``), or the tensor itself."""
+    if tensor.is_cpu and device.type == "cuda":
+        host = host.contiguous()
+        if HOST["lengths"] == "pinned":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True)
+    return tensor.contiguous()
+
+
+def index_tensors(plan, cache_leftpad, cache_batch_idx, cache_seqlens, max_seqlen):
+    """``cache_leftpad`` and ``cache_batch_idx`` as ``Plan.run`` takes them (a dict), on the device.
+    With ``max_seqlen`` they must be on q's device already and are not read on the host (the
+    kernel clamps them into the cache); without, their values are checked on the host, against
+    ``cache_seqlens`` (the tokens cached before the step) and the cache's rows."""
+    given = dict(cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx)
+    if cache_leftpad is None and cache_batch_idx is None:
+        return given
+    if max_seqlen is not None:
+        for name, t in given.items():
+            if t is not None and t.device != plan.device:
+                raise ValueError(f"with max_seqlen, {name} must be on {plan.device} like q (it is read "
+                                 f"there only, never copied); it is on {t.device}")
+        return {name: None if t is None else t.contiguous() for name, t in given.items()}
+    if cache_leftpad is not None:
+        pad = cache_leftpad if cache_leftpad.is_cpu else cache_leftpad.cpu()
+        ends = cache_seqlens.cpu().to(torch.int64)
+        bad = ((pad < 0) | (pad > ends)).nonzero()
+        if bad.numel():
+            b = bad[0, 0].item()
+            raise ValueError(f"cache_leftpad[{b}] is {pad[b].item()}; each must be from 0 to the sequence's "
+                             f"cache_seqlens, here {ends[b].item()} (the index of its first valid key)")
+        given["cache_leftpad"] = on_device(cache_leftpad, pad, plan.device)
+    if cache_batch_idx is not None:
+        rows = cache_batch_idx if cache_batch_idx.is_cpu else cache_batch_idx.cpu()
+        bad = ((rows < 0) | (rows >= plan.n_cache)).nonzero()
+        if bad.numel():
+            b = bad[0, 0].item()
+            raise ValueError(f"cache_batch_idx[{b}] is {rows[b].item()}, but the caches have {plan.n_cache} "
+                             f"rows (dim 0): each index must be from 0 to {plan.n_cache - 1}")
+        given["cache_batch_idx"] = on_device(cache_batch_idx, rows, plan.device)
+    return given

@@ -10,7 +10,6 @@ import math
 import numbers
 import sys
 
-import numpy as np
 import torch
 
 from ..kernels.mods import ScoreMods
@@ -38,7 +37,8 @@ def type_name(x):
 def causal_bias(attn_mask, is_causal, causal_alignment, q, k):
     """``(attn_mask, is_causal, causal_alignment)`` with a ``torch.nn.attention.bias`` causal bias
     (``causal_upper_left``, ``causal_lower_right``) turned into ``is_causal`` and its alignment, as
-    SDPA reads it; an explicit mask with ``is_causal=True`` is refused, as SDPA refuses it."""
+    SDPA reads it (with ``is_causal=True`` too it is refused: it says the causal mask itself). A
+    tensor mask passes unchanged: with ``is_causal=True`` both apply."""
     check_alignment(causal_alignment)
     bias_class = _causal_bias_class()
     if bias_class is not None and isinstance(attn_mask, bias_class):
@@ -53,9 +53,6 @@ def causal_bias(attn_mask, is_causal, causal_alignment, q, k):
                 raise ValueError(f"attn_mask is a causal bias for {attn_mask.seq_len_q} queries and "
                                  f"{attn_mask.seq_len_kv} keys, but {name} has sequence length {t.shape[-2]}")
         return None, True, _VARIANTS[attn_mask.variant.name]
-    if attn_mask is not None and isinstance(is_causal, (bool, np.bool_)) and is_causal:
-        raise ValueError("attn_mask and is_causal=True were both given; as in scaled_dot_product_attention, "
-                         "pass one of them (a causal mask can be folded into attn_mask)")
     return attn_mask, is_causal, causal_alignment
 
 

@@ -16,9 +16,9 @@ from .ch09 import config_bars, ladder_bars, roofline, tflops_curves
 from .ch10 import (measured_bars, padded_blocks, tiles_against_n, varlen_programs, window_tile_kinds,
                    window_tile_map, window_times)
 from .ch11 import decode_bandwidth, place_programs, sm_map, tile_rows
-from .ch12 import pipeline_schedule, pipeline_timeline, provider_bars
+from .ch12 import backward_schedule, pipeline_schedule, pipeline_timeline, provider_bars
 from .ch13 import computed_blocks, memory_per_gpu, overlap_timeline, rank_tile_bars, ring_holdings, ring_schedule
-from .ch14 import score_tile, score_tiles
+from .ch14 import mask_tile_classes, pair_tile_classes, score_tile, score_tiles
 
 __all__ = [
     "matrix_panels", "capacity_ladder", "memory_curve", "softmax_trace", "partial_outputs", "exp_range",
@@ -29,9 +29,9 @@ __all__ = [
     "window_tile_kinds", "window_tile_map", "tiles_against_n", "varlen_programs", "padded_blocks",
     "measured_bars", "window_times",
     "place_programs", "sm_map", "tile_rows", "decode_bandwidth",
-    "provider_bars", "pipeline_schedule", "pipeline_timeline",
+    "provider_bars", "pipeline_schedule", "pipeline_timeline", "backward_schedule",
     "ring_holdings", "ring_schedule", "computed_blocks", "rank_tile_bars", "overlap_timeline", "memory_per_gpu",
-    "score_tile", "score_tiles",
+    "score_tile", "score_tiles", "mask_tile_classes", "pair_tile_classes",
     "forward_walk", "dkdv_walk", "dq_walk", "as_html",
 ]
 

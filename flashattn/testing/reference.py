@@ -168,20 +168,23 @@ def attention_backward(q, k, v, o, do, lse, is_causal=False, scale=None):
 
 
 def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=0.0, window=-1,
-                     alibi_slopes=None):
+                     alibi_slopes=None, causal=True, cache_leftpad=None, window_right=-1):
     """Decoding against a KV cache (``flashattn.decode``) as the formula reads, one sequence at a
-    time: query head ``h`` uses KV head ``h // (H_q / H_kv)``, only the first ``L`` cache entries
-    exist, and new token ``t`` sees keys ``0 .. L - N_q + t`` (bottom-right), only the last
-    ``window + 1`` of them when ``window >= 0``; ``softcap > 0`` caps the scaled scores
-    (``softcap * tanh(S / softcap)``); ``alibi_slopes`` ``(H_q,)`` or ``(B, H_q)`` adds
-    ``-slope * |L - N_q + t - j|``. A row that sees no key (``L = 0``) gets 0 and lse -inf.
+    time: query head ``h`` uses KV head ``h // (H_q / H_kv)``, only cache entries
+    ``cache_leftpad[b] .. L - 1`` exist (from 0 without ``cache_leftpad``), and new token ``t``
+    at position ``L - N_q + t`` sees keys up to it (bottom-right; every key unless ``causal``),
+    only the last ``window + 1`` of them when ``window >= 0`` and none past ``window_right``
+    after it when ``window_right >= 0``; ``softcap > 0`` caps the scaled scores (``softcap *
+    tanh(S / softcap)``); ``alibi_slopes`` ``(H_q,)`` or ``(B, H_q)`` adds ``-slope * |L - N_q +
+    t - j|``. A row that sees no key gets 0 and lse -inf.
     Computes in the inputs' dtype; returns ``(out, lse)``."""
     scale = default_scale(q.shape[-1], scale)
     n_heads, n_q = q.shape[1], q.shape[2]
     group = n_heads // k_cache.shape[1]
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=_accumulator_dtype(q.dtype), device=q.device)
-    for b, length in enumerate(cache_seqlens.tolist()):
+    starts = [0] * len(cache_seqlens) if cache_leftpad is None else cache_leftpad.tolist()
+    for b, (start, length) in enumerate(zip(starts, cache_seqlens.tolist())):
         k = k_cache[b, :, :length].repeat_interleave(group, dim=0)   # (H_q, L, D)
         v = v_cache[b, :, :length].repeat_interleave(group, dim=0)
         s = (q[b] @ k.transpose(-2, -1)) * scale                     # (H_q, N_q, L)
@@ -192,7 +195,13 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, scale=None, softcap=0.0
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
             s = s - slopes.to(s.dtype)[:, None, None] * (position - keys).abs().to(s.dtype)
-        hidden = (keys > position) | ((keys < position - window) if window >= 0 else False)
+        hidden = keys < start
+        if causal:
+            hidden = hidden | (keys > position)
+        if window >= 0:
+            hidden = hidden | (keys < position - window)
+        if window_right >= 0:
+            hidden = hidden | (keys > position + window_right)
         s = s.masked_fill(hidden, float("-inf"))
         lse[b] = torch.logsumexp(s.to(lse.dtype), dim=-1)
         seen = (lse[b] > float("-inf"))[..., None]

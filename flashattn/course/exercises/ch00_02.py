@@ -1,10 +1,18 @@
-"""Checkers of chapters 00-02: naive causal attention and the bytes of S and P (00), the online
-softmax and merging softmax states (01), the LSE from a base-2 state and softmax with exp2 (02).
+"""Checkers of chapters 00-02: naive causal attention and the longest context whose S and P fit
+(00), the online softmax and merging softmax states (01), the instructions each form of the
+exponential compiles to (a prediction, checked against the PTX for sm_90) and the LSE from a
+base-2 state (02).
 
 Each is named check_<exercise> and draws its own inputs (several shapes, including awkward ones) so
 that a hard-coded answer cannot pass; a wrong answer that matches a known mistake is named.
 """
+import functools
+import math
+import re
+
 import torch
+import triton
+import triton.language as tl
 
 from ...kernels.tiles import LN2, LOG2E
 from .common import ExerciseError, attempt, close, expect_close, passed
@@ -98,38 +106,62 @@ def check_naive_causal_attention(fn):
            "(N_q = N_kv, N_q < N_kv, N_q > N_kv, 3-D and 4-D inputs, several scales)")
 
 
-def check_score_bytes(fn):
-    """Chapter 00: ``fn(batch, heads, n, dtype)`` must return the bytes of S and P together: two
-    tensors of shape (batch, heads, n, n) in ``dtype``."""
-    name = getattr(fn, "__name__", "score_bytes")
-    cases = [(1, 1, 1, torch.float32), (2, 8, 1024, torch.float16), (1, 32, 8192, torch.bfloat16),
-             (4, 16, 4096, torch.float32), (3, 5, 17, torch.float64), (1, 1, 131072, torch.float16),
-             (7, 3, 100, torch.bfloat16)]
-    for b, h, n, dtype in cases:
-        got = attempt(fn, b, h, n, dtype, name=name, forbid=("flashattn",))
-        size = torch.empty((), dtype=dtype).element_size()
-        want = 2 * b * h * n * n * size
-        call = f"{name}({b}, {h}, {n}, {dtype})"
+def check_max_context(fn):
+    """Chapter 00: ``fn(batch, heads, dtype, memory_bytes)`` must return the largest N (an int) for
+    which S and P of self-attention, two (batch, heads, N, N) tensors of ``dtype``, fit together in
+    ``memory_bytes`` bytes (they may fill it exactly)."""
+    name = getattr(fn, "__name__", "max_context")
+    gb, gib = 10 ** 9, 2 ** 30
+    cases = [(1, 32, torch.float16, 141 * gb),     # one sequence, 32 heads, an H200's 141 GB
+             (1, 32, torch.float16, 128 * gib),    # S and P at N = 32768 fill it exactly
+             (8, 16, torch.bfloat16, 80 * gb), (2, 8, torch.float32, 24 * gb), (3, 5, torch.float64, 10 ** 7),
+             (1, 1, torch.float32, 2 * 4 * 17 * 17 + 7), (4, 12, torch.float16, 2 * gib)]
+    # The slips, each as what it returns for (batch, heads, bytes per element, memory): a wrong answer
+    # is named by the slip that gives all of its results (one case alone can fit two slips).
+    slips = [
+        (lambda b, h, e, m: math.isqrt(m // (b * h * e)), "that counts ONE N x N matrix: S and P are two"),
+        (lambda b, h, e, m: math.isqrt(m // (2 * e)), "S and P exist for every sequence of the batch and every "
+                                                      "head: multiply by both"),
+        (lambda b, h, e, m: math.isqrt(m // (2 * b * h * 4)), "that assumes 4 bytes per element; element_size() "
+                                                              "gives each dtype's own"),
+        (lambda b, h, e, m: math.isqrt(m // (2 * b * h)), "that counts 1 byte per element; element_size() gives "
+                                                          "each dtype's own"),
+        (lambda b, h, e, m: math.isqrt(m // (2 * b * h * e * 8)), "that counts bits; element_size() is in bytes"),
+        (lambda b, h, e, m: m // (2 * b * h * e), "S is N x N: its bytes grow as N squared, so N is a square "
+                                                  "root (math.isqrt)"),
+    ]
+    results = []
+    for b, h, dtype, memory in cases:
+        got = attempt(fn, b, h, dtype, memory, name=name, forbid=("flashattn",))
+        call = f"{name}({b}, {h}, {dtype}, {memory:,})"
         try:
             value = float(got)
         except (TypeError, ValueError):
-            raise ExerciseError(f"{call} returned {type(got).__name__}; return a number of bytes "
+            raise ExerciseError(f"{call} returned {type(got).__name__}; return a number of positions "
                                 "(an int)") from None
-        if value != round(value):
-            raise ExerciseError(f"{call} returned {value}, which is not a whole number of bytes")
-        value = int(round(value))
-        if value == want:
-            continue
-        hints = {want // 2: "that is the size of ONE matrix: count S and P (two of them)",
-                 2 * b * h * n * n * 4: f"that assumes 4 bytes per element; {dtype} has {size} "
-                                        "(torch.empty((), dtype=dtype).element_size())",
-                 2 * b * h * n * size: "S is N x N per (batch, head): the length appears squared",
-                 2 * n * n * size: "S and P exist for every batch and every head: multiply by both",
-                 want * 8: "that is bits; divide by 8 for bytes (or use element_size(), in bytes)"}
-        hint = hints.get(value) if value != want else None
-        raise ExerciseError(f"{call} returned {value:,}, expected {want:,}" + (f": {hint}" if hint else ""))
-    passed(f"{name} gives the exact bytes of S and P on {len(cases)} cases "
-           "(float16, bfloat16, float32, float64; N from 1 to 131072)")
+        if value != int(value):
+            raise ExerciseError(f"{call} returned {value}: a context holds a whole number of positions, "
+                                "the largest N that fits (round down)")
+        size = torch.empty((), dtype=dtype).element_size()
+        results.append((call, int(value), (b, h, size, memory)))
+    def longest(b, h, e, m):  # the largest N with 2 * b * h * N * N * e <= m
+        return math.isqrt(m // (2 * b * h * e))
+
+    wrong = [(call, n, args) for call, n, args in results if n != longest(*args)]
+    if not wrong:
+        passed(f"{name} finds the longest context on {len(cases)} cases (float16, bfloat16, float32, float64; "
+               "from an H200's 141 GB down to a few hundred bytes, one filled exactly)")
+        return
+    call, n, (b, h, size, memory) = wrong[0]
+    want = longest(b, h, size, memory)
+    hint = next((text for slip, text in slips if all(slip(*args) == got for _, got, args in results)), None)
+    if hint is None and n > want:
+        hint = (f"at N = {n:,} S and P need {2 * b * h * n * n * size:,} bytes, more than the {memory:,} given: "
+                "the largest N that fits is the square root rounded down")
+    if hint is None:
+        hint = (f"N = {n + 1:,} fits too (S and P need {2 * b * h * (n + 1) ** 2 * size:,} bytes of the "
+                f"{memory:,}): return the largest N that fits; S and P may fill the memory exactly")
+    raise ExerciseError(f"{call} returned {n:,}, expected {want:,}: {hint}")
 
 
 def _row_pieces(g, rows, n, scale, shift=0.0):
@@ -348,41 +380,105 @@ def check_lse_from_state(fn):
            "scores, single-score rows and empty rows")
 
 
-def check_softmax_exp2(fn):
-    """Chapter 02: ``fn(s, scale)`` gets raw scores s = q k^T (2-D, masked entries -inf, never a
-    whole row) and must return softmax(s * scale) over the last dim, computed with exp2 and the
-    folded scale qk_scale = scale * log2e."""
-    name = getattr(fn, "__name__", "softmax_exp2")
-    g = torch.Generator().manual_seed(5)
-    count = 0
-    for rows, n, size, scale in [(1, 1, 1.0, 0.125), (4, 9, 3.0, 0.5), (5, 40, 8.0, 1 / 8 ** 0.5),
-                                 (3, 17, 5000.0, 0.3), (6, 33, 5.0, 1.7)]:
-        s = torch.randn(rows, n, generator=g, dtype=torch.float64) * size
-        if n > 4:
-            hide = torch.rand(rows, n, generator=g) < 0.3
-            hide[:, 2] = False  # never a whole row
-            s = s.masked_fill(hide, float("-inf"))
-        want = torch.softmax(s * scale, -1)
-        got = _result(fn, s.clone(), scale, name=name, forbid=("softmax", "sdpa", "flashattn"))
-        where = f" (scores of size about {size:g}, scale {scale:.3g}, shape {tuple(s.shape)})"
-        got_t = torch.as_tensor(got).double()
-        if got_t.shape == want.shape and not torch.isfinite(got_t).all():
-            raise ExerciseError(f"{name} returned inf or NaN{where}: subtract the row max of "
-                                "s * qk_scale before exp2 (masked -inf scores then give 2^-inf = 0)")
-        _diagnose(f"the probability row of {name}", got, want, [
-            ("it matches softmax(s * scale * ln 2): exp2 needs the exponent in base 2, so multiply "
-             "by qk_scale = scale * log2e (LOG2E = 1 / ln 2), not by scale alone",
-             torch.softmax(s * scale * LN2, -1)),
-            ("it matches softmax(s): the softmax scale is missing; use qk_scale = scale * log2e",
-             torch.softmax(s, -1)),
-            ("it matches softmax(s * log2e): the exponent of exp2 should be s * scale * log2e",
-             torch.softmax(s * LOG2E, -1)),
-            ("it matches softmax(s * scale * log2e) (computed with e^x): with exp2 the factor "
-             "log2e is exactly what turns 2^x back into e^(s * scale); did you use exp instead?",
-             torch.softmax(s * scale * LOG2E, -1)),
-        ], atol=1e-10, rtol=1e-8, where=where)
-        count += 1
-    passed(f"{name} equals torch.softmax(s * scale) on {count} cases, including huge and masked scores")
+@triton.jit
+def exp_forms(X, Y, n, c, m, FORM: tl.constexpr, BLOCK: tl.constexpr):
+    """Y = one form of the exponential of X: ``tl.exp(x)``, ``tl.exp2(x)``, or the attention
+    kernels' ``tl.exp2(x * c - m)`` (the scale and the row max folded into the argument)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n)
+    if FORM == "exp":
+        y = tl.exp(x)
+    elif FORM == "exp2":
+        y = tl.exp2(x)
+    else:
+        y = tl.exp2(x * c - m)
+    tl.store(Y + offs, y, mask=offs < n)
+
+
+#: The three forms of :func:`exp_forms` (its FORM -> what it computes), and the float32 instructions
+#: a prediction counts per element: ex2.approx, mul, fma, and add or sub together.
+EXP_FORMS = {"exp": "tl.exp(x)", "exp2": "tl.exp2(x)", "fma": "tl.exp2(x * c - m)"}
+INSTRUCTIONS = {"ex2": r"\bex2\.approx(\.ftz)?\.f32", "mul": r"\bmul(\.rn)?(\.ftz)?\.f32",
+                "fma": r"\bfma\.rn(\.ftz)?\.f32", "add": r"\b(add|sub)(\.rn)?(\.ftz)?\.f32"}
+EXP_BLOCK, EXP_WARPS = 256, 4  # 256 elements over 128 threads: two elements per thread
+
+#: Why each form compiles to what it does (the PTX for sm_90 of Triton 3.x), per instruction.
+_EX2 = "every form computes one exponential per element, and the hardware's only one is ex2.approx.f32 (base 2)"
+_WHY = {
+    ("tl.exp(x)", "mul"): "the hardware has no e^x, so tl.exp(x) is computed as 2^(x * log2 e): one mul.f32 by "
+                          "log2 e (the float32 constant 0f3FB8AA3B) before each ex2",
+    ("tl.exp(x)", "fma"): "tl.exp(x) only multiplies x by log2 e before the ex2: nothing is added",
+    ("tl.exp(x)", "add"): "tl.exp(x) only multiplies x by log2 e before the ex2: nothing is added",
+    ("tl.exp2(x)", "mul"): "tl.exp2(x) is the hardware's own exponential: ex2.approx.f32 and nothing else",
+    ("tl.exp2(x)", "fma"): "tl.exp2(x) is the hardware's own exponential: ex2.approx.f32 and nothing else",
+    ("tl.exp2(x)", "add"): "tl.exp2(x) is the hardware's own exponential: ex2.approx.f32 and nothing else",
+    ("tl.exp2(x * c - m)", "fma"): "x * c - m is one fma.rn.f32 per element: the compiler fuses the multiply "
+                                   "and the subtraction into a fused multiply-add (Triton's enable_fp_fusion, "
+                                   "on for this check), which adds -m",
+    ("tl.exp2(x * c - m)", "mul"): "the fma.rn.f32 multiplies x by c itself: no separate mul.f32",
+    ("tl.exp2(x * c - m)", "add"): "the subtraction happens inside the fma.rn.f32, which adds -m (negated "
+                                   "once per thread, not once per element)",
+}
+#: The instructions in the order a wrong prediction is explained: what decides each form first.
+_ORDER = {"tl.exp(x)": ("mul", "ex2", "fma", "add"), "tl.exp2(x)": ("ex2", "mul", "fma", "add"),
+          "tl.exp2(x * c - m)": ("fma", "mul", "add", "ex2")}
+
+
+#: The counts per element that the explanations above describe.
+EXPECTED_COUNTS = {"tl.exp(x)": dict(ex2=1, mul=1, fma=0, add=0), "tl.exp2(x)": dict(ex2=1, mul=0, fma=0, add=0),
+                   "tl.exp2(x * c - m)": dict(ex2=1, mul=0, fma=1, add=0)}
+
+
+@functools.lru_cache(maxsize=1)
+def exp_forms_ptx():
+    """{form: its PTX for sm_90}, the three forms of :func:`exp_forms` compiled once per process
+    (no GPU needed: a child process tells Triton one is there). With FP fusion on, whatever
+    Triton's default: Triton 3.9 fuses by default, 3.10 will not, and the fma form's answer is
+    the fusion."""
+    from ...measure.compiled import ptx_of_many
+
+    texts = ptx_of_many([dict(kernel=exp_forms, pointers=dict(X="fp32", Y="fp32"), floats=("c", "m"),
+                              constexprs=dict(FORM=form, BLOCK=EXP_BLOCK), num_warps=EXP_WARPS, arch=90,
+                              enable_fp_fusion=True)
+                         for form in EXP_FORMS])
+    return dict(zip(EXP_FORMS.values(), texts))
+
+
+def instruction_counts(ptx):
+    """{form: {instruction: how many per element}} in the PTX of :func:`exp_forms_ptx`."""
+    per_thread = EXP_BLOCK // (32 * EXP_WARPS)
+    return {form: {kind: len(re.findall(pattern, text)) / per_thread for kind, pattern in INSTRUCTIONS.items()}
+            for form, text in ptx.items()}
+
+
+def check_ptx_prediction(fn):
+    """Chapter 02: ``fn()`` returns a prediction, {form: {"ex2": n, "mul": n, "fma": n, "add": n}},
+    of the float32 instructions per element of each form of :func:`exp_forms` on sm_90. The check
+    compiles the forms and explains each number the compiler does otherwise."""
+    name = getattr(fn, "__name__", "predicted_instructions")
+    got = attempt(fn, name=name, forbid=("flashattn",))
+    forms = list(EXP_FORMS.values())
+    if not isinstance(got, dict) or set(got) != set(forms):
+        raise ExerciseError(f"{name}() should return a dict with one entry per form, {forms}; got "
+                            + (f"the keys {sorted(got)}" if isinstance(got, dict) else type(got).__name__))
+    for form in forms:
+        row = got[form]
+        if not isinstance(row, dict) or set(row) != set(INSTRUCTIONS) or \
+                not all(isinstance(v, (int, float)) for v in row.values()):
+            raise ExerciseError(f"{name}()[{form!r}] should be a dict of numbers with the keys "
+                                f"{sorted(INSTRUCTIONS)}, got {row!r}")
+    counts = instruction_counts(exp_forms_ptx())
+    for form in forms:
+        for kind in _ORDER[form]:
+            measured, predicted = counts[form][kind], got[form][kind]
+            if predicted == measured:
+                continue
+            why = _EX2 if kind == "ex2" else _WHY.get((form, kind), "")
+            unit = {"add": "add.f32 or sub.f32", "ex2": "ex2.approx.f32"}.get(kind, f"{kind}.f32")
+            explained = why and measured == EXPECTED_COUNTS[form][kind]
+            raise ExerciseError(f"{name}: for {form} you predicted {predicted:g} {unit} per element, the PTX "
+                                f"for sm_90 has {measured:g}" + (f": {why}" if explained else ""))
+    passed(f"{name} predicts the float32 instructions of all three forms, as the compiler emits them for sm_90")
 
 
 def check_block_alphas(fn):

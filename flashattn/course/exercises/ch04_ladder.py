@@ -1,14 +1,15 @@
 """Checkers of chapter 04's Triton ladder: five small kernels, one idea each, before the forward
-kernel's inner loop. A masked load and store with a ragged end (``block_shift_kernel``), a softmax
-with one program per row (``row_softmax_kernel``), a tiled matrix product with a loop over K
-(``matmul_kernel``), one tile of attention (``attention_tile_kernel``), and one query block
-streaming its key blocks with the online softmax (``stream_kv_kernel``).
+kernel's inner loop. A causal mask written in place by a 2-D grid of tiles with ragged edges
+(``causal_mask_kernel``), a softmax with one program per row (``row_softmax_kernel``), a tiled
+matrix product with a loop over K (``matmul_kernel``), one tile of attention
+(``attention_tile_kernel``), and one query block streaming its key blocks with the online softmax
+(``stream_kv_kernel``).
 
 Each checker launches the learner's kernel on inputs it draws itself, inside larger buffers whose
 extra elements hold sentinels: a load past the end reads them (and the result shows it), a store
 past the end overwrites them (and the checker sees it). A wrong result that equals a known mistake
-is named: a missing mask, a wrong ``other=``, the max not subtracted, the wrong axis, a missing
-alpha, ...
+is named: a missing mask, a wrong ``other=``, a condition on the tile's own positions instead of the
+sequence's, the max not subtracted, the wrong axis, a missing alpha, ...
 """
 import torch
 import triton
@@ -71,47 +72,116 @@ def _named(got, want, mistakes, atol=1e-5, rtol=1e-5):
     return None
 
 
-# --- 1. A masked load and store with a ragged end ---------------------------------------------------
+# --- 1. A causal mask, one program per tile of a 2-D grid -------------------------------------------
 
-def check_block_shift_kernel(block_shift_kernel):
-    """``block_shift_kernel[(cdiv(n, BLOCK),)](X, Y, n, BLOCK=...)`` must write, for every i < n,
-    y[i] = x[i] - max(x[j] for j in i's block of BLOCK elements), and nothing past n."""
-    name = "block_shift_kernel"
-    cases = [(45, 16), (64, 16), (1, 16), (100, 32), (37, 64), (17, 16)]
-    for n, (size, block) in enumerate(cases):
-        g = _generator(410 + n)
-        values = -1.0 - torch.rand(size, generator=g) * 3  # all negative: 0 is not neutral for max
-        x, _ = _in_buffer(values, extra_rows=block)
-        y, y_buffer = _in_buffer(torch.full((size,), float("nan")), extra_rows=block, fill=UNTOUCHED)
-        launch_learner_kernel(block_shift_kernel, (triton.cdiv(size, block),), (x, y, size), dict(BLOCK=block),
-                              name, block_shift_kernel, forbid=SOFTMAX)
-        what = f" (n = {size}, BLOCK = {block})"
+def _masked_storage(storage, n_q, n_kv, bq, bkv, strides, hide="future", move=(True, True), swap=False,
+                    edges=(True, True), address=None, fill=float("-inf")):
+    """What ``storage`` (the flat buffer around S) holds after a causal-mask kernel ran on the grid
+    (cdiv(n_q, bq), cdiv(n_kv, bkv)), written with or without a given mistake: the condition that
+    hides (``hide``), program offsets that move with the program ids (``move``), the grid's axes
+    swapped (``swap``), the row and column masks (``edges``), an address (``address(i, j)``,
+    default i * stride_q + j * stride_k) and the value written. None where such a kernel would
+    write outside the buffer (that mistake is then not the one the learner made)."""
+    out = storage.clone()
+    grid = (triton.cdiv(n_q, bq), triton.cdiv(n_kv, bkv))
+    local_i, local_j = torch.arange(bq)[:, None], torch.arange(bkv)[None, :]
+    for pid0 in range(grid[0]):
+        for pid1 in range(grid[1]):
+            b, c = (pid1, pid0) if swap else (pid0, pid1)
+            i = b * bq * move[0] + local_i
+            j = c * bkv * move[1] + local_j
+            hidden = {"future": j > i, "diagonal": j >= i, "past": j < i, "tile": local_j > local_i}[hide]
+            mask = hidden & ((i < n_q) if edges[0] else True) & ((j < n_kv) if edges[1] else True)
+            where = address(i, j) if address else i * strides[0] + j * strides[1]
+            where = where.expand(bq, bkv)[mask]
+            if where.numel() and (where.min() < 0 or where.max() >= out.numel()):
+                return None
+            out[where] = fill
+    return out
 
-        def shift(fill):  # the kernel's result when the elements past n read as `fill`
-            padded = torch.cat([values, torch.full((-size % block,), fill)]).view(-1, block)
-            return (padded - padded.max(-1, keepdim=True).values).flatten()[:size]
 
-        want = shift(float("-inf"))
-        if _wrote_outside(y_buffer, size):
-            first = int((y_buffer.cpu()[size:] != UNTOUCHED).nonzero()[0]) + size
-            raise ExerciseError(f"{name} wrote past the end of Y, at index {first}{what}: mask the store "
-                                "too, tl.store(..., mask=offs < n)")
-        got = y.cpu()
-        if torch.isnan(got).any():
-            first = int(torch.isnan(got).nonzero()[0])
-            raise ExerciseError(f"{name} left Y[{first}] unwritten{what}: every program must handle its own "
-                                "block, offs = pid * BLOCK + tl.arange(0, BLOCK)")
-        hint = _named(got, want, [
-            ("the last block read past the end of X (the memory there holds 99 in this check): load "
-             "with mask=offs < n", shift(PAST_THE_END)),
-            ("the elements past n were read as 0 (other=0.0), and 0 wins the max over these negative "
-             "values: the neutral element of max is other=float(\"-inf\")", shift(0.0)),
-            ("y equals x: subtract each block's max, y = x - tl.max(x, axis=0)", values),
-        ], atol=1e-6, rtol=1e-6)
-        if hint:
-            raise ExerciseError(f"{name} is wrong{what}: {hint}.")
-        expect_close(f"Y{what}", got, want, atol=1e-6, rtol=1e-6)
-    passed(f"{name} is right on {len(cases)} lengths, ragged ends included, and writes nothing past n")
+def check_causal_mask_kernel(causal_mask_kernel):
+    """``causal_mask_kernel[(cdiv(n_q, BLOCK_Q), cdiv(n_kv, BLOCK_KV))](S, n_q, n_kv, stride_q,
+    stride_k, BLOCK_Q=..., BLOCK_KV=...)`` must set S[i, j] = -inf wherever j > i, in place, leave
+    every other entry of the n_q x n_kv matrix S (a view, entry (i, j) at i * stride_q + j * stride_k)
+    as it was, and write nothing outside it."""
+    name = "causal_mask_kernel"
+    cases = [(16, 16, 16, 16, False), (69, 69, 32, 16, False), (40, 100, 16, 32, False),
+             (100, 40, 32, 16, True), (1, 1, 16, 16, False), (37, 45, 16, 16, False)]
+    for n, (n_q, n_kv, bq, bkv, transposed) in enumerate(cases):
+        g = _generator(400 + n)
+        # S inside a buffer large enough for any grid's tiles (even with the axes swapped), its other
+        # elements holding UNTOUCHED: a store past the last row or the end of a row shows there
+        reach = max(triton.cdiv(n_q, bq), triton.cdiv(n_kv, bkv))
+        rows, cols = reach * bq + bq, reach * bkv + bkv
+        values = torch.randn(n_q, n_kv, generator=g)
+        if transposed:  # S as the transpose of a (n_kv, n_q) matrix: stride_q = 1, stride_k = rows
+            buffer = torch.full((cols, rows), UNTOUCHED)
+            buffer[:n_kv, :n_q] = values.T
+        else:
+            buffer = torch.full((rows, cols), UNTOUCHED)
+            buffer[:n_q, :n_kv] = values
+        storage = buffer.flatten().clone()  # as it was before the kernel ran
+        on_device = buffer.to(DEVICE, copy=True)
+        s = (on_device.T if transposed else on_device)[:n_q, :n_kv]
+        strides = s.stride()
+        launch_learner_kernel(causal_mask_kernel, (triton.cdiv(n_q, bq), triton.cdiv(n_kv, bkv)),
+                              (s, n_q, n_kv, *strides), dict(BLOCK_Q=bq, BLOCK_KV=bkv), name, causal_mask_kernel)
+        got = on_device.cpu().flatten()
+        what = (f" (n_q = {n_q}, n_kv = {n_kv}, BLOCK_Q = {bq}, BLOCK_KV = {bkv}"
+                + (", S a transposed view: stride_q = 1)" if transposed else ")"))
+        want = _masked_storage(storage, n_q, n_kv, bq, bkv, strides)
+        if torch.equal(got, want):
+            continue
+        mistakes = [
+            ("the diagonal was hidden too: query i sees key i, so hide j > i, not j >= i",
+             dict(hide="diagonal")),
+            ("the wrong triangle was hidden: a query sees the keys before it (j <= i) and not those after "
+             "it, so set S[i, j] = -inf where j > i", dict(hide="past")),
+            ("the condition compared positions inside the tile (tl.arange alone): compare the positions in "
+             "the sequence, i = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q) and likewise j",
+             dict(hide="tile")),
+            ("every program worked on the first block of rows: the rows of program (b, c) start at "
+             "b * BLOCK_Q, with b = tl.program_id(0)", dict(move=(False, True))),
+            ("every program worked on the first block of keys: the keys of program (b, c) start at "
+             "c * BLOCK_KV, with c = tl.program_id(1)", dict(move=(True, False))),
+            ("the grid's axes were swapped: axis 0 numbers the query blocks (tl.program_id(0) for the rows) "
+             "and axis 1 the key blocks (tl.program_id(1) for the columns)", dict(swap=True)),
+            ("the store went past the last row of S (rows i >= n_q of the last tiles): mask it with "
+             "rows[:, None] < n_q too", dict(edges=(False, True))),
+            ("the store went past the end of a row of S (keys j >= n_kv of the last tiles), into memory that "
+             "is not S's: mask it with keys[None, :] < n_kv too", dict(edges=(True, False))),
+            ("the store went past the last row and past the end of the rows of S: mask it with "
+             "(rows[:, None] < n_q) & (keys[None, :] < n_kv)", dict(edges=(False, False))),
+            ("entry (i, j) was addressed at i * n_kv + j, as if S were contiguous: it lives at "
+             "i * stride_q + j * stride_k", dict(address=lambda i, j: i * n_kv + j)),
+            ("entry (i, j) was addressed at i * stride_q + j, as if stride_k were 1: it lives at "
+             "i * stride_q + j * stride_k", dict(address=lambda i, j: i * strides[0] + j)),
+            ("0 was written where -inf belongs: a hidden score is -inf, so that its probability is "
+             "2^-inf = 0", dict(fill=0.0)),
+        ]
+        for hint, mistake in mistakes:
+            wrong = _masked_storage(storage, n_q, n_kv, bq, bkv, strides, **mistake)
+            if wrong is not None and not torch.equal(wrong, want) and torch.equal(got, wrong):
+                raise ExerciseError(f"{name} is wrong{what}: {hint}.")
+        got_big = got.view(buffer.shape).T if transposed else got.view(buffer.shape)
+        want_big = want.view(buffer.shape).T if transposed else want.view(buffer.shape)
+        outside = torch.ones_like(got_big, dtype=torch.bool)
+        outside[:n_q, :n_kv] = False
+        changed = (got_big != want_big) & outside
+        if changed.any():
+            i, j = (int(x) for x in changed.nonzero()[0])
+            where = "past the last row" if i >= n_q else "past the end of row " + str(i)
+            raise ExerciseError(f"{name} wrote outside S{what}, at ({i}, {j}), {where}: mask the store with "
+                                "(rows[:, None] < n_q) & (keys[None, :] < n_kv)")
+        i, j = (int(x) for x in (got_big != want_big).nonzero()[0])
+        if j > i:
+            raise ExerciseError(f"{name} left S[{i}, {j}] = {got_big[i, j].item():.4g}{what}: key {j} comes "
+                                f"after query {i}, so the entry must be -inf.")
+        raise ExerciseError(f"{name} changed S[{i}, {j}] from {want_big[i, j].item():.4g} to "
+                            f"{got_big[i, j].item():.4g}{what}: query {i} sees key {j}, leave that score as it is.")
+    passed(f"{name} hides exactly the keys after each query on {len(cases)} matrices (ragged tiles, "
+           "N_q != N_kv, a transposed view) and writes nothing outside S")
 
 
 # --- 2. A softmax kernel, one program per row --------------------------------------------------------

@@ -10,8 +10,12 @@ behave like the loops of ``tiled_forward_with_mistake``, which name them. A wron
 a known mistake is named: the second stage without its mask, the scale or log2 e missing, the LSE
 in the wrong base, strides assumed contiguous, a grid one block short, the wrong causal start.
 """
+import ast
+import inspect
 import math
+import textwrap
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -141,6 +145,10 @@ KERNEL_MISTAKES = {
     "ragged": "keys past N_kv were not hidden: the second stage must run with the mask (MASKED=True), "
               "and its mask hides keys j >= n_kv even when not causal",
     "alpha": "alpha is missing: when M grows, L and acc are rescaled by alpha = 2^(M_old - M_new)",
+    "alpha_acc": "acc is not rescaled when M grows (L is): the output accumulated so far is relative to "
+                 "the old max, so acc = acc * alpha[:, None] + P V, with alpha = 2^(M_old - M_new)",
+    "alpha_l": "L is not rescaled when M grows (acc is): the sum so far is relative to the old max, so "
+               "L = L * alpha + rowsum(P), with alpha = 2^(M_old - M_new)",
     "causal_off_by_one": "the causal mask is off by one: query i sees keys j <= i",
     "no_scale": "the scores were not multiplied by qk_scale: m_new = max(m_i, rowmax(s) * qk_scale), "
                 "p = exp2(s * qk_scale - m_new)",
@@ -228,12 +236,55 @@ LAUNCHER_CASES = [(1, 2, 32, 32, 32, False, "contiguous", None),
                   (2, 3, 19, 27, 24, False, "strided_d", 0.3)]
 
 
+def names_kernel(fn, kernel_name, _seen=None):
+    """Whether the learner's ``fn``, or a function of theirs that it calls, names ``kernel_name``."""
+    seen = _seen if _seen is not None else set()
+    if fn in seen or not inspect.isfunction(fn):
+        return False
+    seen.add(fn)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return True  # source unknown: leave it to the launches
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return kernel_name in names or any(
+        names_kernel(fn.__globals__[n], kernel_name, seen) for n in names
+        if inspect.isfunction(fn.__globals__.get(n)) and fn.__globals__[n].__module__ == fn.__module__)
+
+
+@contextmanager
+def counting_launches(kernel):
+    """While inside: every launch of ``kernel`` (a @triton.jit function, or None) is counted in the
+    list it yields. Both runtimes launch ``kernel[grid](...)`` through ``kernel.run``."""
+    launches = []
+    if kernel is None or not hasattr(kernel, "run"):
+        yield launches
+        return
+
+    had, original = "run" in vars(kernel), kernel.run
+
+    def run(*args, **kwargs):
+        launches.append(1)
+        return original(*args, **kwargs)
+    kernel.run = run
+    try:
+        yield launches
+    finally:
+        if had:
+            kernel.run = original
+        else:
+            del kernel.run
+
+
 def check_my_attention_forward(my_attention_forward):
     """``my_attention_forward(q, k, v, is_causal=False, scale=None) -> (o, lse2)`` on (B, H, N, D)
     tensors of any strides: o like q, lse2 float32 (B, H, N_q) in base 2; scale None means
     1/sqrt(D)."""
     name = "my_attention_forward"
     kernel = getattr(my_attention_forward, "__globals__", {}).get("my_attn_fwd")
+    if not is_stub(my_attention_forward) and not names_kernel(my_attention_forward, "my_attn_fwd"):
+        raise ExerciseError(f"{name} never launches my_attn_fwd: this exercise is the launcher of your kernel "
+                            "(Exercise 3), so its outputs must come from my_attn_fwd[grid](q, k, v, o, lse2, ...).")
     if kernel is not None and not is_stub(my_attention_forward) and is_stub(kernel):
         raise ExerciseError(f"{name} launches my_attn_fwd, which is not implemented yet: write the kernel "
                             "(Exercise 3) first, then run this check again.")
@@ -244,8 +295,12 @@ def check_my_attention_forward(my_attention_forward):
                 f"inputs, scale={scale})")
         with warnings.catch_warnings(), np.errstate(all="ignore"):  # NumPy's warnings of a wrong kernel
             warnings.simplefilter("ignore", RuntimeWarning)
-            result = attempt(my_attention_forward, q, k, v, is_causal=causal, scale=scale, name=name,
-                             forbid=FORBID)
+            with counting_launches(kernel) as launches:
+                result = attempt(my_attention_forward, q, k, v, is_causal=causal, scale=scale, name=name,
+                                 forbid=FORBID)
+        if kernel is not None and not launches:
+            raise ExerciseError(f"{name} did not launch my_attn_fwd{what}: its outputs must come from your "
+                                "kernel, launched on every call as my_attn_fwd[grid](q, k, v, o, lse2, ...)")
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise ExerciseError(f"{name} should return a tuple (o, lse2), got {type(result).__name__}")
         o, lse2 = result

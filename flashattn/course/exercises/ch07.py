@@ -1,5 +1,7 @@
-"""Checkers of chapter 07: the Delta kernel, and the inner loops of the dK/dV and dQ stages in Triton,
-with the small kernels that run a learner's loop (``dkdv_exercise_kernel``, ``dq_exercise_kernel``).
+"""Checkers of chapter 07's first exercises: the Delta kernel (exercise 1) and the inner loops of
+the dQ and dK/dV stages (exercises 2a and 3a) in Triton, with the small kernels that run a
+learner's loop on its own (``dq_exercise_kernel``, ``dkdv_exercise_kernel``). The whole dQ and
+dK/dV kernels and the launcher are checked in ``ch07_kernels``.
 
 A wrong gradient is compared with what the likely slips produce, alone and two at a time, so that
 the message names the mistake: an ln 2 or log2 e too many, a missing ``qk_scale``, ``exp`` for
@@ -19,61 +21,114 @@ from ..notebook import pick
 from ...testing.reference import naive_attention
 from ...gpu.runtime import DEVICE
 from ...kernels.tiles import LN2, LOG2E, kv_stage_bounds
-from .common import ExerciseError, attempt, close, expect_close, launch_learner_kernel, passed
+from .common import ExerciseError, close, expect_close, launch_learner_kernel, passed
 
 
 def _generator(seed):
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
+def padded_view(shape, layout, dtype, values=None):
+    """A view of ``shape`` (..., N, D) inside a larger NaN-filled buffer on DEVICE, so that a load
+    outside it that is not masked shows as NaN. ``layout``: "padded" (rows further apart than D),
+    "bnhd" (a (B, N, H, D) buffer seen as (B, H, N, D); 4-D shapes only), "strided_d" (columns two
+    elements apart, the elements between them 0, so that a column stride taken as 1 reads wrong
+    numbers rather than NaN), "transposed" (the head dim outermost: rows 1 element apart, columns N + 19).
+    ``values`` (a tensor of ``shape``) fills the view."""
+    *lead, n, d = shape
+    full = dict(dtype=dtype, device=DEVICE)
+    if layout == "bnhd":
+        b, h = lead
+        view = torch.full((b, n + 19, h, d + 3), float("nan"), **full).transpose(1, 2)[..., :n, :d]
+    elif layout == "strided_d":
+        buf = torch.full((*lead, n + 19, 2 * d + 10), float("nan"), **full)
+        buf[..., :n, 1:2 * d:2] = 0
+        view = buf[..., :n, 0:2 * d:2]
+    elif layout == "transposed":
+        view = torch.full((*lead, d + 5, n + 19), float("nan"), **full).transpose(-1, -2)[..., :n, :d]
+    else:
+        view = torch.full((*lead, n + 19, d + 8), float("nan"), **full)[..., :n, :d]
+    if values is not None:
+        view.copy_(values)
+    return view
+
+
 # --- Exercise 1: the Delta kernel -------------------------------------------------------------------
 
+#: (B, H, N_q, D, BLOCK_Q, dtype, O's layout, dO's layout): ragged row counts, head dims that need
+#: padding, O and dO with strides of their own, float16 (which must be multiplied in float32).
+DELTA_CASES = [(1, 1, 1, 16, 16, torch.float32, "padded", "padded"),
+               (1, 2, 17, 40, 16, torch.float32, "padded", "padded"),
+               (2, 3, 69, 64, 32, torch.float32, "bnhd", "padded"),
+               (1, 2, 130, 24, 64, torch.float32, "padded", "strided_d"),
+               (2, 2, 69, 64, 16, torch.float16, "bnhd", "bnhd"),
+               (1, 3, 33, 40, 32, torch.float16, "strided_d", "padded")]
+
+
 def check_delta_kernel(delta_kernel):
-    """The Delta preprocess as a Triton kernel, launched as
-    ``delta_kernel[(cdiv(n_rows, BLOCK_ROWS),)](O, dO, Delta, n_rows, stride_o, stride_do,
-    HEAD_DIM=..., BLOCK_ROWS=..., BLOCK_D=...)`` on (n_rows, HEAD_DIM) matrices whose rows are
-    ``stride_o``/``stride_do`` elements apart (columns contiguous). Checks ragged row counts, head dims
-    that need padding, float16 inputs (which must be multiplied and summed in float32) and that
-    nothing is written past the end of Delta; names Delta taken from the wrong tensors."""
-    cases = [(1, 16, 16, torch.float32), (17, 40, 16, torch.float32), (69, 64, 32, torch.float32),
-             (130, 24, 64, torch.float32), (69, 64, 16, torch.float16), (33, 40, 32, torch.float16)]
-    for n, (n_rows, d, block_rows, dtype) in enumerate(cases):
+    """The Delta preprocess as a Triton kernel, launched as ``delta_kernel[(cdiv(N_q, BLOCK_Q), H,
+    B)](O, dO, Delta, *o.stride(), *do.stride(), H, N_q, HEAD_DIM=..., BLOCK_D=..., BLOCK_Q=...)``
+    on (B, H, N_q, D) tensors O and dO of any strides, Delta a contiguous float32 (B, H, N_q) tensor.
+    Checks ragged row counts, head dims that need padding, O and dO laid out differently, float16
+    inputs (multiplied and summed in float32), and that nothing is written past the end of Delta;
+    names Delta taken from the wrong tensors, the wrong (batch, head) offsets and strides assumed
+    alike."""
+    alike_ok = False
+    for n, (batch, heads, n_q, d, block_q, dtype, o_layout, do_layout) in enumerate(DELTA_CASES):
         g = _generator(300 + n)
+        values = [torch.randn(batch, heads, n_q, d, generator=g) * 2 for _ in range(2)]
+        for t in values:
+            t[..., 0] = 30.0  # a large common term: float16 sums lose the small ones
+        o = padded_view(values[0].shape, o_layout, dtype, values[0])
+        do = padded_view(values[1].shape, do_layout, dtype, values[1])
+        size = batch * heads * n_q
+        delta_buf = torch.full((size + block_q + 1,), -7.0, dtype=torch.float32, device=DEVICE)
+        delta = delta_buf[:size].view(batch, heads, n_q)
         block_d = max(16, triton.next_power_of_2(d))
-        pad = block_rows + 1  # rows past the end hold NaN: a load there is harmless only if masked
-        o_buf = torch.full((n_rows + pad, d + 8), float("nan"), dtype=dtype)
-        do_buf = torch.full((n_rows + pad, d + 3), float("nan"), dtype=dtype)
-        o_buf[:n_rows, :d] = torch.randn(n_rows, d, generator=g) * 2
-        do_buf[:n_rows, :d] = torch.randn(n_rows, d, generator=g) * 2
-        o_buf, do_buf = o_buf.to(DEVICE), do_buf.to(DEVICE)
-        o, do = o_buf[:n_rows, :d], do_buf[:n_rows, :d]
-        o[:, 0], do[:, 0] = 30.0, 30.0  # a large common term: float16 sums lose the small ones
-        delta_buf = torch.full((n_rows + pad,), -7.0, dtype=torch.float32, device=DEVICE)
-        launch_learner_kernel(delta_kernel, (triton.cdiv(n_rows, block_rows),),
-                              (o, do, delta_buf, n_rows, o.stride(0), do.stride(0)),
-                              dict(HEAD_DIM=d, BLOCK_ROWS=block_rows, BLOCK_D=block_d), "delta_kernel",
-                              delta_kernel)
-        what = f"n_rows={n_rows}, HEAD_DIM={d}, BLOCK_ROWS={block_rows}, BLOCK_D={block_d}, {dtype}"
-        if not (delta_buf[n_rows:].cpu() == -7.0).all():
-            raise ExerciseError(f"{what}: your kernel wrote past the end of Delta (rows >= n_rows): "
-                                "mask the store with `rows < n_rows`.")
-        want = (o.double() * do.double()).sum(-1)
-        got = delta_buf[:n_rows]
+        launch_learner_kernel(delta_kernel, (triton.cdiv(n_q, block_q), heads, batch),
+                              (o, do, delta, *o.stride(), *do.stride(), heads, n_q),
+                              dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_Q=block_q), "delta_kernel", delta_kernel)
+        what = (f"B={batch}, H={heads}, N_q={n_q}, HEAD_DIM={d}, BLOCK_Q={block_q}, {str(dtype)[6:]}, "
+                f"O {o_layout}, dO {do_layout}")
+        if not (delta_buf[size:].cpu() == -7.0).all():
+            raise ExerciseError(f"{what}: your kernel wrote past the end of Delta (rows >= n_q of the last head): "
+                                "mask the store with `rows < n_q`.")
+        got = delta.cpu().double()
+        if (got == -7.0).any():
+            b, h, row = (int(x) for x in (got == -7.0).nonzero()[0])
+            raise ExerciseError(f"{what}: row {row} of head {h}, batch {b} of Delta was never written: each program writes "
+                                "the BLOCK_Q rows of query block tl.program_id(0) of head tl.program_id(1) of batch "
+                                "tl.program_id(2), at Delta + (batch * n_heads + head) * n_q.")
+        o64, do64 = (t.double() for t in (o.cpu(), do.cpu()))
+        want = (o64 * do64).sum(-1)
+        if close(got, want, atol=2e-4, rtol=2e-5):
+            alike_ok = alike_ok or o_layout == do_layout == "padded"
+            continue
+        right = torch.isclose(got, want, atol=1e-2, rtol=5e-3).all(-1)  # float16's tolerance: offsets, not rounding
+        if right[0, 0] and not right.all():
+            b, h = (int(x) for x in (~right).nonzero()[0])
+            raise ExerciseError(f"{what}: Delta is right for head 0 of batch 0 and wrong for head {h} of batch {b}: "
+                                "each program moves O and dO to its (batch, head), O + batch * stride_ob + "
+                                "head * stride_oh (dO with its own strides), and Delta to "
+                                "(batch * n_heads + head) * n_q, in 64-bit.")
+        if alike_ok and o_layout != do_layout:
+            raise ExerciseError(f"{what}: Delta is wrong here and right where O and dO were laid out alike with "
+                                "contiguous columns: read each through its own four strides (stride_on, stride_od "
+                                "for O; stride_don, stride_dod for dO).")
         if torch.isnan(got).any():
-            raise ExerciseError(f"{what}: Delta has NaN: some loads read outside the {n_rows} x {d} matrix "
-                                "(the padded columns d >= HEAD_DIM or the rows >= n_rows need a mask, "
-                                "with other=0.0).")
-        for wrong, tensors in (((o.double() ** 2).sum(-1), "O * O"), ((do.double() ** 2).sum(-1), "dO * dO")):
+            raise ExerciseError(f"{what}: Delta has NaN: some loads read outside the N_q x HEAD_DIM rows of a head "
+                                "(the memory around them holds NaN in this check): mask the columns d >= HEAD_DIM "
+                                "and the rows >= n_q, with other=0.0.")
+        for wrong, tensors in (((o64 ** 2).sum(-1), "O * O"), ((do64 ** 2).sum(-1), "dO * dO")):
             if close(got, wrong, atol=1e-2, rtol=5e-3):
                 raise ExerciseError(f"{what}: your Delta is rowsum({tensors}); Delta multiplies the two "
                                     "different tensors, rowsum(dO * O) (is one of the loads reading the "
-                                    "wrong pointer or stride?).")
-        if dtype == torch.float16 and not close(got, want, atol=2e-4, rtol=2e-5) \
-                and close(got, want, atol=1e-2, rtol=5e-3):  # close, but not float32-close
+                                    "wrong pointer or strides?).")
+        if dtype == torch.float16 and close(got, want, atol=1e-2, rtol=5e-3):  # close, but not float32-close
             raise ExerciseError(f"{what}: Delta lost precision: convert O and dO to float32 before "
                                 "multiplying (`.to(tl.float32)`), as the package's preprocess does.")
         expect_close(f"Delta ({what})", got, want, atol=2e-4, rtol=2e-5)
-    passed("delta_kernel computes Delta = rowsum(dO * O) for ragged rows, padded head dims and float16")
+    passed("delta_kernel computes Delta = rowsum(dO * O) for ragged rows, padded head dims, any strides and float16")
 
 
 # --- The slips of a backward loop, modelled in float64 ------------------------------------------------
@@ -208,37 +263,80 @@ def name_the_slips(got, inputs, is_causal, scale, stage, block_q, block_kv, tol)
     return None
 
 
-# --- Exercise 3: the dK/dV stage's inner loop ---------------------------------------------------------
+
+# --- Exercises 2a and 3a: the two inner loops, each run inside a small kernel of the course's ----------
+
+@triton.jit
+def dq_exercise_kernel(Q, K, V, dO, LSE, Delta, dQ,
+                       stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, stride_lh,
+                       n_q, n_kv, scale, qk_scale, INNER: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """The dQ stage around the learner's inner loop ``INNER`` (a @triton.jit function passed as a
+    compile-time constant, called as chapter 07's exercise 2a describes).
+
+    One program per (query block, head). Q, dO and dQ are contiguous (heads, N_q, HEAD_DIM)
+    tensors, LSE and Delta (heads, N_q) rows ``stride_lh`` apart; K and V have strides of their
+    own, which INNER gets. It loads the resident tiles, then calls INNER twice with the key ranges of
+    flashattn.kernels.traversal.kv_ranges: the whole unmasked tiles (MASKED=False), then the
+    diagonal and ragged tiles (MASKED=True), and multiplies dQ by ``scale``."""
+    q_block, head = tl.program_id(0), tl.program_id(1)
+    Q += head * n_q * HEAD_DIM
+    dO += head * n_q * HEAD_DIM
+    dQ += head * n_q * HEAD_DIM
+    K += head * stride_kh
+    V += head * stride_vh
+    LSE += head * stride_lh
+    Delta += head * stride_lh
+    q_start = q_block * BLOCK_Q
+    offs_q = q_start + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    inside = (offs_q[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
+    rows = offs_q[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q + rows, mask=inside, other=0.0)
+    do = tl.load(dO + rows, mask=inside, other=0.0)
+    lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
+    delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
+    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+               offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale, HEAD_DIM, BLOCK_KV, False, IS_CAUSAL)
+    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+               offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale, HEAD_DIM, BLOCK_KV, True, IS_CAUSAL)
+    tl.store(dQ + rows, dq * scale, mask=inside)
+
 
 @triton.jit
 def dkdv_exercise_kernel(Q, K, V, dO, LSE, Delta, dK, dV,
-                         stride_qh, stride_qn, stride_kh, stride_kn, stride_lh,
+                         stride_qh, stride_qn, stride_qd, stride_doh, stride_don, stride_dod, stride_lh,
                          n_q, n_kv, scale, qk_scale, INNER: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                          BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """The dK/dV stage of chapter 07's exercise, around the learner's inner loop ``INNER`` (a
-    @triton.jit function passed as a compile-time constant, and called like flashattn's dkdv_inner).
+    """The dK/dV stage around the learner's inner loop ``INNER`` (as in :func:`dq_exercise_kernel`;
+    chapter 07's exercise 3a).
 
-    One program per (key block, head) of (heads, N, D) tensors whose columns are contiguous; Q and
-    dO share their strides, and so do K, V, dK and dV; LSE and Delta are (heads, N_q) rows
-    ``stride_lh`` apart. It loads the resident K and V tiles, then calls INNER three times with the
-    query ranges of flashattn.kernels.traversal.q_ranges: the diagonal (MASKED=True, causal only), the whole
-    unmasked blocks (MASKED=False), and the ragged last block (MASKED=True). BLOCK_Q divides BLOCK_KV."""
+    One program per (key block, head). K, V, dK and dV are contiguous (heads, N_kv, HEAD_DIM)
+    tensors; Q and dO have strides of their own, and LSE, Delta are (heads, N_q) rows
+    ``stride_lh`` apart, which INNER gets. It loads the resident K and V tiles, then calls INNER
+    three times with the query ranges of flashattn.kernels.traversal.q_ranges: the diagonal
+    (MASKED=True, causal only), the whole unmasked blocks (MASKED=False), and the ragged last block
+    (MASKED=True); dK is multiplied by ``scale``. BLOCK_Q divides BLOCK_KV."""
     kv_block, head = tl.program_id(0), tl.program_id(1)
     Q += head * stride_qh
-    dO += head * stride_qh
-    K += head * stride_kh
-    V += head * stride_kh
-    dK += head * stride_kh
-    dV += head * stride_kh
+    dO += head * stride_doh
+    K += head * n_kv * HEAD_DIM
+    V += head * n_kv * HEAD_DIM
+    dK += head * n_kv * HEAD_DIM
+    dV += head * n_kv * HEAD_DIM
     LSE += head * stride_lh
     Delta += head * stride_lh
     kv_start = kv_block * BLOCK_KV
     offs_kv = kv_start + tl.arange(0, BLOCK_KV)
     offs_d = tl.arange(0, BLOCK_D)
     inside = (offs_kv[:, None] < n_kv) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + offs_kv[:, None] * stride_kn + offs_d[None, :], mask=inside, other=0.0)
-    v = tl.load(V + offs_kv[:, None] * stride_kn + offs_d[None, :], mask=inside, other=0.0)
+    rows = offs_kv[:, None] * HEAD_DIM + offs_d[None, :]
+    k = tl.load(K + rows, mask=inside, other=0.0)
+    v = tl.load(V + rows, mask=inside, other=0.0)
     dk = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
     if IS_CAUSAL:  # queries before kv_start see none of these keys
@@ -248,347 +346,135 @@ def dkdv_exercise_kernel(Q, K, V, dO, LSE, Delta, dK, dV,
         q_lo = 0
         q_full_lo = 0
     q_full_hi = q_full_lo + tl.maximum(n_q - q_full_lo, 0) // BLOCK_Q * BLOCK_Q
-    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, offs_kv, offs_d, q_lo, tl.minimum(q_full_lo, n_q),
-                   n_q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL)
-    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, offs_kv, offs_d, q_full_lo, q_full_hi,
-                   n_q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_Q, False, IS_CAUSAL)
-    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, offs_kv, offs_d, q_full_hi, n_q,
-                   n_q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_Q, True, IS_CAUSAL)
-    dk *= scale
-    tl.store(dK + offs_kv[:, None] * stride_kn + offs_d[None, :], dk, mask=inside)
-    tl.store(dV + offs_kv[:, None] * stride_kn + offs_d[None, :], dv, mask=inside)
+    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod, offs_kv, offs_d,
+                   q_lo, tl.minimum(q_full_lo, n_q), n_q, qk_scale, HEAD_DIM, BLOCK_Q, True, IS_CAUSAL)
+    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod, offs_kv, offs_d,
+                   q_full_lo, q_full_hi, n_q, qk_scale, HEAD_DIM, BLOCK_Q, False, IS_CAUSAL)
+    dk, dv = INNER(dk, dv, k, v, Q, dO, LSE, Delta, stride_qn, stride_qd, stride_don, stride_dod, offs_kv, offs_d,
+                   q_full_hi, n_q, n_q, qk_scale, HEAD_DIM, BLOCK_Q, True, IS_CAUSAL)
+    tl.store(dK + rows, dk * scale, mask=inside)
+    tl.store(dV + rows, dv, mask=inside)
 
 
-def _rows_of(lse64, delta64, n_q, pad):
-    """The rows' base-2 LSE and Delta in float32, with ``pad`` NaN entries after each head's rows."""
-    heads = lse64.shape[0]
-    lse2, delta = (torch.full((heads, n_q + pad), float("nan")) for _ in range(2))
-    lse2[:, :n_q], delta[:, :n_q] = lse64 * LOG2E, delta64
-    return lse2.to(DEVICE), delta.to(DEVICE)
-
-
-def run_dkdv_inner(dkdv_inner, q, k, v, do, is_causal=False, scale=None, block_q=16, block_kv=32):
-    """Run the dK/dV stage built around ``dkdv_inner`` on float32 (heads, N, D) tensors; the LSE and
-    Delta come from a float64 reference. Q, dO, the LSE and Delta are stored with NaN after their
-    last row and (Q, dO) past their last column, so that a load there that is not masked shows.
-    Returns (dK, dV) in float32."""
+def run_loop(stage, inner, q, k, v, do, is_causal=False, scale=None, block_q=32, block_kv=16, layout="same"):
+    """Run the learner's inner loop ``inner`` of ``stage`` ("dq": exercise 2a, "dkdv": exercise 3a)
+    inside the course's kernel of that stage, on (heads, N, D) tensors (float32 or float16); the
+    LSE and Delta come from a float64 reference. The streamed tensors (K and V for "dq", Q and dO
+    for "dkdv") are views with NaN around them, so that an unmasked load shows; with ``layout``
+    "apart" the second of them (V, or dO) has strides unlike the first's. Returns ``(dq,)`` or
+    ``(dk, dv)`` in float32."""
     heads, n_q, d = q.shape
     n_kv = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     o64, lse64 = naive_attention(q.double(), k.double(), v.double(), is_causal=is_causal, scale=scale)
-    delta64 = (o64 * do.double()).sum(-1)
-    pad = block_q + 1
-    q_buf, do_buf = (torch.full((heads, n_q + pad, d + 5), float("nan")) for _ in range(2))
-    q_buf[:, :n_q, :d], do_buf[:, :n_q, :d] = q.float().cpu(), do.float().cpu()
-    q_buf, do_buf = q_buf.to(DEVICE), do_buf.to(DEVICE)
-    k, v = (t.float().contiguous() for t in (k, v))
-    lse2, delta = _rows_of(lse64.cpu(), delta64.cpu(), n_q, pad)
-    dk, dv = (torch.full_like(k, float("nan")) for _ in range(2))
+    rows = torch.full((2, heads, n_q + block_q + 1), float("nan"), device=DEVICE)  # NaN past each head's rows
+    rows[0, :, :n_q], rows[1, :, :n_q] = lse64 * LOG2E, (o64 * do.double()).sum(-1)
+    lse2, delta = rows[0], rows[1]
+    second = {"same": "padded", "apart": "strided_d" if stage == "dkdv" else "transposed"}[layout]
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q, BLOCK_KV=block_kv,
+                      IS_CAUSAL=bool(is_causal))
+    name = f"{stage}_inner"
+    if stage == "dq":
+        k_view, v_view = padded_view(k.shape, "padded", k.dtype, k), padded_view(v.shape, second, v.dtype, v)
+        q, do = q.contiguous(), do.contiguous()
+        dq = torch.full(q.shape, float("nan"), device=DEVICE)
+        launch_learner_kernel(dq_exercise_kernel, (triton.cdiv(n_q, block_q), heads),
+                              (q, k_view, v_view, do, lse2, delta, dq, *k_view.stride(), *v_view.stride(),
+                               lse2.stride(0), n_q, n_kv, scale, scale * LOG2E, inner), constexprs, name, inner)
+        return (dq,)
+    q_view, do_view = padded_view(q.shape, "padded", q.dtype, q), padded_view(do.shape, second, do.dtype, do)
+    k, v = k.contiguous(), v.contiguous()
+    dk, dv = (torch.full(k.shape, float("nan"), device=DEVICE) for _ in range(2))
     launch_learner_kernel(dkdv_exercise_kernel, (triton.cdiv(n_kv, block_kv), heads),
-                          (q_buf, k, v, do_buf, lse2, delta, dk, dv, q_buf.stride(0), q_buf.stride(1),
-                           k.stride(0), k.stride(1), lse2.stride(0), n_q, n_kv, scale, scale * LOG2E, dkdv_inner),
-                          dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q,
-                               BLOCK_KV=block_kv, IS_CAUSAL=bool(is_causal)), "dkdv_inner", dkdv_inner)
+                          (q_view, k, v, do_view, lse2, delta, dk, dv, *q_view.stride(), *do_view.stride(),
+                           lse2.stride(0), n_q, n_kv, scale, scale * LOG2E, inner), constexprs, name, inner)
     return dk, dv
 
 
-def _check_loop(stage, run, cases, seed):
-    """Run a learner's loop of ``stage`` on ``cases`` and compare it with the float64 model; name
-    the slips when it is wrong."""
+#: Each loop's outputs, what it streams, and its cases: (heads, N_q, N_kv, D, causal, BLOCK_Q,
+#: BLOCK_KV, dtype, layout). Float32 first (a slip is named there), ragged, N_q != N_kv both ways,
+#: a padded head dim, the second streamed tensor with strides of its own, then float16.
+LOOPS = {
+    "dq": dict(outputs=("dq",), streamed=("K", "V"), seed=400, cases=[
+        (2, 69, 69, 32, True, 32, 16, torch.float32, "same"), (2, 69, 69, 32, False, 32, 16, torch.float32, "same"),
+        (1, 45, 70, 40, True, 32, 16, torch.float32, "same"), (1, 70, 45, 40, True, 32, 16, torch.float32, "apart"),
+        (2, 33, 17, 16, False, 32, 16, torch.float32, "apart"), (1, 1, 1, 16, True, 32, 16, torch.float32, "same"),
+        (2, 45, 70, 40, True, 32, 16, torch.float16, "apart")]),
+    "dkdv": dict(outputs=("dk", "dv"), streamed=("Q", "dO"), seed=700, cases=[
+        (2, 69, 69, 32, True, 16, 32, torch.float32, "same"), (2, 69, 69, 32, False, 16, 32, torch.float32, "same"),
+        (1, 70, 45, 40, True, 16, 32, torch.float32, "same"), (1, 45, 70, 40, True, 16, 16, torch.float32, "apart"),
+        (2, 17, 33, 16, False, 16, 32, torch.float32, "apart"), (1, 1, 1, 16, True, 16, 16, torch.float32, "same"),
+        (2, 70, 45, 40, True, 16, 32, torch.float16, "apart")]),
+}
+
+
+def _check_loop(stage, inner):
+    """Run a learner's loop of ``stage`` on the cases of :data:`LOOPS` and compare it with the
+    float64 model; name the slips when it is wrong."""
+    loop = LOOPS[stage]
+    outputs, (first, second) = loop["outputs"], loop["streamed"]
     tol = pick(cpu=2e-5, gpu=1e-2)  # a GPU multiplies float32 tiles in TF32 by default
     # Slips such as a missing qk_scale make P large and its rounding error with it: a slip is
     # recognised within a looser bound than the one the right answer must meet.
     name_tol = pick(cpu=2e-4, gpu=1e-2)
-    outputs = ("dq",) if stage == "dq" else ("dk", "dv")
-    for n, (heads, n_q, n_kv, d, causal, block_q, block_kv) in enumerate(cases):
-        g = _generator(seed + n)
-        q, k, v, do = (torch.randn(heads, m, d, generator=g).to(DEVICE) for m in (n_q, n_kv, n_kv, n_q))
+    apart_ok = False
+    for n, (heads, n_q, n_kv, d, causal, block_q, block_kv, dtype, layout) in enumerate(loop["cases"]):
+        g = _generator(loop["seed"] + n)
+        q, k, v, do = (torch.randn(heads, m, d, generator=g).to(DEVICE, dtype) for m in (n_q, n_kv, n_kv, n_q))
         scale = 1.0 / d ** 0.5
-        got = dict(zip(outputs, run(q, k, v, do, causal, scale, block_q, block_kv)))
-        want = loop_model(q, k, v, do, causal, scale, stage, block_q, block_kv)
         what = (f"heads={heads}, N_q={n_q}, N_kv={n_kv}, D={d}, is_causal={causal}, "
-                f"BLOCK_Q={block_q}, BLOCK_KV={block_kv}")
-        atol = {name: tol * max(1.0, want[name][0].abs().max().item()) for name in outputs}
-        if all(close(got[name], want[name][0], atol=atol[name], rtol=tol) for name in outputs):
+                f"BLOCK_Q={block_q}, BLOCK_KV={block_kv}, {str(dtype)[6:]}")
+        try:
+            got = dict(zip(outputs, run_loop(stage, inner, q, k, v, do, causal, scale, block_q, block_kv, layout)))
+        except ExerciseError as error:
+            if "same dtype" in str(error):
+                raise ExerciseError(f"{stage}_inner failed on float16 inputs ({what}): tl.dot got a float32 tile "
+                                    "and a float16 one. Convert the float32 tile to the other's dtype before the "
+                                    "product (dS to K's for dQ; P^T to dO's for dV, dS^T to Q's for dK), as with "
+                                    "p.to(v.dtype) in chapter 05: 16-bit tiles multiply on the tensor cores.") from None
+            raise
+        want = loop_model(q, k, v, do, causal, scale, stage, block_q, block_kv)
+        right_tol = tol if dtype == torch.float32 else 5e-3
+        atol = {name: right_tol * max(1.0, want[name][0].abs().max().item()) for name in outputs}
+        wrong = [name for name in outputs if not close(got[name], want[name][0], atol=atol[name], rtol=right_tol)]
+        if not wrong:
+            apart_ok = apart_ok or layout == "apart"
             continue
+        names = " and ".join(NAMES[name] for name in wrong)
+        verb = "are" if len(wrong) > 1 else "is"
+        if layout == "apart" and not apart_ok and n > 0:  # every case before it passed
+            raise ExerciseError(f"{names} {verb} wrong ({what}) where {first} and {second} have strides unlike each "
+                                f"other's, and right where they were laid out alike: read {second} with its own "
+                                f"strides ({'stride_vn, stride_vd' if stage == 'dq' else 'stride_don, stride_dod'}), "
+                                "rows and columns.")
         for name in outputs:
-            if torch.isnan(torch.as_tensor(got[name]).cpu()).any():
-                where = ("past the last query (the rows of Q, dO, LSE and Delta) or past HEAD_DIM"
-                         if stage == "dkdv" else "past HEAD_DIM or the last key")
-                raise ExerciseError(f"{NAMES[name]} has NaN ({what}): a load read {where} without a mask. Mask "
-                                    "every load with the rows and columns that exist (other=0.0).")
-        said = name_the_slips(got, (q, k, v, do), causal, scale, stage, block_q, block_kv, name_tol)
-        wrong = [name for name in outputs if not close(got[name], want[name][0], atol=atol[name], rtol=tol)]
-        if said:
-            names = " and ".join(NAMES[name] for name in wrong)
-            raise ExerciseError(f"{names} {'are' if len(wrong) > 1 else 'is'} wrong ({what}); {said}")
+            if torch.isnan(got[name].cpu()).any():
+                where = "past the last query or past HEAD_DIM" if stage == "dkdv" else "past the last key or past HEAD_DIM"
+                raise ExerciseError(f"{NAMES[name]} has NaN ({what}): a load read {where} without a mask (the memory "
+                                    "there holds NaN in this check). Mask every load with the rows and columns that "
+                                    "exist (other=0.0).")
+        if dtype == torch.float32:
+            said = name_the_slips(got, (q, k, v, do), causal, scale, stage, block_q, block_kv, name_tol)
+            if said:
+                raise ExerciseError(f"{names} {verb} wrong ({what}); {said}")
         for name in wrong:
-            expect_close(f"{NAMES[name]} ({what})", got[name], want[name][0], atol=atol[name], rtol=tol, heatmap=True)
-
-
-def check_dkdv_inner(dkdv_inner):
-    """The dK/dV stage's inner loop in Triton (keys along the rows of every tile), run inside a given
-    kernel on tiny inputs (ragged lengths, causal and not, N_q != N_kv, a padded head dim, BLOCK_Q
-    smaller than BLOCK_KV and equal to it) and compared with a float64 reference."""
-    cases = [(2, 69, 69, 32, True, 16, 32), (2, 69, 69, 32, False, 16, 32), (1, 70, 45, 32, True, 16, 32),
-             (1, 45, 70, 40, True, 16, 16), (2, 17, 33, 16, False, 16, 32), (1, 1, 1, 16, True, 16, 16)]
-
-    def run(q, k, v, do, causal, scale, block_q, block_kv):
-        return run_dkdv_inner(dkdv_inner, q, k, v, do, causal, scale, block_q, block_kv)
-
-    _check_loop("dkdv", run, cases, seed=700)
-    passed("dkdv_inner gives the right dK and dV for ragged lengths, causal and not, N_q != N_kv and a "
-           "padded head dim")
-
-
-# --- Exercise 2: the dQ stage's inner loop ------------------------------------------------------------
-
-@triton.jit
-def dq_exercise_kernel(Q, K, V, dO, LSE, Delta, dQ,
-                       stride_qh, stride_qn, stride_kh, stride_kn, stride_dqh, stride_dqn,
-                       n_q, n_kv, scale, qk_scale, INNER: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                       BLOCK_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """The dQ stage of chapter 07's exercise, around the learner's inner loop ``INNER`` (a
-    @triton.jit function passed as a compile-time constant, and called like flashattn's dq_inner).
-
-    One program per (query block, head) of (heads, N, D) tensors whose columns are contiguous; K and
-    V share their strides, and so do Q and dO. It loads the resident tiles (q, do, and the rows' LSE2
-    and Delta), then calls INNER twice with the key ranges of flashattn.kernels.traversal.kv_ranges: the
-    whole unmasked tiles (MASKED=False), then the diagonal and ragged tiles (MASKED=True)."""
-    q_block, head = tl.program_id(0), tl.program_id(1)
-    Q += head * stride_qh
-    dO += head * stride_qh
-    K += head * stride_kh
-    V += head * stride_kh
-    dQ += head * stride_dqh
-    LSE += head * n_q
-    Delta += head * n_q
-    q_start = q_block * BLOCK_Q
-    offs_q = q_start + tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, BLOCK_D)
-    inside = (offs_q[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + offs_q[:, None] * stride_qn + offs_d[None, :], mask=inside, other=0.0)
-    do = tl.load(dO + offs_q[:, None] * stride_qn + offs_d[None, :], mask=inside, other=0.0)
-    lse = tl.load(LSE + offs_q, mask=offs_q < n_q, other=0.0)
-    delta = tl.load(Delta + offs_q, mask=offs_q < n_q, other=0.0)
-    dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    kv_full_end, kv_end = kv_stage_bounds(q_start, n_kv, BLOCK_Q, BLOCK_KV, IS_CAUSAL)
-    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, offs_q, offs_d, 0, kv_full_end, n_kv, qk_scale,
-               HEAD_DIM, BLOCK_D, BLOCK_KV, False, IS_CAUSAL)
-    dq = INNER(dq, q, do, lse, delta, K, V, stride_kn, offs_q, offs_d, kv_full_end, kv_end, n_kv, qk_scale,
-               HEAD_DIM, BLOCK_D, BLOCK_KV, True, IS_CAUSAL)
-    dq *= scale
-    tl.store(dQ + offs_q[:, None] * stride_dqn + offs_d[None, :], dq, mask=inside)
-
-
-def run_dq_inner(dq_inner, q, k, v, do, is_causal=False, scale=None, block_q=32, block_kv=16):
-    """Run the dQ stage built around ``dq_inner`` on float32 (heads, N, D) tensors; the LSE and
-    Delta come from a float64 reference. Returns dQ (float32)."""
-    heads, n_q, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    q, k, v, do = (t.float().contiguous() for t in (q, k, v, do))
-    o64, lse64 = naive_attention(q.double(), k.double(), v.double(), is_causal=is_causal, scale=scale)
-    lse2 = (lse64 * LOG2E).float().contiguous()
-    delta = (o64 * do.double()).sum(-1).float().contiguous()
-    dq = torch.full_like(q, float("nan"))
-    launch_learner_kernel(dq_exercise_kernel, (triton.cdiv(n_q, block_q), heads),
-                          (q, k, v, do, lse2, delta, dq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                          dq.stride(0), dq.stride(1), n_q, k.shape[1], scale, scale * LOG2E, dq_inner),
-                          dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q,
-                               BLOCK_KV=block_kv, IS_CAUSAL=bool(is_causal)), "dq_inner", dq_inner)
-    return dq
+            expect_close(f"{NAMES[name]} ({what})", got[name], want[name][0], atol=atol[name], rtol=right_tol,
+                         heatmap=True)
 
 
 def check_dq_inner(dq_inner):
-    """The dQ stage's inner loop in Triton, run inside a given kernel on tiny inputs (ragged lengths,
-    causal and not, N_q != N_kv, a padded head dim) and compared with a float64 reference."""
-    cases = [(2, 69, 69, 32, True, 32, 16), (2, 69, 69, 32, False, 32, 16), (1, 45, 70, 32, True, 32, 16),
-             (1, 70, 45, 40, True, 32, 16), (2, 33, 17, 16, False, 32, 16), (1, 1, 1, 16, True, 32, 16)]
-
-    def run(q, k, v, do, causal, scale, block_q, block_kv):
-        return (run_dq_inner(dq_inner, q, k, v, do, causal, scale, block_q, block_kv),)
-
-    _check_loop("dq", run, cases, seed=400)
-    passed("dq_inner gives the right dQ for ragged lengths, causal and not, N_q != N_kv and a padded head dim")
+    """The dQ stage's inner loop in Triton, run inside :func:`dq_exercise_kernel` on tiny inputs
+    (ragged lengths, causal and not, N_q != N_kv, a padded head dim, V's strides unlike K's,
+    float16) and compared with a float64 model that names the likely slips."""
+    _check_loop("dq", dq_inner)
+    passed("dq_inner gives the right dQ for ragged lengths, causal and not, N_q != N_kv, a padded head dim, "
+           "strided V and float16")
 
 
-# --- Exercise 4: the launcher -------------------------------------------------------------------------
-
-#: What the launcher may call of flashattn: the three kernels, and the two rules of the tile shapes.
-LAUNCHER_ALLOWS = ("flashattn.kernels.backward.attn_bwd_preprocess", "flashattn.kernels.backward.attn_bwd_dkdv",
-                   "flashattn.kernels.backward.attn_bwd_dq", "flashattn.gpu.configs.block_d",
-                   "flashattn.gpu.configs.dot_precision")
-
-#: (batch, heads, N_q, N_kv, D, is_causal, dtype, views, scale): odd sizes; non-contiguous views
-#: (Q transposed from (B, N, H, D), K a slice of wider rows, V with its head dim strided, dO and O
-#: views too); N_kv far above N_q and the reverse, where a grid over the wrong blocks misses some.
-LAUNCHER_CASES = [(1, 2, 19, 27, 24, False, torch.float32, False, None),
-                  (1, 2, 19, 27, 24, True, torch.float32, False, 0.3),
-                  (2, 3, 19, 27, 24, True, torch.float32, True, None),
-                  (1, 2, 27, 19, 24, False, torch.float32, True, 0.2),
-                  (1, 1, 5, 70, 16, False, torch.float32, False, None),
-                  (1, 1, 70, 5, 16, False, torch.float32, False, None),
-                  (1, 2, 19, 27, 24, True, torch.float16, True, None)]
-
-
-def _views(batch, heads, n_q, n_kv, d, dtype, g):
-    """q, k, v, do as non-contiguous views (each with strides of its own), values from ``g``."""
-    q = torch.randn(batch, n_q, heads, d, generator=g).to(DEVICE, dtype).transpose(1, 2)
-    k = torch.randn(batch, heads, n_kv, d + 8, generator=g).to(DEVICE, dtype)[..., :d]
-    v = torch.randn(batch, heads, d, n_kv, generator=g).to(DEVICE, dtype).transpose(-1, -2)
-    do = torch.randn(batch, heads, 2 * n_q, d, generator=g).to(DEVICE, dtype)[:, :, ::2]
-    return q, k, v, do
-
-
-def _strided_copy(t):
-    """``t`` copied into a view whose rows are not contiguous: (B, N, H, D) memory, seen as (B, H, N, D)."""
-    buf = torch.empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3], dtype=t.dtype, device=t.device)
-    view = buf.transpose(1, 2)
-    view.copy_(t)
-    return view
-
-
-def backward_model(q, k, v, do, is_causal, scale, c=None, grad_scale=None, delta="dO * O"):
-    """dQ, dK, dV in float64 as a launcher computes them when it passes the exponent factor ``c``
-    (right: scale * log2 e) and the final factor ``grad_scale`` (right: scale) to the kernels, and
-    Delta as ``delta``: "dO * O" (right), "none" (zeros), "O * O", "dO * dO"."""
-    q, k, v, do = (t.double().cpu() for t in (q, k, v, do))
-    o, lse = naive_attention(q, k, v, is_causal=is_causal, scale=scale)
-    c = scale * LOG2E if c is None else c
-    grad_scale = scale if grad_scale is None else grad_scale
-    s = q @ k.transpose(-2, -1)
-    p = torch.exp2(s * c - (lse * LOG2E)[..., None])
-    if is_causal:
-        p = p * naive_mask(q.shape[-2], k.shape[-2])
-    rows = {"dO * O": do * o, "none": 0 * o, "O * O": o * o, "dO * dO": do * do}[delta]
-    ds = p * (do @ v.transpose(-2, -1) - rows.sum(-1)[..., None])
-    return grad_scale * ds @ k, grad_scale * ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ do
-
-
-def naive_mask(n_q, n_kv):
-    return (torch.arange(n_kv)[None, :] <= torch.arange(n_q)[:, None]).double()
-
-
-#: The launcher's likely mistakes, as arguments of backward_model (a function of scale) and what
-#: the message says.
-LAUNCHER_MISTAKES = [
-    (lambda s: dict(delta="none"), "Delta is missing (dS = P * dP): launch attn_bwd_preprocess before the "
-     "two gradient kernels, and pass them its Delta"),
-    (lambda s: dict(delta="O * O"), "Delta is rowsum(O * O): the preprocess kernel takes O and dO, each "
-     "with its own strides"),
-    (lambda s: dict(delta="dO * dO"), "Delta is rowsum(dO * dO): the preprocess kernel takes O and dO, "
-     "each with its own strides"),
-    (lambda s: dict(grad_scale=s * s), "the scale is applied twice: the kernels multiply dQ and dK by "
-     "`scale` once, at the end; do not multiply again (nor pre-scale Q)"),
-    (lambda s: dict(grad_scale=1.0), "the scale is missing from dQ and dK: the kernels' `scale` argument "
-     "is the softmax scale, which they apply once at the end"),
-    (lambda s: dict(c=s), "the exponent factor is `scale`: the kernels rebuild P with exp2, so their "
-     "`qk_scale` argument is scale * log2(e)"),
-    (lambda s: dict(c=LOG2E, grad_scale=1.0), "with scale=None the gradients are those of scale 1: "
-     "the default scale is 1/sqrt(D), as in the forward"),
-]
-
-
-def check_my_attention_backward(my_attention_backward):
-    """The backward's launcher ``my_attention_backward(q, k, v, o, lse2, do, is_causal=False,
-    scale=None) -> (dq, dk, dv)``: the Delta preprocess, the dK/dV kernel over key blocks and the
-    dQ kernel over query blocks, on odd sizes (N_q = 19, N_kv = 27, D = 24, and lengths far apart),
-    causal and not, contiguous and not, float32 and float16, compared with float64 autograd under
-    the tolerance rule (flashattn.testing.rule). Names Delta missing or taken from the wrong tensors,
-    a grid over the wrong blocks, the scale applied twice or not at all (or its default forgotten),
-    qk_scale without log2 e, strides assumed contiguous, and gradients returned in the wrong dtype."""
-    from ...kernels.forward import attention_forward
-    from ...testing.rule import judge
-
-    name = "my_attention_backward"
-    for n, (batch, heads, n_q, n_kv, d, causal, dtype, views, scale) in enumerate(LAUNCHER_CASES):
-        g = _generator(900 + n)
-        if views:
-            q, k, v, do = _views(batch, heads, n_q, n_kv, d, dtype, g)
-        else:
-            q, k, v, do = (torch.randn(batch, heads, m, d, generator=g).to(DEVICE, dtype)
-                           for m in (n_q, n_kv, n_kv, n_q))
-        s = 1.0 / math.sqrt(d) if scale is None else scale
-        o, lse2 = attention_forward(q, k, v, causal, s)
-        if views:
-            o = _strided_copy(o)
-        what = (f"B={batch}, H={heads}, N_q={n_q}, N_kv={n_kv}, D={d}, is_causal={causal}, {str(dtype)[6:]}, "
-                f"{'non-contiguous views' if views else 'contiguous'}, scale={scale}")
-
-        def run(*tensors):
-            extra = {} if scale is None else {"scale": scale}
-            out = attempt(my_attention_backward, *tensors, name=name, forbid=("flashattn", "sdpa"),
-                          allow=LAUNCHER_ALLOWS, is_causal=causal, **extra)
-            if not isinstance(out, (tuple, list)) or len(out) != 3:
-                raise ExerciseError(f"{name} should return (dq, dk, dv), got {type(out).__name__}")
-            return out
-
-        try:
-            got = run(q, k, v, o, lse2, do)
-        except ExerciseError as error:
-            # wrong strides can read past a view's memory: the interpreter then fails on the garbage
-            if views:
-                run(*(t.contiguous() for t in (q, k, v, o, lse2, do)))  # raises again if not the views
-                raise ExerciseError(f"right on contiguous tensors, wrong on non-contiguous views ({what}): on the "
-                                    f"views it failed ({error}). Pass each tensor's own strides (*x.stride()) for "
-                                    "every pointer a kernel gets, never another tensor's or strides computed from "
-                                    "the shape.") from None
-            raise
-        for grad, like, label in zip(got, (q, k, v), ("dq", "dk", "dv")):
-            if not isinstance(grad, torch.Tensor) or tuple(grad.shape) != tuple(like.shape):
-                shape = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
-                raise ExerciseError(f"{label} has shape {shape} ({what}); expected {tuple(like.shape)}, "
-                                    f"the shape of {label[1:]}")
-            if grad.dtype != like.dtype:
-                raise ExerciseError(f"{label} is {grad.dtype} for {like.dtype} inputs ({what}): return each "
-                                    f"gradient in its input's dtype. The kernels accumulate in float32 on chip and "
-                                    f"each tile is written once, so allocating {label} like {label[1:]} loses nothing.")
-        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        ref = torch.autograd.grad(naive_attention(*leaves, is_causal=causal, scale=s)[0], leaves, do.double())
-        base = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        pytorch = torch.autograd.grad(naive_attention(*base, is_causal=causal, scale=s)[0], base, do)
-        names = ("dq", "dk", "dv")
-        checks = judge(dict(zip(names, got)), dict(zip(names, ref)), dict(zip(names, pytorch)), dtype,
-                       upstream=do.abs().max().item())
-        if all(c.ok for c in checks):
-            continue
-        _name_launcher_mistake(run, got, (q, k, v, o, lse2, do), ref, causal, s, scale, what, checks)
-    passed("my_attention_backward launches Delta, dK/dV over key blocks and dQ over query blocks, and its "
-           "gradients pass the rule for odd sizes, causal and not, views, float32 and float16")
-
-
-def _name_launcher_mistake(run, got, tensors, ref, causal, s, scale, what, checks):
-    """Raise the ExerciseError that names what the launcher got wrong on this case."""
-    q, k, v, o, lse2, do = tensors
-    if not all(t.is_contiguous() for t in (q, k, v, o, do)):
-        again = run(*(t.contiguous() for t in tensors))
-        if all(close(a, r, atol=3e-3 * (1 + r.abs().max().item()), rtol=1e-2) for a, r in zip(again, ref)):
-            raise ExerciseError(f"right on contiguous tensors, wrong on non-contiguous views ({what}): pass each "
-                                "tensor's own strides (*x.stride()) for every pointer a kernel gets, never "
-                                "another tensor's or strides computed from the shape.")
-    # rows right up to a block boundary, wrong from there on: a grid that stops early (the rows past
-    # it hold whatever the allocation held, which may be right by chance in places)
-    for label, grad, want, n, blocks in (("dK and dV", got[1], ref[1], k.shape[2], "key block (cdiv(N_kv, BLOCK_KV) programs)"),
-                                        ("dQ", got[0], ref[0], q.shape[2], "query block (cdiv(N_q, BLOCK_Q) programs)")):
-        bad = ~((grad.double().cpu() - want.cpu()).abs() <= 3e-3 * (1 + want.abs().max().item())).all(-1)
-        rows = bad.reshape(-1, n).any(0)
-        first = int(rows.nonzero()[0]) if rows.any() else 0
-        if first > 0 and first % 16 == 0:  # whole blocks right, then not one row right past them
-            raise ExerciseError(f"{label} {'is' if label == 'dQ' else 'are'} right for positions 0..{first - 1} and wrong from {first} on "
-                                f"({what}): the grid of its kernel stops early. It needs one program per "
-                                f"{blocks}, on axis 0 (then heads, then batch).")
-    for label, grad in zip(("dQ", "dK", "dV"), got):
-        if torch.isnan(grad.float()).any():
-            raise ExerciseError(f"{label} has NaN ({what}): check the tensors and strides each kernel gets.")
-    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v, do)]
-    for args, said in LAUNCHER_MISTAKES:
-        if scale is not None and "scale=None" in said:
-            continue
-        model = backward_model(*flat, causal, s, **args(s))
-        if all(close(a.reshape(m.shape), m, atol=3e-3 * (1 + m.abs().max().item()), rtol=1e-2)
-               for a, m in zip(got, model)):
-            raise ExerciseError(f"the gradients are wrong ({what}): {said}.")
-    worst = max((c for c in checks if not c.ok), key=lambda c: c.error / max(c.bound, 1e-30))
-    raise ExerciseError(f"{worst.name} is wrong ({what}): error {worst.error:.2e} against float64, above the "
-                        f"rule's bound {worst.bound:.2e} (3 x PyTorch's {worst.baseline:.2e} + floor).")
+def check_dkdv_inner(dkdv_inner):
+    """The dK/dV stage's inner loop in Triton (keys along the rows of every tile), run inside
+    :func:`dkdv_exercise_kernel` like :func:`check_dq_inner` (BLOCK_Q smaller than BLOCK_KV and
+    equal to it; dO's strides unlike Q's)."""
+    _check_loop("dkdv", dkdv_inner)
+    passed("dkdv_inner gives the right dK and dV for ragged lengths, causal and not, N_q != N_kv, a padded "
+           "head dim, strided dO and float16")

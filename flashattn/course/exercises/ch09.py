@@ -315,3 +315,166 @@ def check_choose_config(choose_config):
     for kernel in KERNELS:
         print(f"  {kernel:9}" + "  ".join(f"D={hd}: {c[0]}x{c[1]} w{c[2]} s{c[3]}" for hd in (64, 128, 256)
                                           for c in [chosen[(kernel, hd, 2)]]))
+
+
+# --- Exercise 2: two tile sizes, predicted from the compiled code -----------------------------------
+
+#: The two configurations the chapter compares: the ladder's 16 x 16 and 64 x 64 tiles on 4 warps.
+TILE_PAIR = ((16, 16, 4, 3), (64, 64, 4, 3))
+
+
+def sass(kernel):
+    """A compiled kernel's machine code (SASS), as the cuobjdump that ships with Triton prints it."""
+    from ...measure.compiled import cuobjdump
+
+    return cuobjdump(kernel.asm["cubin"], "-sass")
+
+
+def loop_instructions(kernel):
+    """The instructions of the key loop's body in a compiled attention kernel: of the loops in its
+    SASS (a branch back to an earlier address), the shortest that holds a matrix instruction (HMMA,
+    HGMMA) or an FFMA: the stage without masks, where most tile pairs are computed."""
+    import re
+
+    code = []
+    for line in sass(kernel).splitlines():
+        match = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*);", line)
+        if match:
+            code.append((int(match.group(1), 16), match.group(2), match.group(3)))
+    bodies = []
+    for address, opcode, operands in code:
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address:
+            body = [op for a, op, _ in code if int(target.group(1), 16) <= a <= address]
+            if any(op.startswith(("HMMA", "HGMMA", "FFMA")) for op in body):
+                bodies.append(len(body))
+    return min(bodies) if bodies else None
+
+
+def compile_rows(path=None, name="my_attn_fwd", configs=TILE_PAIR, causal=True):
+    """In a process whose flashattn compiles (``flashattn.measure.compiled.in_child``): the kernel
+    ``name`` of the module file ``path`` (a chapter 05 ``my_attn_fwd``, as the chapter's
+    solutions module holds it), or without ``path`` the package's forward, compiled for sm_90 in
+    bf16 at head dim 128 for each ``(BLOCK_Q, BLOCK_KV, num_warps, num_stages)`` of ``configs``.
+    One row per configuration: its tiles, ``loop`` (:func:`loop_instructions`), its matrix
+    instructions (``shapes``, ``HMMA``, ``HGMMA``), registers, spilled bytes, shared memory."""
+    import importlib.util
+
+    from ...measure import compiled
+
+    fn = None
+    if path is not None:
+        spec = importlib.util.spec_from_file_location("kernel_of_chapter_05", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        fn = getattr(module, name)
+    rows = []
+    for block_q, block_kv, num_warps, num_stages in configs:
+        constexprs = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_Q=block_q, BLOCK_KV=block_kv, IS_CAUSAL=causal)
+        if fn is None:
+            kernel = compiled.compile_kernel("fwd", "bf16", dict(constexprs, DOT_PRECISION="ieee"),
+                                             num_warps=num_warps, num_stages=num_stages)
+        else:
+            tensors = dict(Q="bf16", K="bf16", V="bf16", O="bf16", LSE2="fp32")
+            contiguous = {arg: 1 for arg in fn.arg_names if arg.startswith("stride_") and arg.endswith("d")}
+            strides = [arg for arg in fn.arg_names if arg.startswith("stride_") and arg not in contiguous]
+            kernel = compiled.compile_sm90(fn, tensors, dict(constexprs, **contiguous), floats=("qk_scale",),
+                                           aligned=(*tensors, *strides), num_warps=num_warps, num_stages=num_stages)
+        regs, spill, smem = compiled.resources(kernel)
+        found = compiled.instructions(kernel)
+        rows.append(dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, num_warps=num_warps, num_stages=num_stages,
+                         loop=loop_instructions(kernel), shapes=found["shapes"], HMMA=found["HMMA"],
+                         HGMMA=found["HGMMA"], regs=regs, spill=spill, smem=smem))
+    return rows
+
+
+def issue_ratio(small, large):
+    """The issue model's ratio of times: warp-instructions per score, ``num_warps * loop /
+    (BLOCK_Q * BLOCK_KV)``, of ``small`` over ``large``."""
+    per_score = [r["num_warps"] * r["loop"] / (r["BLOCK_Q"] * r["BLOCK_KV"]) for r in (small, large)]
+    return per_score[0] / per_score[1]
+
+
+def time_forward(kernel, block_q, block_kv, num_warps, num_stages, n=4096, heads=32, causal=True):
+    """Milliseconds of one forward on this GPU, bf16, head dim 128, batch 1, ``n`` tokens: the chapter
+    05 kernel ``kernel`` launched as chapter 05 does, or the package's forward if ``kernel`` is None.
+    The median of ``triton.testing.do_bench``."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    config = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, num_warps=num_warps, num_stages=num_stages)
+    if kernel is None:
+        from ...kernels.forward import attention_forward
+
+        return triton.testing.do_bench(lambda: attention_forward(q, k, v, causal, 128 ** -0.5, config=config))
+    o, lse2 = torch.empty_like(q), torch.empty(1, heads, n, device="cuda")
+    grid = (triton.cdiv(n, block_q), heads, 1)
+
+    def run():
+        kernel[grid](q, k, v, o, lse2, *q.stride(), *k.stride(), *v.stride(), *o.stride(), heads, n, n,
+                     128 ** -0.5 * 1.4426950408889634, HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=causal, **config)
+
+    return triton.testing.do_bench(run)
+
+
+def _ratio_variant(small, large, variant):
+    """The ratio by a known mistake, to name it."""
+    def per_score(r):
+        warps = 1 if variant == "no warps" else r["num_warps"]
+        tile = {"no tile": 1, "rows only": r["BLOCK_Q"], "keys only": r["BLOCK_KV"]}.get(
+            variant, r["BLOCK_Q"] * r["BLOCK_KV"])
+        work = (r["HMMA"] + r["HGMMA"]) if variant == "matrix instructions" else r["loop"]
+        return warps * work / tile
+    ratio = per_score(small) / per_score(large)
+    return 1 / ratio if variant == "inverted" else ratio
+
+
+RATIO_HINTS = {
+    "inverted": "it is the large tiles' time over the small tiles': the ratio asked is t(small) / t(large), "
+                "greater than 1 when the small tiles are slower",
+    "no warps": "the warps are missing: every warp of a program runs the loop body, so a program issues "
+                "num_warps x loop warp-instructions per tile pair",
+    "no tile": "the tiles' sizes are missing: a loop iteration of BLOCK_Q x BLOCK_KV tiles computes that many "
+               "scores, so a whole attention takes N / BLOCK_Q programs of N / BLOCK_KV iterations each",
+    "rows only": "only BLOCK_Q counts here: each program also runs N / BLOCK_KV iterations, so the whole attention "
+                 "takes (N / BLOCK_Q) x (N / BLOCK_KV) of them",
+    "keys only": "only BLOCK_KV counts here: there are also N / BLOCK_Q programs, so the whole attention runs "
+                 "(N / BLOCK_Q) x (N / BLOCK_KV) iterations",
+    "matrix instructions": "it counts the matrix instructions only: the model counts every instruction the "
+                           "loop body issues (`loop`), loads, exponentials and reductions included",
+}
+
+
+def _row(block_q, block_kv, warps, loop, hmma=0, hgmma=0):
+    return dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, num_warps=warps, num_stages=3, loop=loop, HMMA=hmma,
+                HGMMA=hgmma, shapes=[], regs=128, spill=0, smem=32768)
+
+
+#: Pairs of compile-table rows the checker asks about: (small, large).
+RATIO_CASES = [(_row(32, 64, 4, 330, hmma=96), _row(128, 128, 8, 900, hgmma=64)),
+               (_row(16, 16, 4, 164, hmma=24), _row(64, 64, 4, 392, hgmma=24)),
+               (_row(16, 16, 4, 150, hmma=24), _row(128, 64, 8, 370, hgmma=24)),
+               (_row(32, 32, 4, 292, hmma=64), _row(64, 128, 8, 520, hgmma=48)),
+               (_row(16, 32, 8, 210, hmma=40), _row(64, 32, 4, 300, hgmma=16))]
+
+
+def check_tile_ratio(predict_ratio):
+    """Chapter 09: ``predict_ratio(small, large)`` must give the ratio of the times of a whole
+    attention with the configurations of the compile-table rows ``small`` and ``large``, by the
+    issue model: time proportional to the warp-instructions all programs issue, num_warps x loop
+    per iteration, (N / BLOCK_Q) x (N / BLOCK_KV) iterations."""
+    name = getattr(predict_ratio, "__name__", "predict_ratio")
+    for small, large in RATIO_CASES:
+        where = (f"{name}(small, large) with small = {small['BLOCK_Q']} x {small['BLOCK_KV']} tiles on "
+                 f"{small['num_warps']} warps, loop {small['loop']}, and large = {large['BLOCK_Q']} x "
+                 f"{large['BLOCK_KV']} on {large['num_warps']} warps, loop {large['loop']}")
+        got = _number(attempt(predict_ratio, dict(small), dict(large), name=name, forbid=("flashattn",)), where)
+        want = issue_ratio(small, large)
+        if math.isclose(got, want, rel_tol=1e-6):
+            continue
+        for variant, hint in RATIO_HINTS.items():
+            if math.isclose(got, _ratio_variant(small, large, variant), rel_tol=1e-6):
+                raise ExerciseError(f"{where} returned {got:.3f}, expected {want:.3f}: {hint}.")
+        raise ExerciseError(f"{where} returned {got:.3f}, expected {want:.3f}: per score, a configuration issues "
+                            "num_warps x loop / (BLOCK_Q x BLOCK_KV) warp-instructions; the ratio is the small "
+                            "tiles' over the large tiles'.")
+    passed(f"{name} gives the issue model's ratio for {len(RATIO_CASES)} pairs of configurations")

@@ -105,9 +105,16 @@ SHORTCUTS = {
                 ("torch.Tensor", "softmax"), ("torch.Tensor", "log_softmax"), ("torch.Tensor", "logsumexp"),
                 ("triton.language", "softmax")],
     "sdpa": [("torch.nn.functional", "scaled_dot_product_attention")],
+    # what builds a row's N x N softmax Jacobian, or asks autograd for the gradient instead
+    "jacobian": [("torch", "diag_embed"), ("torch", "diag"), ("torch", "outer"), ("torch", "ger"),
+                 ("torch.Tensor", "diag_embed"), ("torch.Tensor", "diag"), ("torch.Tensor", "outer"),
+                 ("torch.autograd", "grad"), ("torch.autograd", "backward"), ("torch.Tensor", "backward"),
+                 ("torch.autograd.functional", "jacobian"), ("torch.autograd.functional", "vjp"),
+                 ("torch.func", "jacrev"), ("torch.func", "jacfwd"), ("torch.func", "vjp"), ("torch.func", "grad")],
 }
 _WHY = {"softmax": "this exercise asks you to compute the softmax yourself",
         "sdpa": "this exercise asks you to compute attention yourself",
+        "jacobian": "this exercise asks you to derive dS without building any row's Jacobian or asking autograd",
         "flashattn": "this exercise asks you to write it yourself, not to call the course's own code"}
 
 
@@ -380,6 +387,49 @@ def is_stub(fn):
     except (OSError, TypeError):
         return False
     return re.search(r"^\s*raise NotImplementedError", source, re.M) is not None
+
+
+def learner_functions(fn):
+    """``{name: function}`` for the learner's own functions (@triton.jit ones included) that
+    ``fn`` names, and those they name, in the order first met: the functions of ``fn``'s module
+    (the notebook's, or the module of solutions the tests load) read as globals, not its own
+    parameters and variables. A launcher reaches its kernels this way, and a kernel the loops it
+    calls."""
+    root = getattr(fn, "fn", fn)
+    found, todo = {}, [fn]
+    while todo:
+        item = todo.pop(0)
+        python_fn = getattr(item, "fn", item)
+        try:
+            tree = ast.parse(_dedent(inspect.getsource(python_fn)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        local = {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)} | {
+            node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)) or node.id in found or node.id in local:
+                continue
+            obj = python_fn.__globals__.get(node.id)
+            inner = getattr(obj, "fn", obj)
+            if inspect.isfunction(inner) and inner is not root and inner.__module__ == root.__module__:
+                found[node.id] = obj
+                todo.append(obj)
+    return found
+
+
+def helpers_of(fn, *names):
+    """``{name: object or None}``: what each of ``names`` is in the module of the learner's ``fn``
+    (a @triton.jit function included), the notebook's or the module of solutions the tests load. A
+    checker finds this way the helpers a learner's kernel calls by name."""
+    scope = getattr(getattr(fn, "fn", fn), "__globals__", {})
+    return {name: scope.get(name) for name in names}
+
+
+def unwritten(fn):
+    """The names of the functions still stubs among ``fn`` and the learner's functions it reaches
+    (:func:`learner_functions`): empty when everything it runs is written."""
+    return [name for name, f in [(getattr(fn, "__name__", "it"), fn), *learner_functions(fn).items()]
+            if is_stub(f)]
 
 
 def _error_chain(error):

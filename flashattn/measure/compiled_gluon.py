@@ -1,0 +1,150 @@
+"""The Gluon kernels for Hopper (``flashattn.hopper.forward``, ``flashattn.hopper.backward``)
+compiled for sm_90 on any machine, without a GPU, and what the compiler made of them.
+
+Gluon has no interpreter: compiling is the only check these kernels get where there is no H100 or
+H200. :func:`gluon_report` compiles a kernel for every (head dim, dtype, masking, configuration)
+asked for, as a launch would, and returns ``flashattn.measure.compiled.facts`` for each, plus the
+notes ptxas prints about the scheduling (:func:`ptxas_notes`). Like ``compiled``, it runs where
+flashattn defined its kernels for the compiler: through ``compiled.in_child``, e.g.
+``in_child("flashattn.measure.compiled_gluon:gluon_report", kernel="bwd")``.
+"""
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+
+from .compiled import SM90, TORCH_DTYPES, CannotCompile, facts
+
+
+def _gluon(module):
+    """``flashattn.hopper.<module>`` ("forward" or "backward"), a Gluon kernel module;
+    CannotCompile where Triton has no Gluon."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"flashattn.hopper.{module}")
+    except ImportError as error:
+        raise CannotCompile(f"no Gluon compiler here: {error}") from error
+
+
+def compile_gluon(fn, signature, constexprs, aligned=(), **options):
+    """Compile the @gluon.jit ``fn`` for sm_90: ``signature`` maps each run-time argument to its
+    type ("*fp32", "i32", "fp32", "tensordesc<...>"), ``constexprs`` gives the compile-time ones;
+    ``aligned`` names the arguments Triton may assume divisible by 16."""
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource
+    except ImportError as error:
+        raise CannotCompile(f"no Gluon compiler here: {error}") from error
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=SM90, options=options)
+
+
+def _descriptor_type(module, dtype, rows, head_dim):
+    """The signature type of a TMA descriptor argument, as ``module.descriptor`` builds it."""
+    block = [1, 1, rows, head_dim]
+    layout = module.block_layout(block, TORCH_DTYPES[dtype])
+    return f"tensordesc<{dtype}{block},{layout!r}>"
+
+
+def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False):
+    """The Gluon forward (``flashattn.hopper.forward``) compiled for ``dtype`` ("fp16", "bf16"), head dim,
+    masking (``window``: a sliding window, which takes the masked configuration) and ``config``
+    (overrides of ``hopper.tile_config``) as a launch compiles it."""
+    hopper = _gluon("forward")
+    cfg = hopper.tile_config(head_dim, causal or window, config)
+    regs, options = hopper.launch_options(cfg)
+    q, kv = (_descriptor_type(hopper, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
+    signature = dict(desc_q=q, desc_k=kv, desc_v=kv, desc_o=q, LSE="*fp32", n_heads="i32",
+                     n_q="i32", n_kv="i32", qk_scale="fp32", n_group="i32", win_left="i32", win_right="i32")
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and not window,
+                      PINGPONG=bool(cfg["PINGPONG"]), CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"],
+                      WINDOW=bool(window), **regs)
+    return compile_gluon(hopper.attn_fwd_sm90, signature, constexprs, aligned=["LSE"], **options)
+
+
+def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False):
+    """The Gluon backward kernel (``flashattn.hopper.backward``) compiled as a launch compiles it:
+    dK/dV only, or with ``dq`` its variant that adds dQ too (TMA reduce-adds, Triton >= 3.8)."""
+    bwd = _gluon("backward")
+    if dq and not bwd.has_dq_reduce():
+        raise CannotCompile(f"Triton {triton.__version__}'s Gluon has no TMA reduce-add (tma.async_atomic_add)")
+    cfg = (bwd.dq_config if dq else bwd.tile_config)(head_dim, config)
+    regs, options = bwd.launch_options(cfg)
+    q, kv = (_descriptor_type(bwd, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
+    signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv, desc_dq="constexpr",
+                     LSE="*fp32", Delta="*fp32", n_heads="i32", n_group="i32", n_q="i32", n_kv="i32",
+                     scale="fp32", qk_scale="fp32")
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), DQ=bool(dq), desc_dq=None, **regs)
+    if dq:
+        block = bwd.dq_block(cfg["BLOCK_M"], head_dim)
+        layout = bwd.gl.NVMMASharedLayout.get_default_for(block, bwd.gl.float32)
+        signature["desc_dq"] = f"tensordesc<fp32{block},{layout!r}>"
+        del constexprs["desc_dq"]
+    return compile_gluon(bwd.attn_bwd_sm90, signature, constexprs, aligned=["LSE", "Delta"], **options)
+
+
+def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), causal=(False, True),
+                 configs=(None,)):
+    """Compile a Gluon kernel ("fwd" or "bwd") for every combination and return one dict per
+    compilation: its settings and :func:`facts`, or ``error``. ``causal`` may hold "window" for
+    the forward: its sliding-window variant. CannotCompile when the first one
+    fails in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
+    compile_one = {"fwd": compile_hopper_forward, "bwd": compile_hopper_backward,
+                   "bwd_dq": lambda *a: compile_hopper_backward(*a, dq=True)}[kernel]
+    rows = []
+    for head_dim in head_dims:
+        for dtype in dtypes:
+            for is_causal in causal:
+                for config in configs:
+                    row = dict(kernel=kernel, head_dim=head_dim, dtype=dtype, causal=bool(is_causal),
+                               config=config or {})
+                    try:
+                        if is_causal == "window":  # the forward's sliding window (masked tiles)
+                            row["causal"] = "window"
+                            binary = compile_hopper_forward(head_dim, dtype, True, config, window=True)
+                            row.update(facts(binary), ptxas_notes=ptxas_notes(binary))
+                        else:
+                            binary = compile_one(head_dim, dtype, is_causal, config)
+                            row.update(facts(binary), ptxas_notes=ptxas_notes(binary))
+                    except CannotCompile:
+                        raise
+                    except Exception as error:  # report and go on: one configuration cannot hide others
+                        if not rows and "ptxas" in str(error).lower():
+                            raise CannotCompile(f"cannot compile for sm_90 here: {str(error)[:200]}")
+                        text = str(error)  # a compile error ends with its cause, after the source
+                        text = text if len(text) <= 900 else f"{text[:300]} ... {text[-600:]}"
+                        row["error"] = f"{type(error).__name__}: {text}"
+                    rows.append(row)
+    return rows
+
+
+def ptxas_notes(compiled):
+    """The performance notes ptxas prints for a compiled kernel's PTX (``-v``), such as C7517, a
+    ``wgmma.wait_group`` it had to inject because registers an asynchronous wgmma still uses were
+    read or written: a wait the kernel did not ask for, which serialises matmuls meant to overlap.
+    An empty list where this Triton ships no ptxas that reads its PTX."""
+    binaries = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        for name in ("ptxas-blackwell", "ptxas"):  # Triton >= 3.8 writes PTX that only the first reads
+            ptxas = os.path.join(binaries, name)
+            if not os.path.exists(ptxas):
+                continue
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                                 capture_output=True, text=True)
+            if out.returncode == 0:
+                return re.findall(r"\((C7\d+)\) ([^\n]*)", out.stdout + out.stderr)
+    return []
+
+
+def gluon_reports(jobs):
+    """:func:`gluon_report` for each dict of arguments in ``jobs``, one list of rows: several
+    reports from one child process."""
+    return [row for job in jobs for row in gluon_report(**job)]

@@ -1,0 +1,149 @@
+"""Which backward runs a call, and what it is handed.
+
+On Hopper with a Triton whose Gluon has TMA reduce-adds, the default backward is one Gluon kernel
+that computes dK, dV and dQ (dQ's shares added in an order that varies from run to run);
+``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` keeps the path whose
+gradients are bit-identical from run to run (the Triton dQ kernel). Calls the Gluon kernels do not
+compute (score modifications, packed sequences, fixed configurations) never take it.
+
+Checked here on any machine with a stand-in for the Gluon module that computes the gradients from
+the formula, from exactly what the fused kernel is handed (q, k, v, dO, the base-2 LSE and Delta),
+so a mistake in that contract (Delta without the LSE's gradient, say) fails the rule. The kernel
+itself runs on a GPU (tools/backward_check.py, tests/test_gpu.py).
+"""
+import functools
+
+import pytest
+import torch
+
+import flashattn
+from flashattn import DEVICE, hopper
+from flashattn.kernels.tiles import LOG2E
+from flashattn.testing.reference import naive_attention
+from flashattn.testing.rule import compare_with_reference
+
+
+class StandIn:
+    """Plays flashattn.hopper.backward: supports everything, counts calls, computes from the
+    formula in float64."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def supports(q, k, v):
+        return True
+
+    @staticmethod
+    def has_dq_reduce():
+        return True
+
+    @staticmethod
+    def _grads(q, k, v, do, lse2, delta, is_causal, scale):
+        group = q.shape[1] // k.shape[1]
+        q64, do64 = q.double(), do.double()
+        k64, v64 = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+        s = q64 @ k64.transpose(-2, -1) * scale
+        if is_causal:
+            hidden = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+            s = s.masked_fill(hidden, float("-inf"))
+        p = torch.exp2(s * LOG2E - lse2.double()[..., None])
+        ds = p * (do64 @ v64.transpose(-2, -1) - delta.double()[..., None])
+        dq = ds @ k64 * scale
+        dk, dv = ds.transpose(-2, -1) @ q64 * scale, p.transpose(-2, -1) @ do64
+        fold = lambda t: t.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731  (a group's sum)
+        return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
+
+    def attention_backward(self, q, k, v, do, lse2, delta, is_causal, scale):
+        self.calls.append("fused")
+        return self._grads(q, k, v, do, lse2, delta, is_causal, scale)
+
+    def attention_backward_dkdv(self, q, k, v, do, lse2, delta, is_causal, scale):
+        self.calls.append("dkdv")
+        return self._grads(q, k, v, do, lse2, delta, is_causal, scale)[1:]
+
+
+@pytest.fixture
+def gluon(monkeypatch):
+    stand_in = StandIn()
+    monkeypatch.setattr(hopper, "load", lambda name: stand_in if name == "backward" else None)
+    return stand_in
+
+
+def qkv(heads=4, heads_kv=2, n=37, head_dim=128, dtype=torch.float16):
+    g = torch.Generator(device="cpu").manual_seed(n)
+    q = torch.randn(2, heads, n, head_dim, generator=g, dtype=dtype).to(DEVICE)
+    k, v = (torch.randn(2, heads_kv, n, head_dim, generator=g, dtype=dtype).to(DEVICE) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_default_backward_is_the_fused_kernel(gluon, is_causal):
+    """By default the fused kernel computes all three gradients, from Delta minus the LSE's
+    gradient (compare_with_reference sends a gradient to the LSE too): within the rule."""
+    impl = functools.partial(flashattn.attention, enable_gqa=True)
+    checks = compare_with_reference(*qkv(), is_causal=is_causal, impl=impl,
+                                    reference=functools.partial(naive_attention, enable_gqa=True))
+    assert gluon.calls == ["fused"]
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))
+
+
+def test_deterministic_keeps_the_dq_kernel(gluon):
+    q, k, v = (t.requires_grad_() for t in qkv())
+    flashattn.attention(q, k, v, is_causal=True, enable_gqa=True, deterministic=True).sum().backward()
+    assert gluon.calls == ["dkdv"]  # dK/dV from the Gluon kernel, dQ from the Triton kernel
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    flashattn.attention(q, k, v, is_causal=True, enable_gqa=True, deterministic=True).sum().backward()
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+
+
+def test_torch_deterministic_algorithms_keep_the_dq_kernel(gluon):
+    q, k, v = (t.requires_grad_() for t in qkv())
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        flashattn.attention(q, k, v, enable_gqa=True).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert gluon.calls == ["dkdv"]
+
+
+@pytest.mark.parametrize("variant", ["softcap", "window", "varlen"])
+def test_calls_the_gluon_kernels_do_not_compute_never_take_it(gluon, variant):
+    q, k, v = (t.requires_grad_() for t in qkv(heads_kv=4))
+    if variant == "varlen":  # two packed sequences of 30 and 44 tokens: (tokens, heads, head dim)
+        cu = torch.tensor([0, 30, 74], dtype=torch.int32, device=DEVICE)
+        packed = [t.detach()[0, :, :37].transpose(0, 1).repeat(2, 1, 1)[:74].requires_grad_() for t in (q, k, v)]
+        out = flashattn.varlen_attention(*packed, cu, cu, 44, 44, is_causal=True)
+    else:
+        kw = {"softcap": dict(softcap=20.0), "window": dict(window_size=(8, 0))}[variant]
+        out = flashattn.attention(q, k, v, is_causal=True, **kw)
+    out.float().sum().backward()
+    assert gluon.calls == [], gluon.calls  # neither Gluon backward kernel
+
+
+def test_a_fixed_configuration_never_takes_it(gluon):
+    """A fixed dQ configuration keeps the Triton dQ kernel (dK/dV may still be Gluon's)."""
+    from flashattn.ops import dispatch
+    q, k, v = qkv(heads_kv=4, n=20)
+    o, lse2 = dispatch.attention_forward(q, k, v, True, 0.1)
+    configs = {"bwd_dq": dict(BLOCK_Q=16, BLOCK_KV=16, num_warps=4, num_stages=1)}
+    dispatch.attention_backward(q, k, v, o, lse2, torch.randn_like(o), True, 0.1, configs=configs)
+    assert gluon.calls == ["dkdv"], gluon.calls
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, None])
+def test_deterministic_must_be_a_bool(flag):
+    q, k, v = qkv(heads_kv=4, n=5)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashattn.attention(q, k, v, deterministic=flag)
+
+
+def test_the_fused_kernel_needs_the_reduce_add(gluon, monkeypatch):
+    """A Triton whose Gluon lacks TMA reduce-adds (3.6, 3.7.1) keeps the two-kernel backward."""
+    monkeypatch.setattr(gluon, "has_dq_reduce", lambda: False)
+    q, k, v = (t.requires_grad_() for t in qkv())
+    flashattn.attention(q, k, v, enable_gqa=True).sum().backward()
+    assert gluon.calls == ["dkdv"]

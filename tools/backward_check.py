@@ -1,0 +1,169 @@
+"""Check and time the backward on a Hopper GPU, in one run: the fused Gluon kernel (dK, dV and dQ
+in one kernel, dQ by TMA reduce-adds; Triton >= 3.8) and the deterministic path (Gluon dK/dV,
+Triton dQ), each against float64 under the rule, then both timed beside SDPA's cuDNN backend.
+
+    python tools/backward_check.py                 # checks, then the 24 cells of the sweep
+    python tools/backward_check.py --quick         # bf16 only: checks, then N = 8192
+    python tools/backward_check.py --csv OUT.csv   # also write the timings
+
+Timings are medians of ``triton.testing.do_bench`` (backward alone: the graph kept, the forward
+run once), TFLOPS counted as in ``flashattn.measure.bench`` (backward 2.5x the forward's FLOPs).
+"""
+import argparse
+import csv
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import flashattn  # noqa: E402
+from flashattn import hopper  # noqa: E402
+from flashattn.measure.bench import attention_flops  # noqa: E402
+from flashattn.testing.reference import naive_attention  # noqa: E402
+from flashattn.testing.rule import compare_with_reference  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: (batch, heads, K/V heads, N_q, N_kv, magnitude of q and k): odd lengths, one row, grouped heads,
+#: N_q != N_kv, and large scores with few keys (keys past the end must add nothing to dQ: their
+#: probabilities, 2**-LSE, overflow fp16 when the scores are large and negative).
+SHAPES = [(2, 3, 3, 1, 1, 1), (2, 3, 3, 17, 17, 1), (1, 2, 2, 113, 113, 1), (2, 4, 4, 300, 300, 1),
+          (1, 8, 2, 257, 257, 1), (1, 2, 2, 1000, 1000, 1), (1, 2, 2, 100, 300, 1), (1, 2, 2, 300, 100, 1),
+          (1, 4, 1, 4097, 4097, 1), (2, 2, 2, 300, 1, 3), (1, 2, 2, 777, 70, 3)]
+
+
+def attention(deterministic):
+    """flashattn.attention on the fused (False) or the deterministic (True) backward."""
+    return functools.partial(flashattn.attention, deterministic=deterministic)
+
+
+def fused_calls():
+    """Count the fused kernel's calls (so a check knows which path ran)."""
+    gluon = hopper.load("backward")
+    calls = [0]
+    real = gluon.attention_backward
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+    gluon.attention_backward = counted
+    return calls
+
+
+def backward(o, inputs, do):
+    return torch.autograd.grad(o, inputs, do, retain_graph=True)
+
+
+def checks(calls, dtypes):
+    failures = 0
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        for head_dim in (64, 128):
+            for causal in (False, True):
+                for b, h, h_kv, n_q, n_kv, magnitude in SHAPES:
+                    g = torch.Generator(device="cuda").manual_seed(n_q * 7 + n_kv)
+                    q = magnitude * torch.randn(b, h, n_q, head_dim, device="cuda", generator=g)
+                    k = magnitude * torch.randn(b, h_kv, n_kv, head_dim, device="cuda", generator=g)
+                    v = torch.randn(b, h_kv, n_kv, head_dim, device="cuda", generator=g)
+                    q, k, v = (t.to(dtype) for t in (q, k, v))
+                    ref = functools.partial(naive_attention, enable_gqa=h != h_kv)
+                    for deterministic in (False, True):
+                        before = calls[0]
+                        impl = functools.partial(attention(deterministic), enable_gqa=h != h_kv)
+                        result = compare_with_reference(q, k, v, is_causal=causal, impl=impl, reference=ref)
+                        fused = calls[0] > before
+                        bad = [c for c in result if not c.ok]
+                        failures += bool(bad) or fused == deterministic
+                        worst = max(c.error / c.bound for c in result)
+                        print(f"{'FAIL' if bad or fused == deterministic else 'ok  '} {dtype_name} D{head_dim} "
+                              f"{'causal' if causal else 'full  '} B{b} H{h}/{h_kv} {n_q}x{n_kv} x{magnitude} "
+                              f"{'deterministic' if deterministic else 'fused'}: worst {worst:.2f} of the bound"
+                              + (f" ({'; '.join(map(str, bad))})" if bad else "")
+                              + ("" if fused != deterministic else " WRONG PATH"), flush=True)
+    return failures
+
+
+def determinism():
+    """Two backward runs of each path on the same inputs: bit-identical or not."""
+    q, k, v = (torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    for deterministic in (False, True):
+        o = flashattn.attention(q, k, v, is_causal=True, deterministic=deterministic)
+        do = torch.randn_like(o)
+        a = backward(o, (q, k, v), do)
+        b = backward(o, (q, k, v), do)
+        diffs = [(x.float() - y.float()).abs().max().item() for x, y in zip(a, b)]
+        print(f"{'deterministic' if deterministic else 'fused'}: two runs differ by at most "
+              f"dq {diffs[0]:.1e}, dk {diffs[1]:.1e}, dv {diffs[2]:.1e}", flush=True)
+
+
+def timings(cells, out_csv):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    rows = []
+    print(f"{'dtype':5} {'D':>4} {'N':>6} {'causal':6} | {'fwd':>6} {'cudnn':>6} {'x':>5} | "
+          f"{'fused':>6} {'determ':>6} {'cudnn':>6} {'fused x':>7} {'det x':>6}   (TFLOPS)", flush=True)
+    for dtype_name, head_dim, n, causal in cells:
+        dtype = DTYPES[dtype_name]
+        batch, heads = 4, 32
+        q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        tf = {m: attention_flops(batch, heads, n, n, head_dim, causal, m) * 1e-9 for m in ("fwd", "bwd")}
+        res = {}
+        res["fwd"] = tf["fwd"] / triton.testing.do_bench(lambda: flashattn.attention(q, k, v, is_causal=causal),
+                                                          return_mode="median")
+        for name, det in (("fused", False), ("determ", True)):
+            o = flashattn.attention(q, k, v, is_causal=causal, deterministic=det)
+            backward(o, (q, k, v), do)
+            res[name] = tf["bwd"] / triton.testing.do_bench(lambda: backward(o, (q, k, v), do),
+                                                             return_mode="median")
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            res["cudnn_fwd"] = tf["fwd"] / triton.testing.do_bench(lambda: sdpa(q, k, v, is_causal=causal),
+                                                                    return_mode="median")
+            oc = sdpa(q, k, v, is_causal=causal)
+            res["cudnn"] = tf["bwd"] / triton.testing.do_bench(
+                lambda: torch.autograd.grad(oc, (q, k, v), do, retain_graph=True), return_mode="median")
+        print(f"{dtype_name:5} {head_dim:4} {n:6} {int(causal):6} | {res['fwd']:6.0f} {res['cudnn_fwd']:6.0f} "
+              f"{res['fwd'] / res['cudnn_fwd']:5.2f} | {res['fused']:6.0f} {res['determ']:6.0f} {res['cudnn']:6.0f} "
+              f"{res['fused'] / res['cudnn']:7.2f} {res['determ'] / res['cudnn']:6.2f}", flush=True)
+        rows.append(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                         dtype=dtype_name, head_dim=head_dim, seq_len=n, causal=int(causal), batch=batch,
+                         heads=heads, **{f"tflops_{k}": round(v, 1) for k, v in res.items()}))
+        del q, k, v, do, o, oc
+    if out_csv and rows:
+        with open(out_csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--csv")
+    args = p.parse_args()
+    print("GPU", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__,
+          flush=True)
+    gluon = hopper.load("backward")
+    if gluon is None or not gluon.has_dq_reduce():
+        sys.exit("the fused backward needs Gluon with TMA reduce-adds (Triton >= 3.8) on a Hopper GPU")
+    calls = fused_calls()
+    failures = 0 if args.no_checks else checks(calls, ["bf16"] if args.quick else list(DTYPES))
+    determinism()
+    cells = [(d, hd, n, c) for d in ("bf16", "fp16") for hd in (64, 128) for n in (4096, 8192, 16384)
+             for c in (False, True)]
+    if args.quick:
+        cells = [c for c in cells if c[0] == "bf16" and c[2] == 8192]
+    timings(cells, args.csv)
+    print(f"{failures} check(s) failed", flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

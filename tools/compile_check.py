@@ -23,9 +23,10 @@ runs it). Spills fail under the Triton releases the defaults were chosen with
 release they are shown and reported. ``--triton VERSION`` installs that release of Triton into
 ``.tritons/VERSION`` (pip, no other package) and runs the same under it as well. ``--candidates``
 compiles the autotuning candidates that ``configs.fits`` keeps instead (``--all``: the pruned ones
-too), and only reports. ``--write-defaults`` chooses the defaults: for each entry, the first of
-``compiled.default_candidates`` that compiles cleanly under this Triton and every ``--triton``
-release (Triton's cache keeps what was compiled before: a second run is much faster).
+too), and only reports. ``--write-defaults`` chooses the defaults: for each entry, today's if it
+compiles cleanly under this Triton and every ``--triton`` release, else the first of
+``compiled.default_candidates`` that does (Triton's cache keeps what was compiled before: a second
+run is much faster).
 """
 import argparse
 import concurrent.futures
@@ -147,14 +148,24 @@ def _clean(arch, row):
 def write_defaults(capabilities, jobs, versions):
     """Choose the defaults of ``capabilities`` again: for each entry, the first of
     ``compiled.default_candidates`` that compiles cleanly (no spill, within shared memory) under this
-    Triton and under each of ``versions``. Candidates are compiled in rounds, the next candidate of
-    every entry still open in each round, under one release after the other."""
+    Triton and under each of ``versions``, trying today's default first (so a new release changes
+    only the entries it spills). Candidates are compiled in rounds, the next candidate of every
+    entry still open in each round, under one release after the other."""
+    from flashattn.gpu.defaults import DEFAULTS as TODAY
+
     versions = [triton.__version__] + [v for v in versions if v != triton.__version__]
     keys = [(capability, key) for capability in capabilities for key in compiled.table_keys(archs.ARCHS[capability])]
     keys.sort(key=lambda job: -job[1][3])
-    order = {(capability, key): [(key[0], key[1], key[3], key[2], tuple(sorted(c.kwargs.items())), c.num_warps,
-                                  c.num_stages) for c in compiled.default_candidates(archs.ARCHS[capability], *key)]
-             for capability, key in keys}
+
+    def candidates(capability, key):
+        items = [(key[0], key[1], key[3], key[2], tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
+                 for c in compiled.default_candidates(archs.ARCHS[capability], *key)]
+        today = TODAY.get(capability, {}).get(key[:3], {}).get(key[3])
+        first = [item for item in items if today and (dict(item[4])["BLOCK_Q"], dict(item[4]).get("BLOCK_KV", 0),
+                                                      *item[5:]) == tuple(today)]
+        return first + [item for item in items if item not in first]
+
+    order = {(capability, key): candidates(capability, key) for capability, key in keys}
     print(f"choosing {len(keys)} defaults ({', '.join(f'sm_{c}' for c in capabilities)}) under triton "
           f"{', '.join(versions)}, {jobs} compilations at a time", flush=True)
     tried, chosen, start = {job: [] for job in keys}, {}, time.perf_counter()
@@ -172,10 +183,10 @@ def write_defaults(capabilities, jobs, versions):
         print(f"round {round_}: {len(pending)} candidates compiled, {len(chosen)} of {len(keys)} entries chosen "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
 
-    from flashattn.gpu.defaults import DEFAULTS, SPILLS  # the architectures not chosen again are kept
+    from flashattn.gpu.defaults import SPILLS  # the architectures not chosen again are kept
     table = {capability: {key: {d: spec for d, spec in by_dim.items() if (*key, d) in kept}
                           for key, by_dim in entries.items()}
-             for capability, entries in DEFAULTS.items() if capability not in capabilities
+             for capability, entries in TODAY.items() if capability not in capabilities
              for kept in [set(compiled.table_keys(archs.ARCHS[capability]))]}
     spills = {version: {key: spill for key, spill in by_key.items() if key[0] not in capabilities}
               for version, by_key in SPILLS.items()}
@@ -233,7 +244,7 @@ without tensor cores, "tf32" as 'high' asks, "tf32x3" under the experimental FLA
 head-dim class (BLOCK_D), the first configuration of ``flashattn.measure.compiled.default_candidates``
 that compiles for that architecture without spilling and within the shared memory a block may
 use, under every Triton release of ``TRITONS`` (those the supported PyTorch releases install, and
-the newest). Where no candidate avoids a spill under some release, the entry is the one clean under
+the newest); a new release keeps each entry that still compiles cleanly. Where no candidate avoids a spill under some release, the entry is the one clean under
 most releases, spilling least, and ``SPILLS`` records the bytes per thread it spills under each
 release where it does: ``{release: {(capability, kernel, dtype, dot precision, BLOCK_D): bytes}}``
 (tests/test_compiled_archs.py fails a spill beyond it). On sm_90 the candidates start with the defaults an H200 measured

@@ -379,7 +379,8 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
     the stages and key tiles to what the whole block fits in (on GPUs of 100 KB a block, head dim
     256 takes smaller key tiles).
     A ``paged`` cache halves that bound (at most 64 x 32): the gathered rows' 64-bit offsets cost
-    registers, and 64 x 64 tiles spill on sm_80 and sm_89 (tests/test_decode_compile.py)."""
+    registers, and 64 x 64 tiles spill on sm_80 and sm_89 (tests/test_decode_compile.py), as do
+    64 x 32 at head dim 256 under Triton 3.6 (there: 16 keys)."""
     if INTERPRET:
         return dict(DECODE_INTERPRETER_CONFIG)
     arch = arch or archs.current()
@@ -387,6 +388,8 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
         candidate = DECODE_FMA_CONFIG
     block_kv, warps, stages = candidate or DECODE_CANDIDATES[0]
     block_kv = max(16, min(block_kv, (16 if paged else 32) * 128 // block_r))
+    if paged and block_r * block_d >= 64 * 256 and arch.capability < 90:  # 64 rows x 32 keys spill
+        block_kv = 16                                  # 8-16 bytes at head dim 256 (Triton 3.6)
     warps = max(warps, 8 if block_r >= 32 else 4)
     if dtype == torch.float32 and block_d >= 256:  # TF32 tiles of 32 rows spill at 4 warps
         warps = max(warps, 8)

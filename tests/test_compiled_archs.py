@@ -139,11 +139,11 @@ def test_what_no_tile_fits_is_refused_by_name():
 
 
 def test_the_defaults_were_chosen_with_every_triton_a_supported_pytorch_installs():
-    """PyTorch's CUDA builds pin Triton: 2.11 takes 3.6.0, 2.12.0 3.7.0, 2.12.1 and 2.13 3.7.1, 2.14
-    3.8; the CPU builds take the newest (3.9). The defaults compile cleanly under each of them
-    (CI compiles them under every one), and the few spills no candidate avoids are recorded per
-    release and entry, each an entry of the table."""
-    assert {"3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0"} <= set(defaults.TRITONS)
+    """PyTorch's CUDA builds pin Triton: 2.11 takes 3.6.0, 2.12.1 and 2.13 3.7.1, 2.14 3.8; the CPU
+    builds take the newest (3.9). The defaults compile cleanly under each of them (CI compiles them
+    under every one), and the spills no candidate avoids are recorded per release and entry, each
+    an entry of the table."""
+    assert {"3.6.0", "3.7.1", "3.8.0", "3.9.0"} <= set(defaults.TRITONS)
     for release, entries in defaults.SPILLS.items():
         assert release in defaults.TRITONS, release
         for (capability, name, dtype, precision, block_d), spilled in entries.items():

@@ -79,3 +79,25 @@ def test_describe_names_the_runtime():
     line = flashattn.describe()
     assert ("interpreter" in line) == (flashattn.RUNTIME == "interpreter")
     assert str(flashattn.DEVICE.type) in ("cpu", "cuda")
+
+
+def test_launches_ask_for_fp_fusion_whatever_tritons_default():
+    """The kernels were measured with multiplies and adds fused into fma, Triton's default up to
+    3.9; Triton 3.10 turns it off (3.9 warns that it will). Every launch states it: the package's
+    own ``run``, the direct decode launches and the Gluon kernels' options."""
+    from flashattn.gpu import direct, launcher
+    from flashattn.hopper import forward as hopper
+
+    launched = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs)
+
+    launcher.run(FakeKernel(), (1,), 1, 2, BLOCK=16)
+    assert launched == [dict(BLOCK=16, enable_fp_fusion=True)]
+    launcher.run(FakeKernel(), (1,), 1, enable_fp_fusion=False)  # asked otherwise: kept
+    assert launched[-1] == dict(enable_fp_fusion=False)
+    direct.launch({}, "key", FakeKernel(), (1,), (1,), lambda: dict(BLOCK=16))
+    assert launched[-1] == dict(BLOCK=16, enable_fp_fusion=True)
+    assert hopper.launch_options(hopper.tile_config(128, True))[1]["enable_fp_fusion"] is True

@@ -12,7 +12,7 @@ every candidate the decode benchmark times); a decode configuration that spills 
     python tools/compile_check.py --arch 86 --arch 90 --jobs 4
     python tools/compile_check.py --triton 3.6.0 --triton 3.7.1 --triton 3.8.0   # under each release too
     python tools/compile_check.py --candidates --arch 80 [--dtype bf16] [--head-dim 128] [--kernel fwd] [--all]
-    python tools/compile_check.py --write-defaults --triton 3.6.0 --triton 3.7.0 --triton 3.7.1 --triton 3.8.0
+    python tools/compile_check.py --write-defaults --triton 3.6.0 --triton 3.7.1 --triton 3.8.0
                                                     # choose flashattn/gpu/defaults.py again (an hour or more)
 
 The first form compiles what the package runs without timing (``configs.default_config``) for each

@@ -393,8 +393,8 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
     warps = max(warps, 8 if block_r >= 32 else 4)
     if dtype == torch.float32 and block_d >= 256:  # TF32 tiles of 32 rows spill at 4 warps
         warps = max(warps, 8)
-        if block_r >= 32 and arch.capability < 90:  # and on sm_80 at 32 keys, 8 warps (24 bytes)
-            block_kv = 16
+        if arch.capability < 90:  # and before sm_90 at 32 keys: 24 bytes at 32 rows (sm_80),
+            block_kv = 16         # 32 at 16 rows (sm_89, Triton 3.7.0)
     def in_flight():  # the K and V tiles Triton keeps in shared memory
         return (stages - 1) * 2 * block_kv * block_d * dtype.itemsize
 

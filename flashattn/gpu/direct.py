@@ -50,7 +50,7 @@ def launch(kernels, key, fn, grid, args, constexprs, how="launcher"):
     allocations (aligned to 512 bytes) or views at fixed offsets of one."""
     launch = kernels.get(key)
     if launch is None:
-        constexprs = constexprs()
+        constexprs = dict(constexprs(), enable_fp_fusion=True)  # as launcher.run launches
         kernel = fn[grid](*args, **constexprs)
         if isinstance(kernel, CompiledKernel):  # the interpreter returns no compiled kernel
             kernels[key] = Compiled(fn, kernel, grid, len(args), constexprs)

@@ -134,7 +134,9 @@ def run(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``; inside :func:`defer_compiles`, a job for that launch;
     inside :func:`compile_job`, the same compile without the launch: Triton's ``warmup``, then
     loading the binary on the GPU (which builds its launcher, and raises OutOfResources where a
-    launch would)."""
+    launch would). Multiplies and adds fuse into fma, as the kernels were measured with, whatever
+    Triton's default (Triton 3.10 turns it off; 3.9 warns that it will)."""
+    kwargs.setdefault("enable_fp_fusion", True)
     jobs = getattr(_deferring, "jobs", None)
     if jobs is not None:
         jobs.append(lambda: run(kernel, grid, *args, **kwargs))
@@ -247,10 +249,10 @@ def _autotuned(name, kernel, grid, args, constexprs, seq_len):
     key = autotune_key(name, kernel, args[0].dtype, constexprs, bucket, device_name)
     kept = _tuned.get(key)
     if kept is not None and kept in [as_dict(c) for c in configs + [FALLBACK_CONFIGS[name]]]:
-        kernel[grid](*args, **constexprs, **kept)
+        run(kernel, grid, *args, **constexprs, **kept)
         return dict(kept)
     tuner = _tuner(name, kernel, bucket, configs)
-    tuner[grid](*args, **constexprs)
+    tuner[grid](*args, **constexprs, enable_fp_fusion=True)  # as run() launches
     chosen = as_dict(tuner.best_config)
     _remember(key, chosen)
     return chosen

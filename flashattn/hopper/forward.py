@@ -444,7 +444,7 @@ def launch_options(cfg):
     """The register budgets a configuration is compiled with: ``(constexprs, options)``."""
     regs = REGISTERS[cfg["CONSUMERS"]]
     return (dict(CONSUMER_REGS=regs["consumer"], PRODUCER_REGS=regs["producer"]),
-            dict(num_warps=4, maxnreg=regs["launch"]))
+            dict(num_warps=4, maxnreg=regs["launch"], enable_fp_fusion=True))  # as launcher.run
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window=None):

@@ -148,6 +148,6 @@ def dropout_mask(shape, dropout_p, seed, device, cu_seqlens_q=None, cu_seqlens_k
         if INTERPRET:
             with INTERPRETER_LOCK:
                 _dropout_mask_kernel[grid](*args, BLOCK=block)
-        else:
-            _dropout_mask_kernel[grid](*args, BLOCK=block)
+        else:  # stated, so that Triton 3.9 does not warn of its default
+            _dropout_mask_kernel[grid](*args, BLOCK=block, enable_fp_fusion=True)
     return keep.bool()

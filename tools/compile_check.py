@@ -243,11 +243,12 @@ architecture, kernel, input dtype with its dot precision (float32: "ieee" as 'hi
 without tensor cores, "tf32" as 'high' asks, "tf32x3" under the experimental FLASHATTN_TF32X3=1) and
 head-dim class (BLOCK_D), the first configuration of ``flashattn.measure.compiled.default_candidates``
 that compiles for that architecture without spilling and within the shared memory a block may
-use, under every Triton release of ``TRITONS`` (those the supported PyTorch releases install, and
-the newest); a new release keeps each entry that still compiles cleanly. Where no candidate avoids a spill under some release, the entry is the one clean under
-most releases, spilling least, and ``SPILLS`` records the bytes per thread it spills under each
-release where it does: ``{release: {(capability, kernel, dtype, dot precision, BLOCK_D): bytes}}``
-(tests/test_compiled_archs.py fails a spill beyond it). On sm_90 the candidates start with the defaults an H200 measured
+use, under every Triton release of ``TRITONS`` (those PyTorch's CUDA builds pin, and the newest);
+choosing again for a new release keeps each entry that still compiles cleanly. Where no candidate
+avoids a spill under some release, the entry is the one clean under most releases, spilling
+least, and ``SPILLS`` records the bytes per thread it spills there:
+``{release: {(capability, kernel, dtype, dot precision, BLOCK_D): bytes}}`` (tests/test_compiled_archs.py
+fails a spill beyond it). On sm_90 the candidates start with the defaults an H200 measured
 (``configs.MEASURED_DEFAULTS``), then follow the order it measured them in; for sm_75, sm_80, sm_86
 and sm_89 the same order, pruned by each architecture's shared memory, gives reasoned defaults:
 compiled, not measured on such a GPU. tests/test_compiled_archs.py compiles every entry again.

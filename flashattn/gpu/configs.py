@@ -379,8 +379,9 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
     the stages and key tiles to what the whole block fits in (on GPUs of 100 KB a block, head dim
     256 takes smaller key tiles).
     A ``paged`` cache halves that bound (at most 64 x 32): the gathered rows' 64-bit offsets cost
-    registers, and 64 x 64 tiles spill on sm_80 and sm_89 (tests/test_decode_compile.py), as do
-    64 x 32 at head dim 256 under Triton 3.6 (there: 16 keys)."""
+    registers, and 64 x 64 tiles spill on sm_80 and sm_89 (tests/test_decode_compile.py); from
+    head dim 128 and 32 rows on, Triton 3.6 spills at that bound too, so there at most 1024 / BLOCK_R
+    keys."""
     if INTERPRET:
         return dict(DECODE_INTERPRETER_CONFIG)
     arch = arch or archs.current()
@@ -388,8 +389,8 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
         candidate = DECODE_FMA_CONFIG
     block_kv, warps, stages = candidate or DECODE_CANDIDATES[0]
     block_kv = max(16, min(block_kv, (16 if paged else 32) * 128 // block_r))
-    if paged and block_r * block_d >= 64 * 256 and arch.capability < 90:  # 64 rows x 32 keys spill
-        block_kv = 16                                  # 8-16 bytes at head dim 256 (Triton 3.6)
+    if paged and block_r >= 32 and block_d >= 128:  # and at 32 x 64 (head dim 128, sm_90) or 64 x 32
+        block_kv = min(block_kv, 1024 // block_r)     # (256, sm_80/89) Triton 3.6 spills 8-24 bytes
     warps = max(warps, 8 if block_r >= 32 else 4)
     if dtype == torch.float32 and block_d >= 256:  # TF32 tiles of 32 rows spill at 4 warps
         warps = max(warps, 8)

@@ -379,9 +379,9 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
     the stages and key tiles to what the whole block fits in (on GPUs of 100 KB a block, head dim
     256 takes smaller key tiles).
     A ``paged`` cache halves that bound (at most 64 x 32): the gathered rows' 64-bit offsets cost
-    registers, and 64 x 64 tiles spill on sm_80 and sm_89 (tests/test_decode_compile.py); from
-    head dim 128 and 32 rows on, Triton 3.6 spills at that bound too, so there at most 1024 / BLOCK_R
-    keys."""
+    registers, and 64 x 64 tiles spill on sm_80 and sm_89 (tests/test_decode_compile.py);
+    Triton 3.6 spills at 32 x 64 (16-bit, head dim 128) and 64 x 32 (256, before sm_90) too: 32 and
+    16 keys there."""
     if INTERPRET:
         return dict(DECODE_INTERPRETER_CONFIG)
     arch = arch or archs.current()
@@ -389,13 +389,16 @@ def decode_config(dtype, dot_precision, block_r, block_d, candidate=None, arch=N
         candidate = DECODE_FMA_CONFIG
     block_kv, warps, stages = candidate or DECODE_CANDIDATES[0]
     block_kv = max(16, min(block_kv, (16 if paged else 32) * 128 // block_r))
-    if paged and block_r >= 32 and block_d >= 128:  # and at 32 x 64 (head dim 128, sm_90) or 64 x 32
-        block_kv = min(block_kv, 1024 // block_r)     # (256, sm_80/89) Triton 3.6 spills 8-24 bytes
+    # and where Triton 3.6 spills 8-24 bytes even so: 32 x 64 at head dim 128 (sm_90), 64 x 32 at 256
+    if paged and block_r >= 32 and block_d == 128 and dtype.itemsize == 2:
+        block_kv = min(block_kv, 32)
+    if paged and block_r >= 64 and block_d >= 256 and arch.capability < 90:
+        block_kv = 16
     warps = max(warps, 8 if block_r >= 32 else 4)
-    if dtype == torch.float32 and block_d >= 256:  # TF32 tiles of 32 rows spill at 4 warps
-        warps = max(warps, 8)
-        if arch.capability < 90:  # and before sm_90 at 32 keys: 24 bytes at 32 rows (sm_80),
-            block_kv = 16         # 32 at 16 rows (sm_89, Triton 3.7.0)
+    # TF32 tiles of 32 rows at head dim 256 spill at 4 warps (8 above) and, before sm_90, at 32 keys
+    # (24 bytes on sm_80); of 16 rows they spill at 8 warps (sm_89, Triton 3.7.1), so keep 4 there
+    if dtype == torch.float32 and block_d >= 256 and block_r >= 32 and arch.capability < 90:
+        block_kv = 16
     def in_flight():  # the K and V tiles Triton keeps in shared memory
         return (stages - 1) * 2 * block_kv * block_d * dtype.itemsize
 

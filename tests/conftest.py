@@ -23,6 +23,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     """The PyTorch and Triton the tests run with, at the top of every run's log."""
+    import flashattn  # noqa: F401  (before triton: on a CPU it picks the interpreter)
     import torch
     import triton
 

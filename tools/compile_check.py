@@ -13,7 +13,7 @@ every candidate the decode benchmark times); a decode configuration that spills 
     python tools/compile_check.py --triton 3.6.0 --triton 3.7.1 --triton 3.8.0   # under each release too
     python tools/compile_check.py --candidates --arch 80 [--dtype bf16] [--head-dim 128] [--kernel fwd] [--all]
     python tools/compile_check.py --write-defaults --triton 3.6.0 --triton 3.7.1 --triton 3.8.0
-                                                    # choose flashattn/gpu/defaults.py again (an hour or more)
+                                                    # choose flashattn/gpu/defaults.py again (15 minutes or more)
 
 The first form compiles what the package runs without timing (``configs.default_config``) for each
 kernel, input dtype and dot precision, and head-dim class, and exits 1 if one fails to compile,
@@ -149,21 +149,41 @@ def write_defaults(capabilities, jobs, versions):
     """Choose the defaults of ``capabilities`` again: for each entry, the first of
     ``compiled.default_candidates`` that compiles cleanly (no spill, within shared memory) under this
     Triton and under each of ``versions``, trying today's default first (so a new release changes
-    only the entries it spills). Candidates are compiled in rounds, the next candidate of every
-    entry still open in each round, under one release after the other."""
+    only the entries it spills). A configuration an H200 measured (``configs.MEASURED_DEFAULTS``)
+    is tried next and kept wherever it compiles under every release within shared memory, its
+    spills recorded: it ran faster than the candidates that do not spill. Candidates are compiled in
+    rounds, the next candidate of every entry still open in each round, under one release after the
+    other."""
     from flashattn.gpu.defaults import DEFAULTS as TODAY
 
-    versions = [triton.__version__] + [v for v in versions if v != triton.__version__]
+    here = ".".join(map(str, compiled.triton_release()))  # without a local suffix (3.9.0+git...)
+    versions = [here] + [v for v in versions if v != here]
     keys = [(capability, key) for capability in capabilities for key in compiled.table_keys(archs.ARCHS[capability])]
     keys.sort(key=lambda job: -job[1][3])
 
     def candidates(capability, key):
         items = [(key[0], key[1], key[3], key[2], tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
                  for c in compiled.default_candidates(archs.ARCHS[capability], *key)]
-        today = TODAY.get(capability, {}).get(key[:3], {}).get(key[3])
-        first = [item for item in items if today and (dict(item[4])["BLOCK_Q"], dict(item[4]).get("BLOCK_KV", 0),
-                                                      *item[5:]) == tuple(today)]
+        first = [item for item in items if spec(item) in (measured(capability, key), spec_of_today(capability, key))]
+        first.sort(key=lambda item: spec(item) != spec_of_today(capability, key))  # today's, then the measured
         return first + [item for item in items if item not in first]
+
+    def spec(item):  # (BLOCK_Q, BLOCK_KV, num_warps, num_stages), as the table writes it
+        return (dict(item[4])["BLOCK_Q"], dict(item[4]).get("BLOCK_KV", 0), *item[5:])
+
+    def spec_of_today(capability, key):
+        today = TODAY.get(capability, {}).get(key[:3], {}).get(key[3])
+        return tuple(today) if today else None
+
+    def measured(capability, key):
+        name, dtype, precision, block_d = key
+        kind = configs.dot_kind(TORCH_DTYPES[dtype].itemsize, precision, archs.ARCHS[capability])
+        config = configs.MEASURED_DEFAULTS.get((capability, name, kind, block_d))
+        return None if config is None else (config.kwargs["BLOCK_Q"], config.kwargs.get("BLOCK_KV", 0),
+                                            config.num_warps, config.num_stages)
+
+    def compiles(arch, row):  # compiled, within shared memory (a spill aside)
+        return row[3] is None and row[1] >= 0 and row[2] <= arch.smem_per_block
 
     order = {(capability, key): candidates(capability, key) for capability, key in keys}
     print(f"choosing {len(keys)} defaults ({', '.join(f'sm_{c}' for c in capabilities)}) under triton "
@@ -178,7 +198,9 @@ def write_defaults(capabilities, jobs, versions):
         for i, job in enumerate(pending):
             rows = [by_version[i] for by_version in seen]
             tried[job].append((work[i][1], rows))
-            if all(_clean(archs.ARCHS[job[0]], row) for row in rows):
+            arch = archs.ARCHS[job[0]]
+            if all(_clean(arch, row) for row in rows) or (
+                    spec(work[i][1]) == measured(*job) and all(compiles(arch, row) for row in rows)):
                 chosen[job] = len(tried[job]) - 1
         print(f"round {round_}: {len(pending)} candidates compiled, {len(chosen)} of {len(keys)} entries chosen "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
@@ -189,7 +211,7 @@ def write_defaults(capabilities, jobs, versions):
              for capability, entries in TODAY.items() if capability not in capabilities
              for kept in [set(compiled.table_keys(archs.ARCHS[capability]))]}
     spills = {version: {key: spill for key, spill in by_key.items() if key[0] not in capabilities}
-              for version, by_key in SPILLS.items()}
+              for version, by_key in SPILLS.items() if version in versions}
     failures = []
     print(f"\n{'arch':6} {'kernel':15} {'dtype':12} {'D':>4} {'config':34} {'spilled under ' + ', '.join(versions)}")
     for job in keys:
@@ -197,7 +219,7 @@ def write_defaults(capabilities, jobs, versions):
         arch = archs.ARCHS[capability]
         # where no candidate is clean under every release: the one clean under most, spilling least
         item, rows = tried[job][chosen[job]] if job in chosen else max(tried[job], key=lambda t: (
-            sum(_clean(arch, row) for row in t[1]), -sum(row[1] if row[3] is None else 1 << 30 for row in t[1])))
+            sum(_clean(arch, row) for row in t[1]), -sum(row[1] if compiles(arch, row) else 1 << 30 for row in t[1])))
         # no tile compiles cleanly under any release (on sm_75 at head dim 256): refused with a clear error
         refused = job not in chosen and not any(_clean(arch, row) for _, t in tried[job] for row in t) and all(
             row[3] is None for _, t in tried[job] for row in t)
@@ -205,9 +227,10 @@ def write_defaults(capabilities, jobs, versions):
         for version, (regs, spill, smem, error) in zip(versions, rows):
             if refused or _clean(arch, (regs, spill, smem, error)):
                 continue
-            if error is None and smem <= arch.smem_per_block:  # a spill no candidate avoids there
+            if compiles(arch, (regs, spill, smem, error)):  # measured faster, or no candidate avoids it
                 spills.setdefault(version, {})[(capability, name, dtype, precision, block_d)] = spill
-                note += f"  <- spills {spill} bytes under {version}, as every candidate does"
+                note += f"  <- spills {spill} bytes under {version}" + (
+                    ", measured faster" if spec(item) == measured(*job) else ", as every candidate does")
             else:
                 failures.append(f"sm_{capability} {describe(item)} under triton {version}: {error or 'shared memory'}")
                 note += f"  <- {error or f'{smem} bytes of shared memory'} under {version}"
@@ -217,12 +240,12 @@ def write_defaults(capabilities, jobs, versions):
         table.setdefault(capability, {}).setdefault((name, dtype, precision), {})[block_d] = None if refused else (
             tiles["BLOCK_Q"], tiles.get("BLOCK_KV", 0), item[5], item[6])
     path = ROOT / "flashattn" / "gpu" / "defaults.py"
+    releases = f"TRITONS = {tuple(sorted(versions, key=lambda v: tuple(map(int, v.split('.')))))!r}\n"
+    recorded = "SPILLS = {" + "".join(f"\n    {version!r}: {{" + "".join(
+        f"\n        {key!r}: {spill}," for key, spill in sorted(by_key.items(), key=lambda kv: (str(kv[0][:4]), kv[0][4])))
+        + "\n    }," for version, by_key in sorted(spills.items()) if by_key) + ("\n}\n" if any(spills.values()) else "}\n")
     with open(path, "w", encoding="utf8") as f:
-        f.write(DEFAULTS_HEADER)
-        f.write(f"TRITONS = {tuple(sorted(versions, key=lambda v: tuple(map(int, v.split('.')))))!r}\n")
-        f.write("SPILLS = {" + "".join(f"\n    {version!r}: {{" + "".join(
-            f"\n        {key!r}: {spill}," for key, spill in sorted(by_key.items(), key=lambda kv: (str(kv[0][:4]), kv[0][4]))) + "\n    },"
-            for version, by_key in sorted(spills.items()) if by_key) + ("\n}\n" if any(spills.values()) else "}\n"))
+        f.write(DEFAULTS_HEADER + releases + recorded)
         f.write("DEFAULTS = {\n")
         for capability in sorted(table):
             f.write(f"    {capability}: {{  # {archs.ARCHS[capability].gpus}\n")
@@ -316,7 +339,12 @@ def main():
         sys.exit(write_defaults(args.arch, max(1, args.jobs), args.triton))
     status = 0
     for version in args.triton:  # the same check under each other release, one child each
-        argv = [a for a in sys.argv[1:] if a not in ("--triton", version) and not a.startswith("--triton=")]
+        argv, rest = [], iter(sys.argv[1:])
+        for a in rest:  # the other --triton VERSION pairs out
+            if a == "--triton":
+                next(rest, None)
+            elif not a.startswith("--triton="):
+                argv.append(a)
         print(f"=== triton {version}", flush=True)
         status |= under(version, argv).returncode
     if args.triton:

@@ -4,8 +4,11 @@ On a GPU each kernel runs a **default configuration**: the first candidate, in t
 fastest on an H200, that fits the running GPU by the rules of :func:`fits` (its shared memory and
 its registers, from ``flashattn.gpu.archs``), with the winners the H200 measured per head dim for
 sm_90 (:data:`MEASURED_DEFAULTS`). For the other architectures these defaults are reasoned (the
-same order, pruned by that GPU's limits), not measured; every one of them compiles without
-spilling for sm_75, sm_80, sm_86, sm_89 and sm_90 (tests/test_compiled_archs.py). How a launch
+same order, pruned by that GPU's limits), not measured. Every one of them compiles for sm_75,
+sm_80, sm_86, sm_89 and sm_90 within shared memory and without spilling under each Triton a
+supported PyTorch pins, but for the spills ``flashattn.gpu.defaults.SPILLS`` records: the
+experimental 3xTF32's at head dims 64 and 128, which no tile avoids or whose measured tiles ran
+faster (tests/test_compiled_archs.py). How a launch
 uses them, and autotuning, is ``flashattn.gpu.launch``.
 
 Here too: how ``tl.dot`` multiplies float32 (:func:`dot_precision`) and the decode kernel's
@@ -118,6 +121,7 @@ FALLBACK_CONFIGS = {
 MEASURED_DEFAULTS = {
     (90, "fwd", "tf32x3", 64): triton.Config({"BLOCK_Q": 128, "BLOCK_KV": 32}, num_warps=8, num_stages=2),
     (90, "fwd", "tf32x3", 128): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 32}, num_warps=4, num_stages=3),
+    (90, "bwd_dkdv", "tf32x3", 64): triton.Config({"BLOCK_Q": 32, "BLOCK_KV": 32}, num_warps=4, num_stages=2),
     (90, "bwd_dkdv", "tf32x3", 128): triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 16}, num_warps=8, num_stages=2),
     (90, "bwd_dq", "tf32x3", 64): triton.Config({"BLOCK_Q": 64, "BLOCK_KV": 16}, num_warps=4, num_stages=2),
     (90, "bwd_dq", "tf32x3", 128): triton.Config({"BLOCK_Q": 16, "BLOCK_KV": 32}, num_warps=4, num_stages=2),

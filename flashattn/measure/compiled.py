@@ -462,15 +462,16 @@ def triton_release():
 
 def problem(arch, item, spill, smem, head_dim=None):
     """What is wrong with a compiled :func:`choosable` item (at ``head_dim``, default BLOCK_D) on
-    ``arch``, or None: too much shared memory; spills beyond ``defaults.SPILLS``, under a release
-    in ``defaults.TRITONS`` (a newer one allocates registers anew: its spills are shown, not failed)."""
+    ``arch``, or None: too much shared memory; spills beyond ``defaults.SPILLS`` (or spills it could
+    not read), under a release in ``defaults.TRITONS`` (another allocates registers its own way: its
+    spills are shown, not failed)."""
     from ..gpu.defaults import SPILLS, TRITONS
 
     if smem > arch.smem_per_block:
         return f"needs {smem} bytes of shared memory, more than the {arch.smem_per_block} a block may use"
     release = ".".join(map(str, triton_release()))
     known = SPILLS.get(release, {}).get((arch.capability, *item[:2], item[3], head_dim or item[2]), 0)
-    if spill > known and release in TRITONS:
+    if (spill < 0 or spill > known) and release in TRITONS:
         return f"spills {spill} bytes per thread" + (f" (at most {known} expected)" if known else "")
     return None
 

@@ -45,8 +45,9 @@ def test_signature_is_sdpas():
 
 @pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
 def test_a_mask_and_is_causal_together_apply_both(alignment):
-    """SDPA's CPU path takes attn_mask with is_causal=True and applies both; so does flashattn,
-    aligned as causal_alignment says, forward and backward under the rule."""
+    """SDPA's CPU path up to PyTorch 2.13 takes attn_mask with is_causal=True and applies both
+    (2.14 refuses the pair); flashattn applies both, aligned as causal_alignment says, forward and
+    backward under the rule, and agrees with SDPA given the two as one mask."""
     from flashattn.testing.rule import compare_with_reference
 
     q, k, v = make_qkv(19, 27, 24)
@@ -61,10 +62,8 @@ def test_a_mask_and_is_causal_together_apply_both(alignment):
     ref = partial(reference.naive_attention, attn_mask=mask & causal)
     checks = compare_with_reference(q, k, v, impl=impl, reference=ref)
     assert all(c.ok for c in checks), "\n".join(map(str, checks))
-    if alignment == "top_left":  # SDPA's own CPU path agrees
-        torch.testing.assert_close(flashattn.attention(q, k, v, mask, is_causal=True),
-                                   F.scaled_dot_product_attention(q, k, v, mask, is_causal=True),
-                                   rtol=0, atol=2e-6)
+    torch.testing.assert_close(impl(q, k, v, True), F.scaled_dot_product_attention(q, k, v, mask & causal),
+                               rtol=0, atol=2e-6)
 
 
 class Block(torch.nn.Module):

@@ -44,8 +44,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             never expanded (leading dims beyond batch and heads that broadcast partly are expanded
             to the batch). No gradient flows to it: a float mask that requires grad is refused.
             With ``is_causal=True`` as well, both apply: a pair takes part only where the mask
-            keeps it and causality allows it (what SDPA's CPU path computes; some of SDPA's GPU
-            backends refuse the pair of arguments instead).
+            keeps it and causality allows it (what SDPA's CPU path computed up to PyTorch 2.13;
+            PyTorch 2.14 and some of SDPA's GPU backends refuse the pair of arguments instead).
         dropout_p: probability of dropping each attention probability (kept ones are scaled by
             ``1 / (1 - dropout_p)``), applied whenever > 0, as SDPA does. The mask is drawn in the
             kernel (Philox) from a seed taken from torch's default generator, so

@@ -18,8 +18,9 @@ from flashattn.kernels.mods import ScoreMods
 from flashattn.kernels.tiles import MASK_BOOL, MASK_FLOAT, MASK_KEYS
 from flashattn.ops.attention import SUPPORTED_DTYPES as DTYPES
 from flashattn.ops.modifiers import check_mask
-from flashattn.testing.reference import naive_attention
+from flashattn.testing.reference import naive_attention, window_mask
 from flashattn.testing.rule import compare_with_reference
+from test_modifiers import shifted_window_mask  # the pairs seen bottom-right, by brute force
 
 DEVICE = flashattn.DEVICE
 EMPTY, PARTIAL, FULL = masks.EMPTY, masks.PARTIAL, masks.FULL
@@ -101,22 +102,6 @@ def test_pooled_classes_are_those_of_the_larger_tiles():
             assert torch.equal(masks.pooled(fine, rows, cols), coarse), (shape, rows, cols)
 
 
-def visibility(n_q, n_kv, is_causal, window_size, bottom_right):
-    """Which (query, key) pairs the causal mask and the window leave, by brute force (query i at
-    key position i + n_kv - n_q when aligned bottom-right)."""
-    i = torch.arange(n_q)[:, None] + (n_kv - n_q if bottom_right else 0)
-    j = torch.arange(n_kv)[None, :]
-    left, right = window_size
-    seen = torch.ones(n_q, n_kv, dtype=torch.bool)
-    if left >= 0:
-        seen &= j >= i - left
-    if right >= 0:
-        seen &= j <= i + right
-    if is_causal:
-        seen &= j <= i
-    return seen
-
-
 @pytest.mark.parametrize("dkdv", [False, True], ids=["fwd-dq", "dkdv"])
 def test_structure_classes_against_brute_force(dkdv):
     """A FULL tile has every pair visible and no row a kernel would load unmasked past the end
@@ -135,7 +120,7 @@ def test_structure_classes_against_brute_force(dkdv):
             left, right = traversal.aligned_bounds(left, right, n_q, n_kv)
         got = masks.structure_classes(n_q, n_kv, block_q, block_kv, k_causal, k_window, left, right, dkdv,
                                       DEVICE).cpu()
-        seen = visibility(n_q, n_kv, causal, window, bottom_right)
+        seen = (shifted_window_mask if bottom_right else window_mask)(n_q, n_kv, window, causal)
         for qb, kb in itertools.product(*map(range, got.shape)):
             q0, k0 = qb * block_q, kb * block_kv
             tile = seen[q0:q0 + block_q, k0:k0 + block_kv]

@@ -2,7 +2,7 @@
 in one kernel, dQ by TMA reduce-adds; Triton >= 3.8) and the deterministic path (Gluon dK/dV,
 Triton dQ), each against float64 under the rule, then both timed beside SDPA's cuDNN backend.
 
-    python tools/backward_check.py                 # checks, then the 24 cells of the sweep
+    python tools/backward_check.py                 # checks, then the 24 cells of the sweep and grouped heads
     python tools/backward_check.py --quick         # bf16 only: checks, then N = 8192
     python tools/backward_check.py --csv OUT.csv   # also write the timings
 
@@ -10,6 +10,7 @@ Timings are medians of ``triton.testing.do_bench`` (backward alone: the graph ke
 run once), TFLOPS counted as in ``flashattn.measure.bench`` (backward 2.5x the forward's FLOPs).
 """
 import argparse
+import contextlib
 import csv
 import functools
 import os
@@ -107,33 +108,43 @@ def timings(cells, out_csv):
     rows = []
     print(f"{'dtype':5} {'D':>4} {'N':>6} {'causal':6} | {'fwd':>6} {'cudnn':>6} {'x':>5} | "
           f"{'fused':>6} {'determ':>6} {'cudnn':>6} {'fused x':>7} {'det x':>6}   (TFLOPS)", flush=True)
-    for dtype_name, head_dim, n, causal in cells:
+    for dtype_name, head_dim, n, causal, kv_heads in cells:
         dtype = DTYPES[dtype_name]
         batch, heads = 4, 32
-        q, k, v = (torch.randn(batch, heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-                   for _ in range(3))
+        gqa = dict(enable_gqa=True) if kv_heads != heads else {}
+        q = torch.randn(batch, heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(batch, kv_heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                for _ in range(2))
         do = torch.randn_like(q)
         tf = {m: attention_flops(batch, heads, n, n, head_dim, causal, m) * 1e-9 for m in ("fwd", "bwd")}
         res = {}
-        res["fwd"] = tf["fwd"] / triton.testing.do_bench(lambda: flashattn.attention(q, k, v, is_causal=causal),
+        res["fwd"] = tf["fwd"] / triton.testing.do_bench(lambda: flashattn.attention(q, k, v, is_causal=causal, **gqa),
                                                           return_mode="median")
         for name, det in (("fused", False), ("determ", True)):
-            o = flashattn.attention(q, k, v, is_causal=causal, deterministic=det)
+            o = flashattn.attention(q, k, v, is_causal=causal, deterministic=det, **gqa)
             backward(o, (q, k, v), do)
             res[name] = tf["bwd"] / triton.testing.do_bench(lambda: backward(o, (q, k, v), do),
                                                              return_mode="median")
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            res["cudnn_fwd"] = tf["fwd"] / triton.testing.do_bench(lambda: sdpa(q, k, v, is_causal=causal),
+        # SDPA's cuDNN backend; where it refuses the call (grouped heads in some releases), SDPA's default
+        peer = "cudnn"
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                sdpa(q, k, v, is_causal=causal, **gqa)
+        except RuntimeError:
+            peer = "sdpa-default"
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if peer == "cudnn" else contextlib.nullcontext():
+            res["cudnn_fwd"] = tf["fwd"] / triton.testing.do_bench(lambda: sdpa(q, k, v, is_causal=causal, **gqa),
                                                                     return_mode="median")
-            oc = sdpa(q, k, v, is_causal=causal)
+            oc = sdpa(q, k, v, is_causal=causal, **gqa)
             res["cudnn"] = tf["bwd"] / triton.testing.do_bench(
                 lambda: torch.autograd.grad(oc, (q, k, v), do, retain_graph=True), return_mode="median")
+        heads_note = "" if not gqa else f" H{heads}/{kv_heads} against {peer}"
         print(f"{dtype_name:5} {head_dim:4} {n:6} {int(causal):6} | {res['fwd']:6.0f} {res['cudnn_fwd']:6.0f} "
               f"{res['fwd'] / res['cudnn_fwd']:5.2f} | {res['fused']:6.0f} {res['determ']:6.0f} {res['cudnn']:6.0f} "
-              f"{res['fused'] / res['cudnn']:7.2f} {res['determ'] / res['cudnn']:6.2f}", flush=True)
+              f"{res['fused'] / res['cudnn']:7.2f} {res['determ'] / res['cudnn']:6.2f}{heads_note}", flush=True)
         rows.append(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                          dtype=dtype_name, head_dim=head_dim, seq_len=n, causal=int(causal), batch=batch,
-                         heads=heads, **{f"tflops_{k}": round(v, 1) for k, v in res.items()}))
+                         heads=heads, kv_heads=kv_heads, peer=peer, **{f"tflops_{k}": round(v, 1) for k, v in res.items()}))
         del q, k, v, do, o, oc
     if out_csv and rows:
         with open(out_csv, "w", newline="") as f:
@@ -156,10 +167,11 @@ def main():
     calls = fused_calls()
     failures = 0 if args.no_checks else checks(calls, ["bf16"] if args.quick else list(DTYPES))
     determinism()
-    cells = [(d, hd, n, c) for d in ("bf16", "fp16") for hd in (64, 128) for n in (4096, 8192, 16384)
+    cells = [(d, hd, n, c, 32) for d in ("bf16", "fp16") for hd in (64, 128) for n in (4096, 8192, 16384)
              for c in (False, True)]
     if args.quick:
         cells = [c for c in cells if c[0] == "bf16" and c[2] == 8192]
+    cells.append(("bf16", 128, 8192, True, 8))  # grouped heads: 32 query heads read 8 K/V heads
     timings(cells, args.csv)
     print(f"{failures} check(s) failed", flush=True)
     sys.exit(1 if failures else 0)

@@ -5,7 +5,9 @@
 #     bash tools/record_gpu.sh OUT_DIR [PART ...]
 #
 # Parts: backward (tools/backward_check.py: the fused Gluon backward and the deterministic one
-# against float64, then the 24 cells of the sweep beside cuDNN; needs Triton >= 3.8 on Hopper),
+# against float64, then the 24 cells of the sweep and grouped heads beside cuDNN; needs Triton >= 3.8
+# on Hopper), backward-tiles (the fused kernel's tile variants side by side), train-step (a
+# Llama-shaped transformers model's training step: flashattn against sdpa),
 # tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
 # compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants,
 # tests-mods (masks and their tile lists, softcap, ALiBi, dropout, bottom-right, SDPA's signature, the
@@ -24,7 +26,7 @@
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
 shift
-parts=${*:-backward tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
+parts=${*:-backward backward-tiles train-step tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -49,6 +51,8 @@ part() {  # part NAME SECONDS COMMAND...
 }
 
 part backward 420 python tools/backward_check.py --csv "$out/backward.csv"
+part backward-tiles 150 python tools/backward_tiles.py '{"64": [{}, {"PREFETCH": false}], "128": [{}, {"PREFETCH": false}]}'
+part train-step 240 python -m flashattn.measure.bench_train --out "$out/train_step.csv"
 part tests-variants 150 $pytest $variant_tests
 part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_decode.py
 part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"

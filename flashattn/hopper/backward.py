@@ -60,8 +60,8 @@ else:  # Triton hashes every name a kernel reads, so the DQ branch's must exist 
 #: (at head dim 128, 64 queries spill 24-64 bytes per thread, 32 none); not yet timed against
 #: the alternatives (tools/hopper_check.py times them).
 CONFIGS = {
-    64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
-    128: dict(BLOCK_M=32, BLOCK_N=64, STAGES=2),
+    64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, PREFETCH=True),
+    128: dict(BLOCK_M=32, BLOCK_N=64, STAGES=2, PREFETCH=True),
 }
 #: Registers per thread: at launch, then the consumers' and the producer's budgets (setmaxnreg).
 REGISTERS = dict(launch=168, consumer=240, producer=24)
@@ -72,8 +72,8 @@ REGISTERS = dict(launch=168, consumer=240, producer=24)
 #: rows). Timed on an H100 (triton 3.9, bf16, N = 8192; docs/gpu-record/2026-12-06-0732-*): at head
 #: dim 64, 128 queries 15 % faster than 64; a third stage no faster; at 128 one stage as fast as two.
 DQ_CONFIGS = {
-    64: dict(BLOCK_M=128, BLOCK_N=64, STAGES=2),
-    128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2),
+    64: dict(BLOCK_M=128, BLOCK_N=64, STAGES=2, PREFETCH=True),
+    128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, PREFETCH=True),
 }
 
 
@@ -120,11 +120,25 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
+def _tile_stats(LSE, Delta, t, batch, kv_head, n_group, n_heads, q_lo, n_q, n_tiles, n_total,
+                BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The LSE and Delta of tile ``t`` (tile j of query head g, in the producer's order); rows past
+    the sequence's end, and every row of a tile past the last, read as LSE = +inf, Delta = 0."""
+    g = t // n_tiles
+    rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q  # that head's LSE, Delta
+    offs = q_lo + (t - g * n_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    inside = (offs < n_q) & (t < n_total)
+    return (gl.load(LSE + rows + offs, mask=inside, other=float("inf")),
+            gl.load(Delta + rows + offs, mask=inside, other=0.0))
+
+
+@gluon.jit
 def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                   kv_ready, ready, empty, ds_ready, done,
                   LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
                   qk_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
+                  PREFETCH: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
     the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
     along columns), as in ``backward.dkdv_inner``.
@@ -167,16 +181,28 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
             k_cols1 = k_cols1.slice(C * DQ_COLS, DQ_COLS, dim=1)
         dq_out = dq_smem.index(C).reshape([DQ_ROWS, DQ_COLS])
 
-    for t in range(n_group * n_tiles):  # the producer's order: tile j of query head g
+    n_total = n_group * n_tiles
+    if PREFETCH:
+        lse_row, delta_row = _tile_stats(LSE, Delta, 0, batch, kv_head, n_group, n_heads, q_lo, n_q, n_tiles,
+                                         n_total, BLOCK_M, stat_layout)
+    for t in range(n_total):  # the producer's order: tile j of query head g
         g = t // n_tiles
-        rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q  # that head's LSE, Delta
         stage = t % STAGES
         q_start = q_lo + (t - g * n_tiles) * BLOCK_M
         # LSE and Delta pass through shared memory: read straight into the layout of S^T's
-        # columns, each thread would hold a 64-bit address per column it owns.
-        offs_stat = q_start + gl.arange(0, BLOCK_M, layout=stat_layout)
-        stats.index(0).store(gl.load(LSE + rows + offs_stat, mask=offs_stat < n_q, other=float("inf")))
-        stats.index(1).store(gl.load(Delta + rows + offs_stat, mask=offs_stat < n_q, other=0.0))
+        # columns, each thread would hold a 64-bit address per column it owns. With PREFETCH the
+        # next tile's rows are loaded now and stored at its start: the load's latency (both
+        # consumers at once, the tensor cores idle) hides behind this tile's products.
+        if PREFETCH:
+            stats.index(0).store(lse_row)
+            stats.index(1).store(delta_row)
+            lse_row, delta_row = _tile_stats(LSE, Delta, t + 1, batch, kv_head, n_group, n_heads, q_lo, n_q,
+                                             n_tiles, n_total, BLOCK_M, stat_layout)
+        else:
+            lse_now, delta_now = _tile_stats(LSE, Delta, t, batch, kv_head, n_group, n_heads, q_lo, n_q, n_tiles,
+                                             n_total, BLOCK_M, stat_layout)
+            stats.index(0).store(lse_now)
+            stats.index(1).store(delta_now)
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
@@ -249,7 +275,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LSE, Delta,
                   n_heads, n_group, n_q, n_kv, scale, qk_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
+                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
     # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
@@ -299,12 +325,12 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale,
-                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ)),
+                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH)),
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale,
-                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ)),
+                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
                          ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES)),
@@ -350,7 +376,8 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None):
         None if dq_accum is None else dq_descriptor(dq_accum, bm),
         lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
-        IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, **regs, **options)
+        IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
+        **regs, **options)
     return dk, dv
 
 

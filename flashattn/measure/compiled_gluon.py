@@ -79,7 +79,8 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False):
                      LSE="*fp32", Delta="*fp32", n_heads="i32", n_group="i32", n_q="i32", n_kv="i32",
                      scale="fp32", qk_scale="fp32")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), DQ=bool(dq), desc_dq=None, **regs)
+                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), DQ=bool(dq), PREFETCH=cfg["PREFETCH"],
+                      desc_dq=None, **regs)
     if dq:
         block = bwd.dq_block(cfg["BLOCK_M"], head_dim)
         layout = bwd.gl.NVMMASharedLayout.get_default_for(block, bwd.gl.float32)

@@ -1,0 +1,174 @@
+"""A training step of a Llama-shaped Hugging Face transformers model: flashattn (through
+``flashattn.integrations.transformers``) side by side with transformers' ``sdpa``.
+
+    python -m flashattn.measure.bench_train            # 8 layers, hidden 2048, 16/4 heads, 4 x 4096 tokens, bf16
+    python -m flashattn.measure.bench_train --quick    # tiny, on the interpreter too
+
+See :func:`main` for what each column measures.
+"""
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from .bench import DTYPES
+from .bench_generate import llama, synchronize
+
+FIELDS = ["gpu", "torch", "triton", "transformers", "date", "dtype", "batch", "tokens", "layers", "hidden", "heads",
+          "kv_heads", "implementation", "step_ms", "tokens_per_s", "of_sdpa", "loss", "loss_diff", "grad_diff",
+          "command"]
+#: (row name, attention implementation, deterministic algorithms on)
+IMPLEMENTATIONS = (("flashattn", "flashattn", False), ("flashattn-deterministic", "flashattn", True),
+                   ("sdpa", "sdpa", False))
+
+
+def training_step(model, ids):
+    """A function running one training step on ``ids`` (the labels too): the forward, the loss,
+    the backward; the gradients are set to None first, as an optimizer's ``zero_grad`` does."""
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+    return step
+
+
+def step_ms(step, device, warmup, rounds):
+    """The median milliseconds of ``step()`` over ``rounds`` calls, after ``warmup`` calls (a
+    training step is long enough for the host's clock; each call waits for the GPU)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(rounds):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def gradients(model):
+    """The parameters' gradients, by name (float32 copies)."""
+    return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def run(args, log=print):
+    """Time each implementation's step on the same model and tokens; return the rows."""
+    import transformers
+    import triton
+
+    import flashattn
+    from flashattn.integrations import transformers as fa_transformers
+
+    device, dtype = flashattn.DEVICE, DTYPES[args.dtype]
+    names = {"flashattn": fa_transformers.register(), "sdpa": "sdpa"}
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    model = llama(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab,
+                  args.tokens, dtype, device).train()
+    ids = torch.randint(0, args.vocab, (args.batch, args.tokens), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
+                date=datetime.date.today().isoformat(), dtype=args.dtype, batch=args.batch, tokens=args.tokens,
+                layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                command=" ".join(["python -m flashattn.measure.bench_train", *args.argv]))
+    measured = {}
+    for row, implementation, deterministic in IMPLEMENTATIONS:
+        model.set_attn_implementation(names[implementation])
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        try:
+            step = training_step(model, ids)
+            loss = step().item()
+            grads = gradients(model)
+            ms = step_ms(step, device, 1 if args.quick else 3, 1 if args.quick else args.rounds)
+        finally:
+            torch.use_deterministic_algorithms(was)
+        measured[row] = (ms, loss, grads)
+        log(f"{row:24} step {ms:9.2f} ms   {args.batch * args.tokens / ms * 1e3:10.0f} tokens/s   loss {loss:.5f}")
+    rows = []
+    sdpa_ms, sdpa_loss, sdpa_grads = measured["sdpa"]
+    for row, (ms, loss, grads) in measured.items():
+        # the largest difference of a parameter's gradient from sdpa's, relative to that gradient's largest entry
+        grad_diff = max(((g - sdpa_grads[n]).abs().max() / sdpa_grads[n].abs().max().clamp_min(1e-30)).item()
+                        for n, g in grads.items())
+        rows.append(dict(meta, implementation=row, step_ms=f"{ms:.3f}",
+                         tokens_per_s=f"{args.batch * args.tokens / ms * 1e3:.0f}", of_sdpa=f"{sdpa_ms / ms:.3f}",
+                         loss=f"{loss:.6f}", loss_diff=f"{abs(loss - sdpa_loss):.3g}", grad_diff=f"{grad_diff:.3g}"))
+    return rows
+
+
+def summary(rows):
+    first = rows[0]
+    lines = [f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, transformers "
+             f"{first['transformers']}, {first['date']}: {first['layers']}-layer Llama (hidden {first['hidden']}, "
+             f"{first['heads']}/{first['kv_heads']} heads), {first['dtype']}, {first['batch']} x {first['tokens']} "
+             "tokens, forward + loss + backward",
+             f"{'':24} {'step ms':>9} {'tokens/s':>10} {'x sdpa':>7} {'loss diff':>10} {'grad diff':>10}"]
+    for r in rows:
+        lines.append(f"{r['implementation']:24} {float(r['step_ms']):9.2f} {float(r['tokens_per_s']):10.0f} "
+                     f"{float(r['of_sdpa']):7.3f} {float(r['loss_diff']):10.3g} {float(r['grad_diff']):10.3g}")
+    return lines
+
+
+def main(argv=None):
+    """``python -m flashattn.measure.bench_train``: a training step (forward, the language model's
+    loss, backward; no optimizer) of a Llama of random weights on random tokens, with each attention
+    implementation of transformers: ``flashattn`` (flashattn.integrations.transformers, the default
+    backward), ``flashattn-deterministic`` (the same under ``torch.use_deterministic_algorithms``,
+    which makes flashattn's backward bit-identical from run to run; other operations are asked for
+    their deterministic versions too, warnings only) and ``sdpa``. Columns:
+
+    * ``step_ms``: the median of ``--rounds`` steps after 3 unmeasured ones, each waited for;
+      ``tokens_per_s``: the batch's tokens per second at that rate; ``of_sdpa``: sdpa's time over
+      this row's (above 1: faster than sdpa);
+    * ``loss_diff``: the first step's loss against sdpa's; ``grad_diff``: the largest difference of
+      a parameter's gradient from sdpa's, relative to that gradient's largest entry.
+
+    ``--quick``: a tiny float32 model, 2 sequences of 16 tokens (runs on the interpreter; its times
+    mean nothing).
+    """
+    p = argparse.ArgumentParser(prog="python -m flashattn.measure.bench_train", description=main.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--quick", action="store_true", help="tiny sizes, float32 (the interpreter too)")
+    p.add_argument("--out", help="the CSV (default figures/data/train_step.csv)")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        sys.exit("flashattn.measure.bench_train needs Hugging Face transformers: "
+                 'pip install "flashattn[transformers]"')
+    if args.quick:
+        args.batch, args.tokens, args.layers, args.hidden = 2, 16, 2, 64
+        args.heads, args.kv_heads, args.intermediate, args.vocab, args.dtype = 4, 2, 128, 128, "fp32"
+    elif not torch.cuda.is_available():
+        sys.exit("flashattn.measure.bench_train times on a CUDA GPU; on a CPU add --quick")
+    out = args.out or os.path.join("figures", "data", "train_step.csv")
+    rows = run(args)
+    print("\n".join(summary(rows)))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

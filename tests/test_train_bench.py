@@ -1,0 +1,21 @@
+"""The training-step benchmark at tiny sizes on the interpreter (on a GPU it times): every
+implementation runs the same step, and flashattn's loss and gradients agree with sdpa's."""
+import csv
+
+import pytest
+
+import flashattn
+
+pytest.importorskip("transformers")
+from flashattn.measure import bench_train  # noqa: E402  (after the skip above)
+
+
+@pytest.mark.skipif(flashattn.DEVICE.type == "cuda", reason="the GPU run is the benchmark itself")
+def test_the_quick_run_writes_every_implementation(tmp_path):
+    out = tmp_path / "train.csv"
+    bench_train.main(["--quick", "--out", str(out)])
+    rows = list(csv.DictReader(out.open()))
+    assert [r["implementation"] for r in rows] == ["flashattn", "flashattn-deterministic", "sdpa"]
+    assert all(float(r["step_ms"]) > 0 for r in rows) and rows[2]["of_sdpa"] == "1.000"
+    # float32 on the interpreter: the same loss and gradients as sdpa's, to float32's rounding
+    assert all(float(r["loss_diff"]) < 1e-5 and float(r["grad_diff"]) < 1e-4 for r in rows), rows

@@ -20,6 +20,17 @@ def test_variants_compile_for_sm90():
         assert r["smem"] <= compiled.SMEM_PER_BLOCK, r
 
 
+def test_helper_kernels_compile_for_sm90():
+    """The tile classes of a mask and the dropout mask a call returns compile for sm_90 (the
+    interpreter lets a kernel read a plain global, which the compiler refuses)."""
+    try:
+        rows = compiled.in_child("flashattn.measure.compiled:helper_report", timeout=600)
+    except compiled.CannotCompile as e:
+        pytest.skip(str(e))
+    assert [r["kernel"] for r in rows] == ["mask_classes", "dropout_mask"]
+    assert all(r["spilled"] == 0 for r in rows), rows
+
+
 def test_dropout_draws_eight_pairs_per_philox_call():
     """Compiled for sm_90, the forward runs one Philox call (10 rounds, two ``mul.hi.u32`` each) per
     8 pairs a thread holds: the 32 pairs of a 128 x 64 tile on 8 warps take 4 calls, in each of the

@@ -21,10 +21,10 @@ import weakref
 import torch
 
 #: What a step whose mask broke the form is told (on the CPU; a GPU reports a device-side assert).
-BROKEN_FORM = ("flashattn's transformers integration: this batch's first call had its attention mask in the "
-               "left-padding form (zeros, then ones), so its later calls decode with cache_leftpad; this call's "
-               "mask has a zero after a one, which that cannot compute. Give the batch's first call the mask "
-               "pattern it will keep (its calls then take the general path), or use attn_implementation='sdpa'")
+#: What ``first_keys`` stops the program with (CUDA's device assertions take at most 255 characters).
+BROKEN_FORM = ("flashattn transformers integration: this mask has a zero after a one, outside the left-padding "
+               "form (zeros, then ones) of its batch's first call, which decodes with cache_leftpad; keep one "
+               "mask form per batch")
 
 
 def has_form(mask):

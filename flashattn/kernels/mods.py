@@ -103,7 +103,7 @@ NO_MODS = ScoreMods()
 
 @triton.jit
 def _dropout_mask_kernel(Keep, Row0, Col0, Rows, Cols, n_heads, n_q, n_kv, rows_per_head,
-                         seed, p_drop, BLOCK: tl.constexpr):
+                         seed, p_drop, BLOCK: tl.constexpr, DROPOUT: tl.constexpr):
     # One program per (batch, head, query row) and block of keys; the pair is the kernels': its row
     # head * rows_per_head + Row0[b] + i, its column Col0[b] + j (packed sequences start anywhere).
     program = tl.program_id(0).to(tl.int64)       # (batch * heads + head) * n_q + query row
@@ -112,7 +112,7 @@ def _dropout_mask_kernel(Keep, Row0, Col0, Rows, Cols, n_heads, n_q, n_kv, rows_
     head = program // n_q % n_heads
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = head * rows_per_head + tl.load(Row0 + b) + i
-    keep = dropout_keep(seed, p_drop, row, cols, tl.load(Col0 + b), BLOCK, DROP_PAIR)
+    keep = dropout_keep(seed, p_drop, row, cols, tl.load(Col0 + b), BLOCK, DROPOUT)
     n_valid = tl.where(i < tl.load(Rows + b), tl.load(Cols + b), 0)  # past the sequence's rows: none
     keep = keep & (cols < n_valid)
     tl.store(Keep + program * n_kv + cols, keep.to(tl.int8), mask=cols < n_kv)
@@ -147,7 +147,7 @@ def dropout_mask(shape, dropout_p, seed, device, cu_seqlens_q=None, cu_seqlens_k
         args = (keep, *tables, heads, n_q, n_kv, rows_per_head, int(seed), float(dropout_p))
         if INTERPRET:
             with INTERPRETER_LOCK:
-                _dropout_mask_kernel[grid](*args, BLOCK=block)
+                _dropout_mask_kernel[grid](*args, BLOCK=block, DROPOUT=DROP_PAIR)
         else:  # stated, so that Triton 3.9 does not warn of its default
-            _dropout_mask_kernel[grid](*args, BLOCK=block, enable_fp_fusion=True)
+            _dropout_mask_kernel[grid](*args, BLOCK=block, DROPOUT=DROP_PAIR, enable_fp_fusion=True)
     return keep.bool()

@@ -250,6 +250,27 @@ def variant_report(dtype="bf16", head_dim=128, arch=90):
     return rows
 
 
+def helper_report(arch=90):
+    """The small kernels beside the attention kernels compiled for sm_``arch``: an attn_mask's tile
+    classes (``kernels.masks``) and the dropout mask a call returns (``kernels.mods``). The
+    interpreter lets a kernel read a plain Python global; the compiler does not, so only compiling
+    tells. One dict per kernel: registers, spilled bytes, shared memory. Run it through
+    :func:`in_child`."""
+    from ..kernels import masks, mods, tiles
+
+    rows = []
+    for name, fn, pointers, constexprs, floats in (
+            ("mask_classes", masks._mask_classes_kernel, dict(Mask="u8", Classes="i8"),
+             dict(IS_BOOL=True, BLOCK_Q=16, BLOCK_KV=16), ()),
+            ("dropout_mask", mods._dropout_mask_kernel,
+             dict(Keep="i8", Row0="i64", Col0="i64", Rows="i64", Cols="i64"),
+             dict(BLOCK=64, DROPOUT=tiles.DROP_PAIR), ("p_drop",))):
+        kernel = compile_sm90(fn, pointers, constexprs, floats=floats, target=target(arch), enable_fp_fusion=True)
+        registers, spilled, smem = resources(kernel)
+        rows.append(dict(kernel=name, registers=registers, spilled=spilled, smem=smem))
+    return rows
+
+
 # ---------------------------------------------------------------------------- in a child process
 
 #: The exit status of a child that cannot compile for sm_90 on this machine.

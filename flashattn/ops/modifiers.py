@@ -127,13 +127,20 @@ def check_mask(attn_mask, q, k):
                          "(q's leading dims, N_q, N_kv)")
     mask = attn_mask.reshape((1,) * (len(target) - len(shape)) + shape)
     if mask.dim() < 4:
-        return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    lead, rest = tuple(mask.shape[:-3]), tuple(mask.shape[-3:])
-    if all(n == 1 for n in lead):
-        return mask.reshape(1, *rest)
-    # Leading dims beyond (heads, N_q, N_kv) merge into the kernels' batch: where they broadcast
-    # only in part, those dims (and only those) are expanded.
-    return mask.expand(*target[:-3], *rest).reshape(math.prod(target[:-3]), *rest)
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    elif all(n == 1 for n in mask.shape[:-3]):
+        mask = mask.reshape(1, *mask.shape[-3:])
+    else:
+        # Leading dims beyond (heads, N_q, N_kv) merge into the kernels' batch: where they
+        # broadcast only in part, those dims (and only those) are expanded.
+        rest = tuple(mask.shape[-3:])
+        mask = mask.expand(*target[:-3], *rest).reshape(math.prod(target[:-3]), *rest)
+    # A dim the caller expanded (stride 0) is one row repeated: read as a broadcast dim of size 1,
+    # so that a key-padding mask expanded to (B, H, N_q, N_kv) is still read as a row of keys.
+    for d in range(4):
+        if mask.stride(d) == 0 and mask.shape[d] > 1:
+            mask = mask.narrow(d, 0, 1)
+    return mask
 
 
 def draw_seed():

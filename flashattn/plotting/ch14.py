@@ -7,6 +7,7 @@ import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
+from ..gpu.runtime import DEVICE
 from ..kernels import masks
 from .ch03_05 import TILE_COLORS
 from .common import axes_for, to_numpy
@@ -102,9 +103,9 @@ def mask_tile_classes(mask, block_q, block_kv, is_causal=False, ax=None, title=N
     (:func:`pair_tile_classes`): the counts drawn are the ones the kernels read."""
     mask = torch.as_tensor(mask)
     n_q, n_kv = mask.shape
-    classes = masks.mask_classes(mask[None, None], n_q, n_kv, block_q, block_kv)
-    structure = masks.structure_classes(n_q, n_kv, block_q, block_kv, is_causal, False, 0, 0, False,
-                                        mask.device)
+    on_device = mask.to(DEVICE)  # summarised where the kernels run (a Triton kernel reads it)
+    classes = masks.mask_classes(on_device[None, None], n_q, n_kv, block_q, block_kv)
+    structure = masks.structure_classes(n_q, n_kv, block_q, block_kv, is_causal, False, 0, 0, False, DEVICE)
     lists = masks.tile_lists(classes, structure, False)[0, 0].cpu().numpy()
     kinds = pair_tile_classes(mask, block_q, block_kv, is_causal)
     n_full, n_partial = lists[:, 0], lists[:, 1]

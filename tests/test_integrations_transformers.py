@@ -30,6 +30,14 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 MISTRAL_SLOW = pytest.param("mistral", marks=pytest.mark.slow)
 
 
+@pytest.fixture(autouse=True)
+def on_the_kernels_device():
+    """Models and tensors are made where the kernels run (the GPU where there is one): torch's
+    default device for the test. The modules of the integration's other tests import it too."""
+    with torch.device(flashattn.DEVICE):
+        yield
+
+
 def tiny(family, **extra):
     """A tiny random model of ``family`` ("llama": grouped heads; "mistral": a sliding window of
     5, shorter than the sequences; "gemma2": logit softcapping and a sliding window), in eval mode."""

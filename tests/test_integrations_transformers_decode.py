@@ -15,6 +15,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import flashattn
+from test_integrations_transformers import on_the_kernels_device  # noqa: F401  (autouse)
 from test_integrations_transformers import NAME, padded_batch, tiny
 from test_integrations_transformers_exact import ATOL, counting_backend, generated
 

@@ -9,6 +9,7 @@ within a few float32 roundings of theirs (the two differ only in the order of th
 import pytest
 import torch
 
+from test_integrations_transformers import on_the_kernels_device  # noqa: F401  (autouse)
 from test_integrations_transformers import NAME, TINY, padded_batch, tiny
 
 transformers = pytest.importorskip("transformers")

@@ -69,10 +69,10 @@ def decoding_step(model, ids, mask, kind, slots):
     positions = (step_mask.cumsum(-1) - 1)[:, -1:]
 
     def step():
-        with torch.inference_mode():
+        with torch.inference_mode():  # the cache's tensors were made in inference mode: crop them there
             logits = model(input_ids=next_ids, attention_mask=step_mask, position_ids=positions, cache=cache,
                            use_cache=True).logits
-        cache.crop(-1)
+            cache.crop(-1)
         return logits
 
     return step, step()

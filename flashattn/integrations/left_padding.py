@@ -20,8 +20,8 @@ import weakref
 
 import torch
 
-#: What a step whose mask broke the form is told (on the CPU; a GPU reports a device-side assert).
-#: What ``first_keys`` stops the program with (CUDA's device assertions take at most 255 characters).
+#: What a step whose mask broke the form is told (on the CPU; a GPU reports a device-side assert
+#: with it, and CUDA's take at most 255 characters).
 BROKEN_FORM = ("flashattn transformers integration: this mask has a zero after a one, outside the left-padding "
                "form (zeros, then ones) of its batch's first call, which decodes with cache_leftpad; keep one "
                "mask form per batch")

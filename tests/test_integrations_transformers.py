@@ -30,6 +30,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 MISTRAL_SLOW = pytest.param("mistral", marks=pytest.mark.slow)
 
 
+def layer_mask(*args, **kwargs):
+    """The integration's mask function called as transformers calls it: with the device."""
+    return fa_transformers.layer_mask(*args, device=flashattn.DEVICE, **kwargs)
+
+
 @pytest.fixture(autouse=True)
 def on_the_kernels_device():
     """Models and tensors are made where the kernels run (the GPU where there is one): torch's
@@ -299,14 +304,14 @@ def test_packed_rows_from_position_ids_or_cu_seq_lens():
 def test_the_mask_is_none_without_padding():
     causal = masking_utils.causal_mask_function
     mask = torch.ones(2, 7, dtype=torch.bool)
-    assert fa_transformers.layer_mask(2, 7, 7, mask_function=causal, attention_mask=mask) is None
+    assert layer_mask(2, 7, 7, mask_function=causal, attention_mask=mask) is None
     mask[0, 0] = False
-    assert fa_transformers.layer_mask(2, 7, 7, mask_function=causal, attention_mask=mask).shape == (2, 7)
+    assert layer_mask(2, 7, 7, mask_function=causal, attention_mask=mask).shape == (2, 7)
     # a sliding layer's cache holds the last 4 keys (positions 3 to 6), past the padding
     window = masking_utils.sliding_window_causal_mask_function(4)
-    assert fa_transformers.layer_mask(2, 1, 4, 6, 3, mask_function=window, attention_mask=mask) is None
+    assert layer_mask(2, 1, 4, 6, 3, mask_function=window, attention_mask=mask) is None
     # a static cache of 10 entries, 7 written: its positions are on the device, the mask is 4-D
-    static = fa_transformers.layer_mask(2, 3, 10, torch.tensor(4), 0, mask_function=causal, attention_mask=mask)
+    static = layer_mask(2, 3, 10, torch.tensor(4), 0, mask_function=causal, attention_mask=mask)
     assert static.shape == (2, 1, 3, 10) and not static[..., 7:].any()
 
 

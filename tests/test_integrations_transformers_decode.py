@@ -8,6 +8,8 @@ logits within a few float32 roundings of theirs.
 """
 import gc
 import os
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -16,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 import flashattn
 from test_integrations_transformers import on_the_kernels_device  # noqa: F401  (autouse)
-from test_integrations_transformers import NAME, padded_batch, tiny
+from test_integrations_transformers import NAME, ROOT, layer_mask, padded_batch, tiny
 from test_integrations_transformers_exact import ATOL, counting_backend, generated
 
 transformers = pytest.importorskip("transformers")
@@ -130,6 +132,15 @@ def test_a_right_padded_batch_keeps_the_general_path(monkeypatch):
     assert seen and all(leftpad is None for leftpad in seen)
 
 
+#: On a GPU the device-side check ends the CUDA context of its process: there it runs in a child.
+ON_GPU = flashattn.DEVICE.type == "cuda"
+HOLED_CHILD = ("import torch; from flashattn.integrations import left_padding; "
+               "left_padding.first_keys(torch.tensor([[1, 1, 1, 0, 1]], dtype=torch.bool, device='cuda')); "
+               "torch.cuda.synchronize()")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the device-side assert would end this process's CUDA context; "
+                                   "test_the_form_and_the_first_keys checks it on a GPU in a child process")
 def test_a_step_that_leaves_the_form_is_refused():
     """A left-padded first call, then a step whose mask has a zero after a one (which decode's
     span cannot hold): refused by the device-side check, not computed as if it were in the form."""
@@ -175,8 +186,14 @@ def test_the_form_and_the_first_keys():
     assert left_padding.first_keys(mask, torch.tensor([3, 5, 2])).tolist() == [2, 0, 2]
     holed = torch.tensor([[1, 1, 1, 0, 1]], dtype=torch.bool)
     assert not left_padding.has_form(holed) and not left_padding.has_form(~mask)
-    with pytest.raises(RuntimeError, match="left-padding form"):
-        left_padding.first_keys(holed)
+    if ON_GPU:  # the program stops at the device-side assert, with the message
+        child = subprocess.run([sys.executable, "-c", HOLED_CHILD], capture_output=True, text=True, timeout=300,
+                               cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
+        assert child.returncode != 0 and "left-padding form" in child.stderr, child.stderr[-2000:]
+    else:
+        with pytest.raises(RuntimeError, match="left-padding form"):
+            left_padding.first_keys(holed)
     # the hole past the entries the row holds does not count
     assert left_padding.first_keys(holed, torch.tensor([3])).tolist() == [0]
 
@@ -204,22 +221,22 @@ def test_the_mask_function_answers_a_span_beside_a_plain_mask():
     causal = masking_utils.causal_mask_function
     config = transformers.LlamaConfig()
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    assert fa_transformers.layer_mask(2, 5, 5, 0, 0, causal, mask, config=config).shape == (2, 5)  # first call
+    assert layer_mask(2, 5, 5, 0, 0, causal, mask, config=config).shape == (2, 5)  # first call
     step = torch.cat([mask, torch.ones(2, 1, dtype=torch.bool)], dim=-1)
-    answer = fa_transformers.layer_mask(2, 1, 6, 5, 0, causal, step, config=config)
+    answer = layer_mask(2, 1, 6, 5, 0, causal, step, config=config)
     assert type(answer) is torch.Tensor and torch.equal(answer, step)
     leftpad, seqlens, pattern = fa_transformers.SPANS.of(answer)
     assert leftpad.tolist() == [2, 0] and seqlens.tolist() == [6, 6] and pattern == (True, None, None)
-    static = fa_transformers.layer_mask(2, 1, 10, torch.tensor(5), 0, causal, step, config=config)
+    static = layer_mask(2, 1, 10, torch.tensor(5), 0, causal, step, config=config)
     leftpad, seqlens, _ = fa_transformers.SPANS.of(static)
     assert static.shape == (2, 1, 1, 10) and leftpad.tolist() == [2, 0] and seqlens.tolist() == [6, 6]
     # handed back (generate makes a static cache's masks in advance): read as the keys' own
     window = masking_utils.sliding_window_causal_mask_function(4)
-    keys = fa_transformers.layer_mask(2, 1, 4, 5, 2, window, step, config=config)
+    keys = layer_mask(2, 1, 4, 5, 2, window, step, config=config)
     assert torch.equal(keys, step[:, 2:]) and torch.equal(
-        fa_transformers.layer_mask(2, 1, 4, 5, 2, window, keys, config=config), keys)
+        layer_mask(2, 1, 4, 5, 2, window, keys, config=config), keys)
     # with gradients a first call is not read, and the batch's steps take the general path
     with torch.enable_grad():
-        fa_transformers.layer_mask(2, 5, 5, 0, 0, causal, mask, config=config)
-    assert fa_transformers.SPANS.of(fa_transformers.layer_mask(2, 1, 6, 5, 0, causal, step, config=config)) is None
+        layer_mask(2, 5, 5, 0, 0, causal, mask, config=config)
+    assert fa_transformers.SPANS.of(layer_mask(2, 1, 6, 5, 0, causal, step, config=config)) is None
 

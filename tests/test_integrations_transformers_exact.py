@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_integrations_transformers import on_the_kernels_device  # noqa: F401  (autouse)
-from test_integrations_transformers import NAME, TINY, padded_batch, tiny
+from test_integrations_transformers import NAME, TINY, layer_mask, padded_batch, tiny
 
 transformers = pytest.importorskip("transformers")
 fa_transformers = pytest.importorskip("flashattn.integrations.transformers")
@@ -20,8 +20,11 @@ ATOL = 2e-5   # logits of order 1: float32 sums in another order (measured: up t
 
 
 def generated(model, implementation, ids, mask=None, new=5, **options):
-    """Greedy tokens and each step's logits of ``model.generate`` with ``implementation``."""
+    """Greedy tokens and each step's logits of ``model.generate`` with ``implementation``. On a GPU
+    transformers compiles a static cache's steps unless told not to: here only where the test asks
+    (``compile_config``)."""
     model.set_attn_implementation(implementation)
+    options.setdefault("disable_compile", "compile_config" not in options)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
                          output_logits=True, return_dict_in_generate=True, **options)
     return out.sequences, torch.stack(out.logits)
@@ -97,8 +100,8 @@ def test_chunks_holding_every_position_are_plain_causal_attention():
     """While every position is in the first chunk the kernels mask causally themselves (no 4-D
     mask); past it the mask function gives transformers' 4-D mask."""
     chunked = masking_utils.chunked_causal_mask_function(8, torch.zeros(2, dtype=torch.int64))
-    assert fa_transformers.layer_mask(2, 3, 8, 5, 0, mask_function=chunked) is None
-    mask = fa_transformers.layer_mask(2, 3, 9, 6, 0, mask_function=chunked)
+    assert layer_mask(2, 3, 8, 5, 0, mask_function=chunked) is None
+    mask = layer_mask(2, 3, 9, 6, 0, mask_function=chunked)
     expected = masking_utils.sdpa_mask(2, 3, 9, 6, 0, mask_function=chunked, allow_is_causal_skip=False)
     assert torch.equal(mask, expected)
 

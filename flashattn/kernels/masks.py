@@ -28,7 +28,7 @@ from .traversal import FULL, MASKED as PARTIAL, SKIPPED as EMPTY, cdiv
 
 
 @triton.jit
-def _mask_classes_kernel(Mask, Classes, n_rows, n_cols, n_col_tiles,
+def mask_classes_kernel(Mask, Classes, n_rows, n_cols, n_col_tiles,
                          stride_mb, stride_mh, stride_mq, stride_mk, stride_cb, stride_ch, stride_cq,
                          IS_BOOL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
     # Grid: (tiles of the mask's rows and columns, heads, batch), 1 where the mask broadcasts; one
@@ -72,9 +72,9 @@ def mask_classes(mask, n_q, n_kv, block_q, block_kv):
     tiles = dict(IS_BOOL=is_bool, BLOCK_Q=1 if rows == 1 else block_q, BLOCK_KV=1 if cols == 1 else block_kv)
     if INTERPRET:
         with INTERPRETER_LOCK:
-            _mask_classes_kernel[grid](*args, **tiles)
+            mask_classes_kernel[grid](*args, **tiles)
     else:  # stated, so that Triton 3.9 does not warn of its default (no float arithmetic here)
-        _mask_classes_kernel[grid](*args, **tiles, enable_fp_fusion=True)
+        mask_classes_kernel[grid](*args, **tiles, enable_fp_fusion=True)
     return classes
 
 

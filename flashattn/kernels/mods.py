@@ -102,7 +102,7 @@ NO_MODS = ScoreMods()
 
 
 @triton.jit
-def _dropout_mask_kernel(Keep, Row0, Col0, Rows, Cols, n_heads, n_q, n_kv, rows_per_head,
+def dropout_mask_kernel(Keep, Row0, Col0, Rows, Cols, n_heads, n_q, n_kv, rows_per_head,
                          seed, p_drop, BLOCK: tl.constexpr, DROPOUT: tl.constexpr):
     # One program per (batch, head, query row) and block of keys; the pair is the kernels': its row
     # head * rows_per_head + Row0[b] + i, its column Col0[b] + j (packed sequences start anywhere).
@@ -147,7 +147,7 @@ def dropout_mask(shape, dropout_p, seed, device, cu_seqlens_q=None, cu_seqlens_k
         args = (keep, *tables, heads, n_q, n_kv, rows_per_head, int(seed), float(dropout_p))
         if INTERPRET:
             with INTERPRETER_LOCK:
-                _dropout_mask_kernel[grid](*args, BLOCK=block, DROPOUT=DROP_PAIR)
+                dropout_mask_kernel[grid](*args, BLOCK=block, DROPOUT=DROP_PAIR)
         else:  # stated, so that Triton 3.9 does not warn of its default
-            _dropout_mask_kernel[grid](*args, BLOCK=block, DROPOUT=DROP_PAIR, enable_fp_fusion=True)
+            dropout_mask_kernel[grid](*args, BLOCK=block, DROPOUT=DROP_PAIR, enable_fp_fusion=True)
     return keep.bool()

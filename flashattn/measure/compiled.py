@@ -260,9 +260,9 @@ def helper_report(arch=90):
 
     rows = []
     for name, fn, pointers, constexprs, floats in (
-            ("mask_classes", masks._mask_classes_kernel, dict(Mask="u8", Classes="i8"),
+            ("mask_classes", masks.mask_classes_kernel, dict(Mask="u8", Classes="i8"),
              dict(IS_BOOL=True, BLOCK_Q=16, BLOCK_KV=16), ()),
-            ("dropout_mask", mods._dropout_mask_kernel,
+            ("dropout_mask", mods.dropout_mask_kernel,
              dict(Keep="i8", Row0="i64", Col0="i64", Rows="i64", Cols="i64"),
              dict(BLOCK=64, DROPOUT=tiles.DROP_PAIR), ("p_drop",))):
         kernel = compile_sm90(fn, pointers, constexprs, floats=floats, target=target(arch), enable_fp_fusion=True)

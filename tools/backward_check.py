@@ -2,7 +2,7 @@
 in one kernel, dQ by TMA reduce-adds; Triton >= 3.8) and the deterministic path (Gluon dK/dV,
 Triton dQ), each against float64 under the rule, then both timed beside SDPA's cuDNN backend.
 
-    python tools/backward_check.py                 # checks, then the 24 cells of the sweep and grouped heads
+    python tools/backward_check.py                 # checks, the 24 cells of the sweep, grouped heads
     python tools/backward_check.py --quick         # bf16 only: checks, then N = 8192
     python tools/backward_check.py --csv OUT.csv   # also write the timings
 
@@ -118,8 +118,8 @@ def timings(cells, out_csv):
         do = torch.randn_like(q)
         tf = {m: attention_flops(batch, heads, n, n, head_dim, causal, m) * 1e-9 for m in ("fwd", "bwd")}
         res = {}
-        res["fwd"] = tf["fwd"] / triton.testing.do_bench(lambda: flashattn.attention(q, k, v, is_causal=causal, **gqa),
-                                                          return_mode="median")
+        res["fwd"] = tf["fwd"] / triton.testing.do_bench(
+            lambda: flashattn.attention(q, k, v, is_causal=causal, **gqa), return_mode="median")
         for name, det in (("fused", False), ("determ", True)):
             o = flashattn.attention(q, k, v, is_causal=causal, deterministic=det, **gqa)
             backward(o, (q, k, v), do)
@@ -144,7 +144,8 @@ def timings(cells, out_csv):
               f"{res['fused'] / res['cudnn']:7.2f} {res['determ'] / res['cudnn']:6.2f}{heads_note}", flush=True)
         rows.append(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                          dtype=dtype_name, head_dim=head_dim, seq_len=n, causal=int(causal), batch=batch,
-                         heads=heads, kv_heads=kv_heads, peer=peer, **{f"tflops_{k}": round(v, 1) for k, v in res.items()}))
+                         heads=heads, kv_heads=kv_heads, peer=peer,
+                         **{f"tflops_{k}": round(v, 1) for k, v in res.items()}))
         del q, k, v, do, o, oc
     if out_csv and rows:
         with open(out_csv, "w", newline="") as f:

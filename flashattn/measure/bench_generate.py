@@ -176,6 +176,24 @@ def summary(rows):
     return lines
 
 
+def require_transformers(module):
+    """Exit with how to install Hugging Face transformers where ``module``'s benchmark lacks it."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        sys.exit(f'{module} needs Hugging Face transformers: pip install "flashattn[transformers]"')
+
+
+def write_rows(out, fields, rows):
+    """The rows as the CSV ``out`` (its folder made), with ``fields`` as columns."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    print("wrote", out)
+
+
 def main(argv=None):
     """``python -m flashattn.measure.bench_generate``: greedy generation on a left-padded batch of
     ``--batch`` prompts of ``--prompt`` positions (row b padded by b x prompt / (2 x batch) tokens),
@@ -213,11 +231,7 @@ def main(argv=None):
     p.add_argument("--out", help="the CSV (default figures/data/generate_left_padded.csv)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        sys.exit("flashattn.measure.bench_generate needs Hugging Face transformers: "
-                 'pip install "flashattn[transformers]"')
+    require_transformers("flashattn.measure.bench_generate")
     if args.quick:
         args.batch, args.prompt, args.new, args.layers, args.hidden = 3, 12, 2, 2, 64
         args.heads, args.kv_heads, args.intermediate, args.vocab, args.dtype = 4, 2, 128, 128, "fp32"
@@ -226,12 +240,7 @@ def main(argv=None):
     out = args.out or os.path.join("figures", "data", "generate_left_padded.csv")
     rows = run(args)
     print("\n".join(summary(rows)))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print("wrote", out)
+    write_rows(out, FIELDS, rows)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@
 See :func:`main` for what each column measures.
 """
 import argparse
-import csv
 import datetime
 import os
 import statistics
@@ -17,7 +16,7 @@ import time
 import torch
 
 from .bench import DTYPES
-from .bench_generate import llama, synchronize
+from .bench_generate import llama, require_transformers, synchronize, write_rows
 
 FIELDS = ["gpu", "torch", "triton", "transformers", "date", "dtype", "batch", "tokens", "layers", "hidden", "heads",
           "kv_heads", "implementation", "step_ms", "tokens_per_s", "of_sdpa", "loss", "loss_diff", "grad_diff",
@@ -149,11 +148,7 @@ def main(argv=None):
     p.add_argument("--out", help="the CSV (default figures/data/train_step.csv)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        sys.exit("flashattn.measure.bench_train needs Hugging Face transformers: "
-                 'pip install "flashattn[transformers]"')
+    require_transformers("flashattn.measure.bench_train")
     if args.quick:
         args.batch, args.tokens, args.layers, args.hidden = 2, 16, 2, 64
         args.heads, args.kv_heads, args.intermediate, args.vocab, args.dtype = 4, 2, 128, 128, "fp32"
@@ -162,12 +157,7 @@ def main(argv=None):
     out = args.out or os.path.join("figures", "data", "train_step.csv")
     rows = run(args)
     print("\n".join(summary(rows)))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print("wrote", out)
+    write_rows(out, FIELDS, rows)
 
 
 if __name__ == "__main__":

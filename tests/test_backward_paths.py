@@ -3,8 +3,9 @@
 On Hopper with a Triton whose Gluon has TMA reduce-adds, the default backward is one Gluon kernel
 that computes dK, dV and dQ (dQ's shares added in an order that varies from run to run);
 ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` keeps the path whose
-gradients are bit-identical from run to run (the Triton dQ kernel). Calls the Gluon kernels do not
-compute (score modifications, packed sequences, fixed configurations) never take it.
+gradients are bit-identical from run to run (the Triton dQ kernel). The softcap, ALiBi, windows and
+the bottom-right alignment are handed to it; calls the Gluon kernels do not compute (an attn_mask,
+dropout, packed sequences, fixed configurations) never take it.
 
 Checked here on any machine with a stand-in for the Gluon module that computes the gradients from
 the formula, from exactly what the fused kernel is handed (q, k, v, dO, the base-2 LSE and Delta),
@@ -39,28 +40,39 @@ class StandIn:
         return True
 
     @staticmethod
-    def _grads(q, k, v, do, lse2, delta, is_causal, scale):
+    def _grads(q, k, v, do, lse2, delta, is_causal, scale, window=None, softcap=0.0, alibi_slopes=None, shift=0):
+        """The kernel's contract: ``window`` = (left, right) bounds already moved to the
+        bottom-right alignment, ALiBi at query positions ``i + shift``."""
         group = q.shape[1] // k.shape[1]
         q64, do64 = q.double(), do.double()
         k64, v64 = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
         s = q64 @ k64.transpose(-2, -1) * scale
+        dcap = 1.0
+        if softcap:
+            t = torch.tanh(s / softcap)
+            s, dcap = softcap * t, 1 - t * t
+        i = torch.arange(q.shape[2], device=q.device)[:, None]
+        j = torch.arange(k.shape[2], device=q.device)[None, :]
+        if alibi_slopes is not None:
+            s = s - alibi_slopes.double()[..., None, None] * (i + shift - j).abs()
         if is_causal:
-            hidden = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-            s = s.masked_fill(hidden, float("-inf"))
+            s = s.masked_fill(j > i, float("-inf"))
+        if window is not None:
+            s = s.masked_fill((j < i - window[0]) | (j > i + window[1]), float("-inf"))
         p = torch.exp2(s * LOG2E - lse2.double()[..., None])
-        ds = p * (do64 @ v64.transpose(-2, -1) - delta.double()[..., None])
+        ds = p * (do64 @ v64.transpose(-2, -1) - delta.double()[..., None]) * dcap
         dq = ds @ k64 * scale
         dk, dv = ds.transpose(-2, -1) @ q64 * scale, p.transpose(-2, -1) @ do64
         fold = lambda t: t.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731  (a group's sum)
         return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
-    def attention_backward(self, q, k, v, do, lse2, delta, is_causal, scale):
+    def attention_backward(self, q, k, v, do, lse2, delta, is_causal, scale, **mods):
         self.calls.append("fused")
-        return self._grads(q, k, v, do, lse2, delta, is_causal, scale)
+        return self._grads(q, k, v, do, lse2, delta, is_causal, scale, **mods)
 
-    def attention_backward_dkdv(self, q, k, v, do, lse2, delta, is_causal, scale):
+    def attention_backward_dkdv(self, q, k, v, do, lse2, delta, is_causal, scale, **mods):
         self.calls.append("dkdv")
-        return self._grads(q, k, v, do, lse2, delta, is_causal, scale)[1:]
+        return self._grads(q, k, v, do, lse2, delta, is_causal, scale, **mods)[1:]
 
 
 @pytest.fixture
@@ -70,9 +82,9 @@ def gluon(monkeypatch):
     return stand_in
 
 
-def qkv(heads=4, heads_kv=2, n=37, head_dim=128, dtype=torch.float16):
+def qkv(heads=4, heads_kv=2, n=37, head_dim=128, dtype=torch.float16, n_q=None):
     g = torch.Generator(device="cpu").manual_seed(n)
-    q = torch.randn(2, heads, n, head_dim, generator=g, dtype=dtype).to(DEVICE)
+    q = torch.randn(2, heads, n_q or n, head_dim, generator=g, dtype=dtype).to(DEVICE)
     k, v = (torch.randn(2, heads_kv, n, head_dim, generator=g, dtype=dtype).to(DEVICE) for _ in range(2))
     return q, k, v
 
@@ -110,7 +122,37 @@ def test_torch_deterministic_algorithms_keep_the_dq_kernel(gluon):
     assert gluon.calls == ["dkdv"]
 
 
-@pytest.mark.parametrize("variant", ["softcap", "window", "varlen"])
+MODIFIED = {
+    "softcap": dict(is_causal=True, softcap=1.5),
+    "alibi": dict(alibi_slopes=torch.tensor([0.3, 0.1, 0.7, 0.02])),
+    "alibi-rows": dict(is_causal=True, alibi_slopes=torch.tensor([[0.3, 0.1, 0.7, 0.02], [0.5, 0.2, 0.0, 1.0]])),
+    "window": dict(window_size=(8, 3)),
+    "window-causal": dict(is_causal=True, window_size=(8, -1)),
+    "bottom-right": dict(is_causal=True, causal_alignment="bottom_right", n_q=20),
+    "bottom-right-more-queries": dict(is_causal=True, causal_alignment="bottom_right", n_q=50),
+    "all": dict(softcap=1.5, alibi_slopes=torch.tensor([0.3, 0.1, 0.7, 0.02]), window_size=(6, 2),
+                causal_alignment="bottom_right", n_q=29),
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("variant", list(MODIFIED))
+def test_score_modifications_reach_the_gluon_backward(gluon, variant, deterministic):
+    """The softcap, ALiBi's slopes, the window's bounds (moved where positions align bottom-right)
+    and the shift of ALiBi's positions, handed to the kernels as their contract says: within the
+    rule, through the fused kernel or (deterministic) the dK/dV one."""
+    kw = dict(MODIFIED[variant])
+    n_q = kw.pop("n_q", None)
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = kw["alibi_slopes"].to(DEVICE)
+    impl = functools.partial(flashattn.attention, enable_gqa=True, deterministic=deterministic, **kw)
+    checks = compare_with_reference(*qkv(n_q=n_q), impl=impl,
+                                    reference=functools.partial(naive_attention, enable_gqa=True, **kw))
+    assert gluon.calls == ["dkdv" if deterministic else "fused"], gluon.calls
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))
+
+
+@pytest.mark.parametrize("variant", ["attn_mask", "dropout", "varlen"])
 def test_calls_the_gluon_kernels_do_not_compute_never_take_it(gluon, variant):
     q, k, v = (t.requires_grad_() for t in qkv(heads_kv=4))
     if variant == "varlen":  # two packed sequences of 30 and 44 tokens: (tokens, heads, head dim)
@@ -118,8 +160,9 @@ def test_calls_the_gluon_kernels_do_not_compute_never_take_it(gluon, variant):
         packed = [t.detach()[0, :, :37].transpose(0, 1).repeat(2, 1, 1)[:74].requires_grad_() for t in (q, k, v)]
         out = flashattn.varlen_attention(*packed, cu, cu, 44, 44, is_causal=True)
     else:
-        kw = {"softcap": dict(softcap=20.0), "window": dict(window_size=(8, 0))}[variant]
-        out = flashattn.attention(q, k, v, is_causal=True, **kw)
+        kw = {"attn_mask": dict(attn_mask=torch.ones(37, 37, dtype=torch.bool, device=DEVICE).tril()),
+              "dropout": dict(dropout_p=0.2)}[variant]
+        out = flashattn.attention(q, k, v, **kw)
     out.float().sum().backward()
     assert gluon.calls == [], gluon.calls  # neither Gluon backward kernel
 

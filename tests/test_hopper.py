@@ -7,7 +7,9 @@ process that is killed when it stops making progress, and each test here reads i
 A case runs through flashattn.attention (the hooks in the forward and backward launchers, checked
 to call the Gluon kernels), forward and, for most cases, the backward through it: fp16/bf16, head
 dims 64 and 128, causal or not, N in {1, 17, 128, 1000, 4103}, N_q != N_kv, (B, N, H, D)-transposed
-inputs, large magnitudes. The watchdog itself is tested without a GPU.
+inputs, large magnitudes; and in groups of their own (``gpu_checks.MOD_SHAPES``) a softcap,
+ALiBi, sliding windows, the bottom-right alignment and all of them with grouped heads. The
+watchdog itself is tested without a GPU.
 """
 import concurrent.futures
 import time
@@ -20,6 +22,8 @@ from flashattn.measure import gpu_checks
 GROUPS = [(dtype, d, causal) for dtype in gpu_checks.DTYPES for d in gpu_checks.HEAD_DIMS
           for causal in (False, True)]
 CASES = [case for group in GROUPS for case in gpu_checks.gluon_cases(*group)]
+MOD_GROUPS = [(dtype, d) for dtype in gpu_checks.DTYPES for d in gpu_checks.HEAD_DIMS]
+MOD_CASES = [case for group in MOD_GROUPS for case in gpu_checks.gluon_mod_cases(*group)]
 
 
 def _hopper_gpu():
@@ -33,20 +37,23 @@ def verdicts():
     deadline = time.time() + 900
 
     def group(g):
-        dtype, d, causal = g
-        cmd = gpu_checks.command("gluon", dtype=dtype, head_dim=d, causal=int(causal))
+        if len(g) == 2:  # the score modifications of one (dtype, head dim)
+            cmd = gpu_checks.command("gluon_mods", dtype=g[0], head_dim=g[1])
+        else:
+            dtype, d, causal = g
+            cmd = gpu_checks.command("gluon", dtype=dtype, head_dim=d, causal=int(causal))
         return gpu_checks.run_job(cmd, 120, deadline)
 
     lines, status = [], {}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        for group_lines, group_status in pool.map(group, GROUPS):
+        for group_lines, group_status in pool.map(group, GROUPS + MOD_GROUPS):
             lines += group_lines
             status.update(group_status)
     return lines, status
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + MOD_CASES)
 def test_gluon_kernels(verdicts, case):
     lines, status = verdicts
     said = "\n".join(line for line in lines if case in line or line.startswith("FAIL gluon"))

@@ -17,15 +17,15 @@ def test_the_quick_run_writes_every_modification(tmp_path):
     score_mods.main(["--quick", "--out", str(out)])
     rows = list(csv.DictReader(out.open()))
     assert {r["modification"] for r in rows} == {"dense", "causal", "key-padding", "float-mask", "alibi", "softcap",
-                                                "dropout", "bottom-right"}
+                                                "window", "dropout", "bottom-right"}
     assert all(r["mode"] in ("fwd", "bwd", "fwd+bwd") and float(r["ms"]) > 0 for r in rows)
     ours = [r for r in rows if r["provider"] == "flashattn"]
-    assert len(ours) == 8 * 3 and all(r["max_diff"] == "" and r["flashattn_speedup"] == "" for r in ours)
+    assert len(ours) == 9 * 3 and all(r["max_diff"] == "" and r["flashattn_speedup"] == "" for r in ours)
     peers = [r for r in rows if r["provider"] != "flashattn"]
     # FlexAttention runs on GPUs only: every modification but softcap has an SDPA row here, each
     # compared with flashattn's output but dropout's (each draws its own mask)
-    assert {r["modification"] for r in peers} == {"dense", "causal", "key-padding", "float-mask", "alibi", "dropout",
-                                                 "bottom-right"}
+    assert {r["modification"] for r in peers} == {"dense", "causal", "key-padding", "float-mask", "alibi", "window",
+                                                 "dropout", "bottom-right"}
     assert all(float(r["max_diff"]) <= 0.05 for r in peers if r["modification"] != "dropout")
     assert all(r["max_diff"] == "" for r in peers if r["modification"] == "dropout")
     assert all(float(r["flashattn_speedup"]) > 0 for r in peers)

@@ -245,3 +245,19 @@ def test_gpu_windows_take_the_gluon_forward(monkeypatch, n, window_size, is_caus
     monkeypatch.setattr(gluon, "attention_forward", lambda *a, **kw: calls.append(kw.get("window")) or real(*a, **kw))
     check_window(*make_qkv(n, n, head_dim, dtype, heads_q=4, heads_kv=2), window_size, is_causal)
     assert calls and calls[0] is not None, "the Gluon forward did not run with the window"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_block_sees_keys_is_the_brute_forces(seed):
+    """``traversal.every_block_sees_keys`` (when the Gluon forward may take a window) against every
+    block's keys counted one by one, for bounds moved to the bottom-right alignment too."""
+    rng = random.Random(seed)
+    for _ in range(300):
+        n_q, n_kv, block = rng.randint(1, 90), rng.randint(1, 90), rng.choice([4, 16, 32])
+        left, right = rng.randint(0, 40), rng.randint(0, 40)
+        if rng.random() < 0.5:  # bottom-right: both bounds moved by N_kv - N_q
+            left, right = traversal.aligned_bounds(left, right, n_q, n_kv)
+        seen = [any(0 <= j < n_kv and i - left <= j <= i + right for i in range(q0, q0 + block) for j in range(n_kv))
+                for q0 in range(0, n_q, block)]
+        assert traversal.every_block_sees_keys(n_q, n_kv, left, right, block) == all(seen), \
+            (n_q, n_kv, left, right, block, seen)

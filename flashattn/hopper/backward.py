@@ -44,8 +44,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..gpu.launcher import run
 from ..kernels.tiles import qk_scale
-from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, supports, tma_load,  # noqa: F401
-                      tma_ok, tma_store)
+from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, modified_scores, slope_args,  # noqa: F401
+                      supports, tma_load, tma_ok, tma_store)
 
 if hasattr(tma, "async_atomic_add"):  # Triton 3.8 and later
     tma_reduce_add = tma.async_atomic_add
@@ -77,14 +77,21 @@ DQ_CONFIGS = {
 }
 
 
+#: What the DQ variant changes under a softcap, ALiBi or a window: at head dim 64 the 128-query
+#: tile spills 144-770 bytes per thread with them, the 64-query tile none (compiled for sm_90,
+#: Triton 3.9); at 128 no smaller tile exists.
+MODIFIED_DQ_CONFIGS = {64: dict(BLOCK_M=64), 128: {}}
+
+
 def tile_config(head_dim, overrides=None):
     """The configuration of a head dim (CONFIGS), with ``overrides``."""
     return dict(CONFIGS[head_dim], **(overrides or {}))
 
 
-def dq_config(head_dim, overrides=None):
-    """The configuration of a head dim for the DQ variant (DQ_CONFIGS), with ``overrides``."""
-    return dict(DQ_CONFIGS[head_dim], **(overrides or {}))
+def dq_config(head_dim, overrides=None, modified=False):
+    """The configuration of a head dim for the DQ variant (DQ_CONFIGS; MODIFIED_DQ_CONFIGS too if
+    ``modified``: a softcap, ALiBi or a window), with ``overrides``."""
+    return dict(DQ_CONFIGS[head_dim], **(MODIFIED_DQ_CONFIGS[head_dim] if modified else {}), **(overrides or {}))
 
 
 def launch_options(cfg):
@@ -120,25 +127,32 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _tile_stats(LSE, Delta, t, batch, kv_head, n_group, n_heads, q_lo, n_q, n_tiles, n_total,
-                BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """The LSE and Delta of tile ``t`` (tile j of query head g, in the producer's order); rows past
-    the sequence's end, and every row of a tile past the last, read as LSE = +inf, Delta = 0."""
+def _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, kv_head, n_group, n_heads, q_lo, n_q,
+                n_tiles, n_total, BLOCK_M: gl.constexpr, layout: gl.constexpr, ALIBI: gl.constexpr):
+    """The LSE and Delta of tile ``t`` (tile j of query head g, in the producer's order), and with
+    ALIBI that head's slope (else 0); rows past the sequence's end, and every row of a tile past the
+    last, read as LSE = +inf, Delta = 0."""
     g = t // n_tiles
-    rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q  # that head's LSE, Delta
+    head = kv_head * n_group + gl.minimum(g, n_group - 1)  # (past the last tile: a head that exists)
+    rows = (batch.to(gl.int64) * n_heads + head) * n_q  # that head's LSE, Delta
     offs = q_lo + (t - g * n_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
     inside = (offs < n_q) & (t < n_total)
+    if ALIBI:
+        slope = gl.load(Slopes + batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh)
+    else:
+        slope = 0.0
     return (gl.load(LSE + rows + offs, mask=inside, other=float("inf")),
-            gl.load(Delta + rows + offs, mask=inside, other=0.0))
+            gl.load(Delta + rows + offs, mask=inside, other=0.0), slope)
 
 
 @gluon.jit
 def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                   kv_ready, ready, empty, ds_ready, done,
                   LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
-                  qk_scale, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes, stride_sb,
+                  stride_sh, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
-                  PREFETCH: gl.constexpr):
+                  PREFETCH: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
     the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
     along columns), as in ``backward.dkdv_inner``.
@@ -148,7 +162,11 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
     tile), meet at ``ds_ready``, and consumer C multiplies the whole dS by its half of K's columns
     (64-query tiles) or takes its half of dS's query rows (128-query tiles: every wgmma keeps 64
     rows), then adds the float32 result into ``desc_dq`` with a TMA reduce-add (the copy engine adds
-    it in L2; nothing waits for it until the buffer is reused)."""
+    it in L2; nothing waits for it until the buffer is reused).
+
+    WINDOW hides the pairs outside the sliding window in the query tiles outside ``[q_full_lo,
+    q_full_hi)``; SOFTCAP and ALIBI modify the scores (``forward.modified_scores``) and the softcap
+    multiplies dS^T by its factor ``1 - tanh**2``."""
     s_layout: gl.constexpr = mma_layout(BLOCK_M)      # S^T, dP^T: BLOCK_N keys x BLOCK_M queries
     acc_layout: gl.constexpr = mma_layout(HEAD_DIM)   # dK, dV: BLOCK_N keys x head dim
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -183,8 +201,9 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 
     n_total = n_group * n_tiles
     if PREFETCH:
-        lse_row, delta_row = _tile_stats(LSE, Delta, 0, batch, kv_head, n_group, n_heads, q_lo, n_q, n_tiles,
-                                         n_total, BLOCK_M, stat_layout)
+        lse_row, delta_row, slope_next = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, 0, batch, kv_head,
+                                                     n_group, n_heads, q_lo, n_q, n_tiles, n_total, BLOCK_M,
+                                                     stat_layout, ALIBI)
     for t in range(n_total):  # the producer's order: tile j of query head g
         g = t // n_tiles
         stage = t % STAGES
@@ -196,11 +215,14 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
         if PREFETCH:
             stats.index(0).store(lse_row)
             stats.index(1).store(delta_row)
-            lse_row, delta_row = _tile_stats(LSE, Delta, t + 1, batch, kv_head, n_group, n_heads, q_lo, n_q,
-                                             n_tiles, n_total, BLOCK_M, stat_layout)
+            slope = slope_next
+            lse_row, delta_row, slope_next = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t + 1, batch,
+                                                         kv_head, n_group, n_heads, q_lo, n_q, n_tiles, n_total,
+                                                         BLOCK_M, stat_layout, ALIBI)
         else:
-            lse_now, delta_now = _tile_stats(LSE, Delta, t, batch, kv_head, n_group, n_heads, q_lo, n_q, n_tiles,
-                                             n_total, BLOCK_M, stat_layout)
+            lse_now, delta_now, slope = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, kv_head,
+                                                    n_group, n_heads, q_lo, n_q, n_tiles, n_total, BLOCK_M,
+                                                    stat_layout, ALIBI)
             stats.index(0).store(lse_now)
             stats.index(1).store(delta_now)
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
@@ -209,20 +231,39 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
         # S^T's accumulator starts at -LSE / qk_scale, so that the tensor cores leave
         # S^T - LSE / qk_scale: no row of the LSE stays in registers. (dP^T's starts at zero: an
         # accumulator read from registers while S^T's product runs would make ptxas wait for it.)
+        # A softcap acts on S^T itself: the LSE is subtracted after it.
         lse = stats.index(0).load(col_layout)
-        sT = warpgroup_mma(k, q.permute((1, 0)), s_zero - gl.expand_dims(lse / qk_scale, 0), is_async=True)
+        if SOFTCAP:
+            sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        else:
+            sT = warpgroup_mma(k, q.permute((1, 0)), s_zero - gl.expand_dims(lse / qk_scale, 0), is_async=True)
         dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(1, deps=[sT])            # S^T is ready; dP^T may still run
-        if IS_CAUSAL:
+        offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
+        if SOFTCAP or ALIBI:  # base-2 scores, minus the LSE
+            sT, dcap = modified_scores(sT, gl.expand_dims(offs_q, 0), gl.expand_dims(offs_kv, 1), qk_scale,
+                                       softcap, slope, shift, SOFTCAP, ALIBI, False)
+            if SOFTCAP:
+                sT = sT - gl.expand_dims(lse, 0)
+            scale2 = 1.0
+        else:
+            scale2 = qk_scale
+        if WINDOW:
+            if (q_start < q_full_lo) | (q_start >= q_full_hi) | ragged:  # an edge of the window
+                visible = (gl.expand_dims(offs_kv, 1) >= gl.expand_dims(offs_q, 0) - win_left) \
+                    & (gl.expand_dims(offs_kv, 1) <= gl.expand_dims(offs_q, 0) + win_right) & keys_in
+                sT = gl.where(visible, sT, float("-inf"))
+        elif IS_CAUSAL:
             if (q_start < kv_first + BLOCK_N - 1) | ragged:  # on the diagonal: hide q < kv
-                offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
                 visible = (gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_kv, 1)) & keys_in
                 sT = gl.where(visible, sT, float("-inf"))
         elif ragged:
             sT = gl.where(keys_in, sT, float("-inf"))
-        pT = gl.exp2(sT * qk_scale)                                        # P^T from the LSE
+        pT = gl.exp2(sT * scale2)                                          # P^T from the LSE
         pT_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(pT_op, do, dv, is_async=True)                   # dV += P^T dO
+        if SOFTCAP:  # dS^T carries the cap's factor; keep it in place of P^T
+            pT = pT * dcap
         dpT = warpgroup_mma_wait(1, deps=[dpT])          # dP^T is ready; dV may still run
         delta = stats.index(1).load(col_layout)
         dsT = pT * (dpT - gl.expand_dims(delta, 0))                        # dS^T (unscaled)
@@ -271,24 +312,40 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["n_q", "n_kv"])
+@gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right", "shift", "stride_sb", "stride_sh"])
 def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LSE, Delta,
-                  n_heads, n_group, n_q, n_kv, scale, qk_scale,
+                  n_heads, n_group, n_q, n_kv, scale, qk_scale, win_left, win_right, shift, softcap,
+                  Slopes, stride_sb, stride_sh,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr,
-                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
+                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
     # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
     # With DQ it also adds each query tile's share of dQ into the float32 tensor of desc_dq.
     kv_block, kv_head, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     kv_start = kv_block * (2 * BLOCK_N)
     # The queries that see these keys: from the diagonal on if causal (BLOCK_M divides 2 BLOCK_N,
-    # so kv_start is a tile boundary), else all of them.
-    if IS_CAUSAL:
-        q_lo = kv_start
+    # so kv_start is a tile boundary), those of the window under WINDOW (tiles.q_window_bounds:
+    # whole tiles in [q_full_lo, q_full_hi), the window's edges around them; key j is seen by
+    # queries j - win_right .. j + win_left), else all of them.
+    if WINDOW:
+        q_lo = gl.maximum(kv_start - win_right, 0) // BLOCK_M * BLOCK_M
+        q_hi = gl.minimum(kv_start + 2 * BLOCK_N + win_left, n_q)
+        q_full_lo = gl.maximum(kv_start + 2 * BLOCK_N - 1 - win_right + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
+        q_full_hi = gl.minimum(kv_start + win_left + 1, n_q) // BLOCK_M * BLOCK_M
+        q_hi = gl.maximum(q_hi, q_lo)
+        q_full_lo = gl.minimum(gl.maximum(q_full_lo, q_lo), q_hi)
+        q_full_hi = gl.maximum(q_full_hi, q_full_lo)
     else:
-        q_lo = 0
-    n_tiles = gl.cdiv(gl.maximum(n_q - q_lo, 0), BLOCK_M)
+        if IS_CAUSAL:
+            q_lo = kv_start
+        else:
+            q_lo = 0
+        q_hi = n_q
+        q_full_lo = q_lo
+        q_full_hi = n_q
+    n_tiles = gl.cdiv(gl.maximum(q_hi - q_lo, 0), BLOCK_M)
 
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
@@ -324,13 +381,15 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
-                         scale, qk_scale,
-                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH)),
+                         scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
+                         stride_sb, stride_sh,
+                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI)),
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
-                         scale, qk_scale,
-                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH)),
+                         scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
+                         stride_sb, stride_sh,
+                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
                          ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES)),
@@ -358,8 +417,11 @@ def dq_descriptor(dq_accum, block_m):
     return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()), block, layout)
 
 
-def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None):
-    """One launch of attn_bwd_sm90: ``(dk, dv)``, adding dQ's shares into ``dq_accum`` if given."""
+def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, window=None, softcap=0.0,
+            alibi_slopes=None, shift=0):
+    """One launch of attn_bwd_sm90: ``(dk, dv)``, adding dQ's shares into ``dq_accum`` if given;
+    ``window``, ``softcap``, ``alibi_slopes`` and ``shift`` as ``forward.attention_forward`` takes
+    them."""
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
     if not tma_ok(do):  # dO from autograd may be expanded or strided: TMA needs rows 16 bytes apart
@@ -375,29 +437,36 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None):
         descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
         None if dq_accum is None else dq_descriptor(dq_accum, bm),
         lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
+        *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2),
         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
         IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
+        WINDOW=window is not None, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
         **regs, **options)
     return dk, dv
 
 
-def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=None):
+def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=None, **mods):
     """``(dk, dv)`` for inputs ``hopper.supports`` accepts (grouped heads included), like the
     Triton dK/dV kernel:
     ``lse2`` is the forward's base-2 LSE, ``delta`` is Delta (minus the LSE's gradient, if any),
-    both float32 (B, H, N_q), contiguous. ``config`` overrides entries of ``CONFIGS[head_dim]``."""
-    return _launch(q, k, v, do, lse2, delta, is_causal, scale, tile_config(q.shape[-1], config))
+    both float32 (B, H, N_q), contiguous. ``config`` overrides entries of ``CONFIGS[head_dim]``;
+    ``mods``: the forward's ``window``, ``softcap``, ``alibi_slopes`` and ``shift``
+    (``forward.attention_forward``)."""
+    return _launch(q, k, v, do, lse2, delta, is_causal, scale, tile_config(q.shape[-1], config), **mods)
 
 
-def attention_backward(q, k, v, do, lse2, delta, is_causal, scale, config=None):
+def attention_backward(q, k, v, do, lse2, delta, is_causal, scale, config=None, **mods):
     """``(dq, dk, dv)`` from one kernel, five tile products per pair of tiles: dK and dV as
     :func:`attention_backward_dkdv`, and dQ added tile by tile into a float32 accumulator by TMA
     reduce-adds (``has_dq_reduce``), then scaled and cast to q's dtype. The additions of
     different key blocks land in an order that varies from run to run, so dQ may differ in its
     last bits between runs (``flashattn.attention(..., deterministic=True)`` keeps the Triton dQ
-    kernel). ``config`` overrides entries of ``DQ_CONFIGS[head_dim]``."""
+    kernel). ``config`` overrides entries of ``DQ_CONFIGS[head_dim]``; ``mods`` as
+    :func:`attention_backward_dkdv` takes them."""
     dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    dk, dv = _launch(q, k, v, do, lse2, delta, is_causal, scale, dq_config(q.shape[-1], config), dq_accum)
+    modified = mods.get("window") is not None or mods.get("softcap", 0) > 0 or mods.get("alibi_slopes") is not None
+    dk, dv = _launch(q, k, v, do, lse2, delta, is_causal, scale, dq_config(q.shape[-1], config, modified),
+                     dq_accum, **mods)
     dq = torch.empty_like(q)
     dq.copy_(dq_accum.mul_(scale))
     return dq, dk, dv

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..kernels.tiles import qk_scale
+from ..kernels.traversal import every_block_sees_keys
 
 # TMA's copies, under the names of the Triton at hand: Triton 3.9 calls them async_load and
 # async_store (and removed async_copy_shared_to_global); 3.6 to 3.8 have only the old names.
@@ -145,19 +146,65 @@ def _exp2_fma(x):
 
 
 @gluon.jit
+def tanh(x, APPROX: gl.constexpr):
+    """tanh in float32. Exact to a few ulps: ``flashattn.kernels.tiles.tanh``'s formula, with the
+    division an approximate one (``div.full``, 2 ulps) rather than IEEE's longer sequence. With
+    APPROX, the special-function unit's ``tanh.approx.f32`` (one instruction, relative error about
+    2**-11, as FlashAttention-3's softcap uses): timed against the exact one, not the default."""
+    if APPROX:
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+    ax = gl.abs(x)
+    e = gl.exp2(ax * -2.8853900817779268)  # exp(-2|x|)
+    big = gl.fdiv(1.0 - e, 1.0 + e)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * 0.021869488536155203))))
+    t = gl.where(ax < 0.25, small, big)
+    return gl.where(x < 0, -t, t)
+
+
+@gluon.jit
+def modified_scores(s, rows, cols, qk_scale, softcap, slope, shift, SOFTCAP: gl.constexpr,
+                    ALIBI: gl.constexpr, TANH_APPROX: gl.constexpr):
+    """``(S2, dcap)``: raw scores ``s`` turned into base-2 scores, ``log2(e) * (softcap(scale * s)
+    - slope * |i + shift - j|)``, and the softcap's factor on dS (``1 - tanh**2``, 1 without it),
+    as ``flashattn.kernels.tiles.modified_scores`` computes them (``rows``/``cols`` broadcast to
+    the tile either way round)."""
+    if SOFTCAP:
+        t = tanh(s * (qk_scale * 0.6931471805599453 / softcap), TANH_APPROX)
+        s2 = t * (softcap * 1.4426950408889634)
+        dcap = 1.0 - t * t
+    else:
+        s2 = s * qk_scale
+        dcap = 1.0
+    if ALIBI:
+        s2 = s2 - (slope * 1.4426950408889634) * gl.abs(rows + shift - cols).to(gl.float32)
+    return s2, dcap
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, qk_scale, on_fma,
-                  win_left, win_right, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  EXP2_FMA: gl.constexpr, WINDOW: gl.constexpr):
+                  win_left, win_right, softcap, slope, shift, BLOCK_N: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, EXP2_FMA: gl.constexpr, WINDOW: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TANH_APPROX: gl.constexpr):
     """Fold the scores ``s`` of one tile into the running max and sum: ``(p, m_new, l_new,
     alpha)``, exactly as ``flashattn.forward.fwd_inner`` does (base 2, scale folded into exp2).
     With EXP2_FMA, ``on_fma`` says whether this tile's exponentials go to the FMA units. Tiles
     outside ``[kv_full_lo, kv_full_hi)`` are masked: the causal diagonal, the ragged end and, with
-    WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``)."""
+    WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``). SOFTCAP and ALIBI
+    modify the scores first (:func:`modified_scores`)."""
+    offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    if SOFTCAP or ALIBI:
+        s, _ = modified_scores(s, gl.expand_dims(offs_q, 1), gl.expand_dims(offs_kv, 0), qk_scale, softcap,
+                               slope, shift, SOFTCAP, ALIBI, TANH_APPROX)
+        scale2 = 1.0  # the scores are in base 2 already
+    else:
+        scale2 = qk_scale
     masked = kv_start >= kv_full_hi
     if WINDOW:
         masked = masked | (kv_start < kv_full_lo)
     if masked:
-        offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         visible = gl.expand_dims(offs_kv, 0) < n_kv
         if IS_CAUSAL:
             visible = visible & (gl.expand_dims(offs_q, 1) >= gl.expand_dims(offs_kv, 0))
@@ -165,12 +212,12 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, q
             visible = visible & (gl.expand_dims(offs_kv, 0) >= gl.expand_dims(offs_q, 1) - win_left) \
                 & (gl.expand_dims(offs_kv, 0) <= gl.expand_dims(offs_q, 1) + win_right)
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale2)
     if WINDOW:  # a row may meet only hidden keys before its first visible one (fwd_inner's m_ref)
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new
-    x = s * qk_scale - gl.expand_dims(m_ref, 1)
+    x = s * scale2 - gl.expand_dims(m_ref, 1)
     if EXP2_FMA > 0:
         if on_fma:
             p = _exp2_fma(x)
@@ -187,11 +234,12 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, q
 def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
               LSE,
               batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi, qk_scale,
-              win_left, win_right,
+              win_left, win_right, softcap, slope, shift,
               C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
-              WINDOW: gl.constexpr):
+              WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+              TANH_APPROX: gl.constexpr):
     """One warpgroup: rows ``q_start + C * BLOCK_M`` to ``+ BLOCK_M`` of the output.
 
     The loop is software-pipelined by one tile: in step j it issues ``S_j = Q K_j^T`` and
@@ -228,7 +276,8 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     # the consumers do not all load the same unit at once.
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_q, kv_lo, kv_full_lo, kv_full_hi, n_kv, qk_scale,
                                        C % gl.maximum(EXP2_FMA, 1) == 0, win_left, win_right,
-                                       BLOCK_N, IS_CAUSAL, EXP2_FMA, WINDOW)
+                                       softcap, slope, shift, BLOCK_N, IS_CAUSAL, EXP2_FMA, WINDOW,
+                                       SOFTCAP, ALIBI, TANH_APPROX)
     p = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_tiles):
@@ -249,7 +298,8 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
         p_next, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_q, kv_lo + j * BLOCK_N, kv_full_lo,
                                                 kv_full_hi, n_kv, qk_scale,
                                                 j % gl.maximum(EXP2_FMA, 1) == C % gl.maximum(EXP2_FMA, 1),
-                                                win_left, win_right, BLOCK_N, IS_CAUSAL, EXP2_FMA, WINDOW)
+                                                win_left, win_right, softcap, slope, shift, BLOCK_N,
+                                                IS_CAUSAL, EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)
         acc, p = warpgroup_mma_wait(0, deps=[acc, p])  # p's registers stay live until here
         mbarrier.arrive(v_empty.index(prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -280,13 +330,15 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right"])
+@gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right", "shift", "stride_sb", "stride_sh"])
 def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_scale, n_group,
-                   win_left, win_right,
+                   win_left, win_right, shift, softcap, Slopes, stride_sb, stride_sh,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                    CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False):
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
+                   SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
+                   TANH_APPROX: gl.constexpr = False):
     BLOCK_Q: gl.constexpr = CONSUMERS * BLOCK_M  # query rows per program
     q_block = gl.program_id(0)
     if IS_CAUSAL:  # the last query blocks visit the most keys: start them first
@@ -296,10 +348,15 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
     kv_head = head // n_group  # grouped-query attention: n_group query heads share a K/V head
     q_start = q_block * BLOCK_Q
     LSE += (batch.to(gl.int64) * n_heads + head) * n_q
+    if ALIBI:  # the head's slope (row ``batch`` of the slopes, or their one row: stride 0)
+        slope = gl.load(Slopes + batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh)
+    else:
+        slope = 0.0
     # The key tiles [kv_lo, kv_hi), whole ones (no mask) in [kv_full_lo, kv_full_hi): the stages of
     # flashattn.tiles.kv_stage_bounds, or under a sliding window those of tiles.kv_window_bounds,
-    # for the program's BLOCK_Q rows. The window's launcher asks N_q = N_kv, so every program has a
-    # tile (the diagonal's).
+    # for the program's BLOCK_Q rows. The bounds come shifted where positions align bottom-right
+    # (``traversal.aligned_bounds``), and ``supports`` takes only windows where every program has a
+    # tile (``traversal.every_block_sees_keys``).
     if WINDOW:
         kv_lo = gl.maximum(q_start - win_left, 0) // BLOCK_N * BLOCK_N
         kv_hi = gl.minimum(q_start + BLOCK_Q + win_right, n_kv)
@@ -349,14 +406,14 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
         gl.warp_specialize([
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right,
+                         qk_scale, win_left, win_right, softcap, slope, shift,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right,
+                         qk_scale, win_left, win_right, softcap, slope, shift,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                          k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES, CONSUMERS)),
@@ -365,19 +422,19 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
         gl.warp_specialize([
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right,
+                         qk_scale, win_left, win_right, softcap, slope, shift,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right,
+                         qk_scale, win_left, win_right, softcap, slope, shift,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right,
+                         qk_scale, win_left, win_right, softcap, slope, shift,
                          C2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                          k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES, CONSUMERS)),
@@ -415,10 +472,13 @@ def supports(q, k, v, is_causal=False, scale=None, window=None):
     """Whether this kernel computes attention of these (B, H, N, D) tensors: on a CUDA GPU of
     compute capability 9.x, in fp16 or bf16, at head dim 64 or 128, with strides TMA accepts; k and
     v may have fewer heads than q (grouped-query attention: a divisor of q's), not another head
-    dim. A sliding ``window`` needs as many queries as keys (then every query block has a key
-    tile)."""
-    if window is not None and q.shape[2] != k.shape[2]:
-        return False
+    dim. Under a sliding ``window`` every query block must see some key (the kernel's consumers
+    start on a first tile), for the masked configuration's blocks."""
+    if window is not None:
+        cfg = tile_config(q.shape[-1], True) if q.shape[-1] in HEAD_DIMS else None
+        if cfg is None or not every_block_sees_keys(q.shape[2], k.shape[2], *window,
+                                                    cfg["CONSUMERS"] * cfg["BLOCK_M"]):
+            return False
     if not (q.is_cuda and k.is_cuda and v.is_cuda) or q.dim() != 4:
         return False
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] or v.shape[:2] != k.shape[:2]:
@@ -434,6 +494,14 @@ def supports(q, k, v, is_causal=False, scale=None, window=None):
     return all(tma_ok(t) for t in (q, k, v))
 
 
+def slope_args(alibi_slopes, placeholder):
+    """The kernels' ``Slopes, stride_sb, stride_sh``: ALiBi's ``(B or 1, H)`` slopes in place (a
+    stride of 0 along a dim of size 1), or without them any float32 pointer, never read."""
+    if alibi_slopes is None:
+        return placeholder, 0, 0
+    return (alibi_slopes, *(0 if alibi_slopes.shape[i] == 1 else alibi_slopes.stride(i) for i in (0, 1)))
+
+
 def descriptor(t, rows):
     """A TMA descriptor for the (B, H, N, D) tensor ``t`` that copies blocks of ``rows`` rows."""
     block = [1, 1, rows, t.shape[-1]]
@@ -447,24 +515,32 @@ def launch_options(cfg):
             dict(num_warps=4, maxnreg=regs["launch"], enable_fp_fusion=True))  # as launcher.run
 
 
-def attention_forward(q, k, v, is_causal, scale, config=None, window=None):
+def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softcap=0.0, alibi_slopes=None,
+                      shift=0):
     """``(o, lse2)`` like ``flashattn.kernels.forward.attention_forward``, for inputs ``supports``
     accepts (grouped heads too: query head ``h`` reads K/V head ``h // (H_q / H_kv)`` in place).
-    ``config`` overrides entries of the configuration of (head dim, causal): see :func:`tile_config`.
-    ``window = (left, right)``, both >= 0 (``traversal.window_masking``'s bounds, causal folded
-    into ``right = 0``): a sliding window, with the masked configuration's tiles."""
+    ``config`` overrides entries of the configuration of (head dim, causal): see :func:`tile_config`
+    (and ``TANH_APPROX``: the softcap's tanh from the special-function unit's approximation).
+    ``window = (left, right)`` (``traversal.window_masking``'s bounds, causal folded into
+    ``right = 0``, moved by ``traversal.aligned_bounds`` where positions align bottom-right): a
+    sliding window, with the masked configuration's tiles. ``softcap`` > 0 caps the scores;
+    ``alibi_slopes`` (``(B or 1, H)``, float32) add ALiBi's biases at query positions ``i + shift``
+    (``shift = N_kv - N_q`` aligned bottom-right, else 0)."""
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
     o = torch.empty_like(q)  # q's layout where q is dense, else contiguous: either suits TMA
     lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
     cfg = tile_config(head_dim, is_causal or window is not None, config)
+    tanh_approx = bool(cfg.pop("TANH_APPROX", False))
     regs, options = launch_options(cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(n_q, cfg["CONSUMERS"] * bm), heads, batch)
     attn_fwd_sm90[grid](descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(o, bm),
                          lse2, heads, n_q, n_kv, qk_scale(scale), heads // k.shape[1],
-                         *(window or (0, 0)), HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+                         *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2),
+                         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
                          IS_CAUSAL=bool(is_causal), PINGPONG=bool(cfg["PINGPONG"]),
                          CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], WINDOW=window is not None,
+                         SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, TANH_APPROX=tanh_approx,
                          **regs, **options)
     return o, lse2

@@ -148,6 +148,16 @@ def aligned_bounds(left: int, right: int, n_q: int, n_kv: int):
     return left - shift, right + shift
 
 
+def every_block_sees_keys(n_q: int, n_kv: int, left: int, right: int, block_q: int) -> bool:
+    """Whether every block of ``block_q`` queries sees at least one key, query ``i`` seeing keys
+    ``i - left .. i + right`` of ``0 .. n_kv - 1`` (bounds as the kernels take them: moved by
+    :func:`aligned_bounds`, so either may be negative). The first block needs a key at or before
+    ``block_q - 1 + right``, the last one a key at or after its first query minus ``left``; a
+    block between sees a range as wide, moved between theirs, so it does too."""
+    last_start = (n_q - 1) // block_q * block_q
+    return n_kv > 0 and left + right >= 0 and block_q - 1 + right >= 0 and last_start - left <= n_kv - 1
+
+
 def kv_window_ranges(q_start: int, block_q: int, block_kv: int, n_kv: int, left: int, right: int):
     """Keys visited by the query block starting at ``q_start`` under a window whose bounds
     ``left, right`` are >= 0 (the kernels' ``tiles.kv_window_bounds``, in plain Python).

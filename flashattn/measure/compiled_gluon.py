@@ -8,6 +8,7 @@ notes ptxas prints about the scheduling (:func:`ptxas_notes`). Like ``compiled``
 flashattn defined its kernels for the compiler: through ``compiled.in_child``, e.g.
 ``in_child("flashattn.measure.compiled_gluon:gluon_report", kernel="bwd")``.
 """
+import functools
 import os
 import re
 import subprocess
@@ -49,38 +50,56 @@ def _descriptor_type(module, dtype, rows, head_dim):
     return f"tensordesc<{dtype}{block},{layout!r}>"
 
 
-def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False):
+#: The score modifications a Gluon kernel may be compiled with (``mods`` below): their constexprs.
+MODS = {"softcap": "SOFTCAP", "alibi": "ALIBI", "window": "WINDOW"}
+#: The run-time arguments the modifications add to both kernels' signatures.
+MOD_SIGNATURE = dict(win_left="i32", win_right="i32", shift="i32", softcap="fp32", Slopes="*fp32",
+                     stride_sb="i32", stride_sh="i32")
+
+
+def _mod_constexprs(mods):
+    unknown = set(mods) - set(MODS)
+    if unknown:
+        raise ValueError(f"mods: unknown {sorted(unknown)}; expected some of {sorted(MODS)}")
+    return {flag: name in mods for name, flag in MODS.items()}
+
+
+def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False, mods=()):
     """The Gluon forward (``flashattn.hopper.forward``) compiled for ``dtype`` ("fp16", "bf16"), head dim,
-    masking (``window``: a sliding window, which takes the masked configuration) and ``config``
-    (overrides of ``hopper.tile_config``) as a launch compiles it."""
+    masking (``window``: a sliding window, which takes the masked configuration), score
+    modifications (``mods``, names of :data:`MODS`) and ``config`` (overrides of
+    ``hopper.tile_config``) as a launch compiles it."""
     hopper = _gluon("forward")
+    window = window or "window" in mods
     cfg = hopper.tile_config(head_dim, causal or window, config)
     regs, options = hopper.launch_options(cfg)
     q, kv = (_descriptor_type(hopper, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
     signature = dict(desc_q=q, desc_k=kv, desc_v=kv, desc_o=q, LSE="*fp32", n_heads="i32",
-                     n_q="i32", n_kv="i32", qk_scale="fp32", n_group="i32", win_left="i32", win_right="i32")
+                     n_q="i32", n_kv="i32", qk_scale="fp32", n_group="i32", **MOD_SIGNATURE)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and not window,
                       PINGPONG=bool(cfg["PINGPONG"]), CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"],
-                      WINDOW=bool(window), **regs)
+                      TANH_APPROX=bool(cfg.get("TANH_APPROX", False)),
+                      **dict(_mod_constexprs(mods), WINDOW=bool(window)), **regs)
     return compile_gluon(hopper.attn_fwd_sm90, signature, constexprs, aligned=["LSE"], **options)
 
 
-def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False):
+def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False, mods=()):
     """The Gluon backward kernel (``flashattn.hopper.backward``) compiled as a launch compiles it:
-    dK/dV only, or with ``dq`` its variant that adds dQ too (TMA reduce-adds, Triton >= 3.8)."""
+    dK/dV only, or with ``dq`` its variant that adds dQ too (TMA reduce-adds, Triton >= 3.8);
+    ``mods`` as :func:`compile_hopper_forward` takes them."""
     bwd = _gluon("backward")
     if dq and not bwd.has_dq_reduce():
         raise CannotCompile(f"Triton {triton.__version__}'s Gluon has no TMA reduce-add (tma.async_atomic_add)")
-    cfg = (bwd.dq_config if dq else bwd.tile_config)(head_dim, config)
+    cfg = bwd.dq_config(head_dim, config, modified=bool(mods)) if dq else bwd.tile_config(head_dim, config)
     regs, options = bwd.launch_options(cfg)
     q, kv = (_descriptor_type(bwd, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
     signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv, desc_dq="constexpr",
                      LSE="*fp32", Delta="*fp32", n_heads="i32", n_group="i32", n_q="i32", n_kv="i32",
-                     scale="fp32", qk_scale="fp32")
+                     scale="fp32", qk_scale="fp32", **MOD_SIGNATURE)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), DQ=bool(dq), PREFETCH=cfg["PREFETCH"],
-                      desc_dq=None, **regs)
+                      STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and "window" not in mods, DQ=bool(dq),
+                      PREFETCH=cfg["PREFETCH"], desc_dq=None, **_mod_constexprs(mods), **regs)
     if dq:
         block = bwd.dq_block(cfg["BLOCK_M"], head_dim)
         layout = bwd.gl.NVMMASharedLayout.get_default_for(block, bwd.gl.float32)
@@ -90,24 +109,26 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False):
 
 
 def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), causal=(False, True),
-                 configs=(None,)):
+                 configs=(None,), mods=()):
     """Compile a Gluon kernel ("fwd" or "bwd") for every combination and return one dict per
     compilation: its settings and :func:`facts`, or ``error``. ``causal`` may hold "window" for
-    the forward: its sliding-window variant. CannotCompile when the first one
+    the forward: its sliding-window variant; ``mods`` (names of :data:`MODS`) apply to every one.
+    CannotCompile when the first one
     fails in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
-    compile_one = {"fwd": compile_hopper_forward, "bwd": compile_hopper_backward,
-                   "bwd_dq": lambda *a: compile_hopper_backward(*a, dq=True)}[kernel]
+    compile_one = {"fwd": functools.partial(compile_hopper_forward, mods=mods),
+                   "bwd": functools.partial(compile_hopper_backward, mods=mods),
+                   "bwd_dq": functools.partial(compile_hopper_backward, dq=True, mods=mods)}[kernel]
     rows = []
     for head_dim in head_dims:
         for dtype in dtypes:
             for is_causal in causal:
                 for config in configs:
                     row = dict(kernel=kernel, head_dim=head_dim, dtype=dtype, causal=bool(is_causal),
-                               config=config or {})
+                               config=config or {}, mods=list(mods))
                     try:
                         if is_causal == "window":  # the forward's sliding window (masked tiles)
                             row["causal"] = "window"
-                            binary = compile_hopper_forward(head_dim, dtype, True, config, window=True)
+                            binary = compile_hopper_forward(head_dim, dtype, True, config, window=True, mods=mods)
                             row.update(facts(binary), ptxas_notes=ptxas_notes(binary))
                         else:
                             binary = compile_one(head_dim, dtype, is_causal, config)

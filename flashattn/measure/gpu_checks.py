@@ -62,6 +62,30 @@ VARIANTS = {
 #: Gluon dK/dV variants (overrides of hopper_backward.tile_config): a third stage, and the other
 #: query tile (at head dim 128, 64 queries spill a few bytes; tools/compile_hopper.py shows them).
 BWD_VARIANTS = {64: [dict(STAGES=3), dict(BLOCK_M=32)], 128: [dict(STAGES=3), dict(BLOCK_M=64)]}
+#: (name, B, H_q, H_kv, N_q, N_kv, layout, magnitude, flashattn.attention's arguments): the Gluon
+#: kernels' score modifications. A softcap of 3 bends scores of unit inputs (30 would hardly
+#: touch them); ALiBi's slopes are per head or per (batch, head); windows one- and two-sided;
+#: the bottom-right alignment with fewer queries than keys (every query block sees keys: Gluon)
+#: and with more (the first blocks see none: the forward falls back to Triton, the backward not).
+MOD_SHAPES = [
+    ("softcap", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(softcap=3.0)),
+    ("softcap-causal", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(softcap=3.0, is_causal=True)),
+    ("softcap-big", 1, 2, 2, 1000, 1000, "bhnd", 6.0, dict(softcap=20.0, is_causal=True)),
+    ("alibi", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(alibi="heads")),
+    ("alibi-causal-long", 1, 2, 2, 4103, 4103, "bhnd", 1.0, dict(alibi="rows", is_causal=True)),
+    ("alibi-1x1", 1, 2, 2, 1, 1, "bhnd", 1.0, dict(alibi="heads")),
+    ("window", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(window_size=(200, 100))),
+    ("window-causal", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(window_size=(257, -1), is_causal=True)),
+    ("window-right", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(window_size=(-1, 50))),
+    ("window-17", 2, 3, 3, 17, 17, "bhnd", 1.0, dict(window_size=(3, 5))),
+    ("bottom-right", 2, 3, 3, 333, 1000, "bhnd", 1.0, dict(is_causal=True, causal_alignment="bottom_right")),
+    ("bottom-right-more-q", 2, 3, 3, 1000, 333, "bhnd", 1.0, dict(is_causal=True, causal_alignment="bottom_right")),
+    ("bottom-right-window", 2, 3, 3, 200, 1000, "bhnd", 1.0,
+     dict(window_size=(100, -1), is_causal=True, causal_alignment="bottom_right")),
+    ("all-gqa", 2, 6, 2, 777, 777, "bnhd", 1.0,
+     dict(softcap=3.0, alibi="heads", window_size=(300, 20), enable_gqa=True)),
+    ("all-17", 2, 3, 3, 17, 17, "bhnd", 1.0, dict(softcap=3.0, alibi="rows", is_causal=True)),
+]
 #: The float32 grid: the lengths of tests/test_attention.py (odd, equal and not), head dims that
 #: are not powers of two, large magnitudes, scales, a transposed layout, and longer sequences.
 FP32_LENGTHS = [(1, 1), (17, 17), (69, 69), (113, 113), (128, 128), (200, 200), (17, 113), (113, 17)]
@@ -69,6 +93,10 @@ FP32_LENGTHS = [(1, 1), (17, 17), (69, 69), (113, 113), (128, 128), (200, 200), 
 
 def gluon_cases(dtype, head_dim, causal):
     return [f"gluon-{dtype}-d{head_dim}-{'causal' if causal else 'full'}-{s[0]}" for s in SHAPES]
+
+
+def gluon_mod_cases(dtype, head_dim):
+    return [f"gluon-mods-{dtype}-d{head_dim}-{s[0]}" for s in MOD_SHAPES]
 
 
 def fp32_cases():
@@ -189,6 +217,68 @@ def child_gluon(args):
         except Exception as e:
             os.environ.pop("FLASHATTN_GLUON", None)
             fail(cid, e)
+
+
+def child_gluon_mods(args):
+    """Each case of MOD_SHAPES for one dtype and head dim through flashattn.attention against
+    float64 under the rule, forward and backward, with counters proving which kernels ran: the
+    Gluon forward wherever ``hopper.supports`` takes the call, the Gluon backward always."""
+    import functools
+
+    import torch
+    from .. import attention
+    from ..hopper import backward as hopper_backward, forward as hopper
+    from ..ops import dispatch
+    from ..testing.reference import naive_attention
+    from ..testing.rule import compare_with_reference
+
+    os.environ["FLASHATTN_AUTOTUNE"] = "0"
+    dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[args.dtype])
+    calls = []
+    _count_calls(hopper, "attention_forward", calls)
+    _count_calls(hopper_backward, "attention_backward_dkdv", calls)
+    _count_calls(hopper_backward, "attention_backward", calls)
+    d = args.head_dim
+    for cid, (name, b, h, h_kv, n_q, n_kv, layout, mag, kw) in zip(gluon_mod_cases(args.dtype, d), MOD_SHAPES):
+        if cid in args.skip:
+            continue
+        print(f"START {cid}", flush=True)
+        try:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q = make(b, h, n_q, d, layout, dtype, mag, g)
+            k = make(b, h_kv, n_kv, d, layout, dtype, mag, g)
+            v = make(b, h_kv, n_kv, d, layout, dtype, 1.0, g)
+            kw = dict(kw)
+            if "alibi" in kw:  # per head, or per (batch, head)
+                rows = kw.pop("alibi")
+                kw["alibi_slopes"] = torch.rand((h,) if rows == "heads" else (b, h), generator=g, device="cuda")
+            causal = kw.pop("is_causal", False)
+            call = dispatch._gluon_call(q, k, v, causal, kw.get("window_size", (-1, -1)), None,
+                                        _score_mods_of(q, k, causal, kw))
+            gluon_fwd = hopper.supports(q, k, v, window=call["window"])
+            calls.clear()
+            checks = compare_with_reference(q, k, v, is_causal=causal, impl=functools.partial(attention, **kw),
+                                            reference=functools.partial(naive_attention, **kw))
+            torch.cuda.synchronize()
+            assert ("attention_forward" in calls) == gluon_fwd, (
+                f"the Gluon forward {'did not run' if gluon_fwd else 'ran'}: {call}")
+            fused = hopper_backward.has_dq_reduce()
+            kernel = "attention_backward" if fused else "attention_backward_dkdv"
+            wanted = fused or d in dispatch.GLUON_DKDV_HEAD_DIMS
+            assert (kernel in calls) == wanted, f"the backward {'did not call' if wanted else 'called'} {kernel}"
+            verdict(cid, checks, f"; gluon forward {gluon_fwd}")
+        except Exception as e:
+            fail(cid, e)
+
+
+def _score_mods_of(q, k, causal, kw):
+    """The ScoreMods flashattn.attention builds for these arguments (what dispatch sees)."""
+    from ..kernels.mods import ScoreMods
+    slopes = kw.get("alibi_slopes")
+    if slopes is not None and slopes.dim() == 1:
+        slopes = slopes.reshape(1, -1)
+    return ScoreMods(softcap=kw.get("softcap", 0.0), alibi_slopes=slopes,
+                     bottom_right=kw.get("causal_alignment") == "bottom_right")
 
 
 def _references(q, k, v, do, causal, scale=None):
@@ -326,7 +416,8 @@ def child_configs(args):
             fail(cid + note, e)
 
 
-CHILDREN = {"gluon": child_gluon, "variants": child_variants, "fp32": child_fp32, "configs": child_configs}
+CHILDREN = {"gluon": child_gluon, "gluon_mods": child_gluon_mods, "variants": child_variants, "fp32": child_fp32,
+            "configs": child_configs}
 
 
 # ---------------------------------------------------------------------------- the parent

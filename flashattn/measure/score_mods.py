@@ -14,6 +14,10 @@ One row per (modification, provider, mode), B = 4, H = 32, N = 8192, D = 128, ca
 * ``alibi``: ALiBi slopes per head; SDPA gets the bias as a float mask it has to read, FlexAttention
   a ``score_mod`` with the causal block mask;
 * ``softcap``: Gemma 2's cap of 50 on the scores; FlexAttention's ``score_mod`` (no SDPA row);
+* ``window``: causal with a sliding window of N/8 keys, against FlexAttention's block mask and
+  SDPA with the window as a boolean mask;
+* on a GPU, ``alibi``, ``softcap`` and ``window`` also time ``flashattn-deterministic``
+  (``deterministic=True``: the backward without dQ's reduce-adds, for the same call);
 * ``dropout``: ``dropout_p = 0.1`` in training mode, against SDPA's FlashAttention-2 backend
   (``sdpa-flash``; each draws its own mask: the times compare, the values cannot);
 * ``bottom-right``: causal aligned bottom-right with N/4 queries against N keys (a chunk of a
@@ -77,6 +81,13 @@ def key_padding_mod(lengths):
     return mask_mod
 
 
+def window_mod(left):
+    """FlexAttention's mask_mod of a causal window of ``left`` keys back."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= left)
+    return mask_mod
+
+
 def causal_mod(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
@@ -121,6 +132,9 @@ def cases(s, device, dtype):
 
     lower_right = causal_lower_right(s["chunk"], n)
     qkv = (q, k, v)
+    left = n // 8
+    positions = torch.arange(n, device=device)
+    in_window = causal & (positions[:, None] - positions[None, :] <= left)
 
     def sdpa(*args, **kwargs):
         return lambda: F.scaled_dot_product_attention(*args, **kwargs)
@@ -135,6 +149,9 @@ def cases(s, device, dtype):
         return score - slopes[h] * (i - j).abs()
 
     fa = flashattn.attention
+
+    def deterministic(**kwargs):  # the same call's backward without dQ's reduce-adds (GPU only)
+        return {"flashattn-deterministic": lambda: fa(q, k, v, deterministic=True, **kwargs)} if on_gpu else {}
     return {
         "dense": ("dense", qkv, lambda: fa(q, k, v), {"sdpa": sdpa(q, k, v)}, True),
         "causal": ("causal", qkv, lambda: fa(q, k, v, is_causal=True), {"sdpa": sdpa(q, k, v, is_causal=True)}, True),
@@ -143,9 +160,14 @@ def cases(s, device, dtype):
                          **flex(q, k, v, key_padding_mod(torch.tensor(lengths, device=device)), batch)}, True),
         "float-mask": ("causal", qkv, lambda: fa(q, k, v, float_mask), {"sdpa": sdpa(q, k, v, float_mask)}, True),
         "alibi": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, alibi_slopes=slopes),
-                  {"sdpa": sdpa(q, k, v, bias), **flex(q, k, v, causal_mod, score_mod=alibi_mod)}, True),
+                  {"sdpa": sdpa(q, k, v, bias), **flex(q, k, v, causal_mod, score_mod=alibi_mod),
+                   **deterministic(is_causal=True, alibi_slopes=slopes)}, True),
         "softcap": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, softcap=SOFTCAP),
-                    flex(q, k, v, causal_mod, score_mod=softcap_mod), True),
+                    {**flex(q, k, v, causal_mod, score_mod=softcap_mod),
+                     **deterministic(is_causal=True, softcap=SOFTCAP)}, True),
+        "window": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, window_size=(left, -1)),
+                   {"sdpa": sdpa(q, k, v, in_window), **flex(q, k, v, window_mod(left)),
+                    **deterministic(is_causal=True, window_size=(left, -1))}, True),
         "dropout": ("causal", qkv, lambda: fa(q, k, v, dropout_p=DROPOUT, is_causal=True),
                     {"sdpa-flash": _sdpa_flash(q, k, v, dropout_p=DROPOUT, is_causal=True)} if on_gpu else
                     {"sdpa": sdpa(q, k, v, dropout_p=DROPOUT, is_causal=True)}, False),

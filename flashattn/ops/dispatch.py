@@ -3,7 +3,8 @@ measured faster, the Triton kernels everywhere else.
 
 Both compute the same output and the same base-2 LSE in the same layout, so they mix within one
 call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``
-(grouped heads too, and sliding windows with as many queries as keys). The backward (no windows)
+(grouped heads too, sliding windows where every query block sees some key, a softcap, ALiBi and
+the bottom-right alignment). The backward (the same calls, any window)
 takes, with a Triton whose Gluon has TMA reduce-adds (3.8 and later), all three gradients from the
 fused kernel of ``flashattn.hopper.backward`` (dQ added by reduce-adds, in an order that varies),
 unless ``deterministic`` asks for gradients bit-identical from run to run; else its dK/dV from the
@@ -14,15 +15,17 @@ kernels; so does every call with ``FLASHATTN_GLUON=0``.
 So does every call whose v has a head dim of its own (D_v != D, as in DeepSeek's MLA): the Gluon
 kernels hold V and O in tiles of q's head dim.
 
-So does every call with a score modification or dropout (``mods``: an attn_mask, a softcap,
-ALiBi, dropout, the bottom-right alignment): the Gluon kernels implement none of them, and
+So does every call with an attn_mask or dropout: the Gluon kernels implement neither, and
 computing without them would be silently wrong.
 """
+import functools
+
 import torch
 
 from .. import hopper
 from ..kernels import backward, forward
-from ..kernels.traversal import window_masking
+from ..kernels.mods import NO_MODS
+from ..kernels.traversal import aligned_bounds, window_masking
 
 #: Head dims at which the backward takes dK/dV from the Gluon kernel on Hopper. On an H200 (B = 4,
 #: H = 32, N = 4096 and 8192, fp16 and bf16) the whole backward with it reached 0.72-0.80x of SDPA's
@@ -32,29 +35,32 @@ from ..kernels.traversal import window_masking
 GLUON_DKDV_HEAD_DIMS = (128,)
 
 
-def _plain(q, k, v, is_causal, window_size, sequences, mods=None):
-    """Whether a call is one the Gluon kernels compute: no window (a window that is just the
-    causal mask counts as causal), no packed sequences, no score modification or dropout, v of
-    q's head dim; and whether its heads are grouped. Returns ``(plain, grouped, causal)``."""
-    causal, window, _, _ = window_masking(is_causal, window_size, q.shape[2] + k.shape[2])
-    unmodified = mods is None or not mods.active
-    plain = not window and sequences is None and unmodified and v.shape[-1] == q.shape[-1]
-    return plain, k.shape[1] != q.shape[1], causal
+def _gluon_call(q, k, v, is_causal, window_size, sequences, mods):
+    """What the Gluon kernels need of a call they compute, as keyword arguments of
+    ``hopper.forward.attention_forward`` and ``hopper.backward.attention_backward`` (``causal``, the
+    ``window`` bounds moved to the bottom-right alignment where it applies, ``softcap``,
+    ``alibi_slopes``, ``shift``); None for a call they do not compute: packed sequences, an
+    attn_mask, dropout, v with a head dim of its own."""
+    mods = mods or NO_MODS
+    if sequences is not None or mods.attn_mask is not None or mods.dropout_p > 0 or v.shape[-1] != q.shape[-1]:
+        return None
+    n_q, n_kv = q.shape[2], k.shape[2]
+    aligned = mods.aligned_bottom_right(n_q, n_kv, False)
+    causal, window, left, right = window_masking(is_causal, window_size, n_q + n_kv, aligned)
+    shift = n_kv - n_q if aligned else 0
+    bounds = aligned_bounds(left, right, n_q, n_kv) if aligned else (left, right)
+    return dict(is_causal=causal, window=bounds if window else None, softcap=mods.softcap,
+                alibi_slopes=mods.alibi_slopes, shift=shift)
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,
                       lse_dtype=torch.float32, mods=None):
     """``(o, lse2)`` as :func:`flashattn.kernels.forward.attention_forward` computes them, from
-    the Gluon forward where it applies (see the module's docstring), grouped heads and sliding
-    windows of as many queries as keys included."""
-    causal, window, left, right = window_masking(is_causal, window_size, q.shape[2] + k.shape[2])
-    bounds = (left, right) if window else None
-    unmodified = mods is None or not mods.active
-    same_head_dim = v.shape[-1] == q.shape[-1]
-    gluon = (hopper.load("forward") if sequences is None and config is None and unmodified and same_head_dim
-             else None)
-    if gluon is not None and gluon.supports(q, k, v, window=bounds):
-        return gluon.attention_forward(q, k, v, causal, scale, window=bounds)
+    the Gluon forward where it applies (see the module's docstring)."""
+    call = _gluon_call(q, k, v, is_causal, window_size, sequences, mods) if config is None else None
+    gluon = hopper.load("forward") if call is not None else None
+    if gluon is not None and gluon.supports(q, k, v, window=call["window"]):
+        return gluon.attention_forward(q, k, v, scale=scale, **call)
     return forward.attention_forward(q, k, v, is_causal, scale, config, window_size, sequences, lse_dtype,
                                      mods)
 
@@ -69,16 +75,20 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     Gluon kernel computes dK, dV and dQ (:func:`flashattn.hopper.backward.attention_backward`,
     five tile products per pair of tiles); else dK/dV come from the Gluon kernel at the head dims
     of :data:`GLUON_DKDV_HEAD_DIMS` and dQ from the Triton kernel (seven tile products)."""
-    plain, _, _ = _plain(q, k, v, is_causal, window_size, sequences, mods)
     configs = configs or {}
-    gluon = hopper.load("backward") if plain and configs.get("bwd_dkdv") is None else None
+    call = _gluon_call(q, k, v, is_causal, window_size, sequences, mods) if configs.get("bwd_dkdv") is None else None
+    gluon = hopper.load("backward") if call is not None else None
     if gluon is not None and not gluon.supports(q, k, v):
         gluon = None
+    if gluon is not None:  # the kernels' own masking and modifications, in place of the Triton ones'
+        call = {name: value for name, value in call.items() if name != "is_causal"}
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     if gluon is not None and not deterministic and configs.get("bwd_dq") is None and gluon.has_dq_reduce():
         return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,
-                                           window_size, sequences, fused=gluon.attention_backward)
+                                           window_size, sequences, mods=mods,
+                                           fused=functools.partial(gluon.attention_backward, **call))
     use_dkdv = gluon is not None and q.shape[-1] in GLUON_DKDV_HEAD_DIMS
     return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,
                                        window_size, sequences, mods=mods,
-                                       dkdv=gluon.attention_backward_dkdv if use_dkdv else None)
+                                       dkdv=functools.partial(gluon.attention_backward_dkdv, **call) if use_dkdv
+                                       else None)

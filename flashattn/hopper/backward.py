@@ -26,6 +26,10 @@ log2 e)`` and no row of it is held in registers across the loop. Query rows past
 needed there. Key rows past the end are hidden (their dS^T feeds dQ); the TMA store never writes
 their dK and dV.
 
+A softcap, ALiBi, a sliding window and the bottom-right alignment change the scores as in the
+forward (``forward.modified_scores``); a softcap's accumulator starts at zero instead, since the
+cap acts before the LSE is subtracted.
+
 Without ``DQ``, dQ is left to the Triton kernel (``flashattn.kernels.backward.attn_bwd_dq``), which keeps
 the gradients bit-identical from run to run (each dK/dV tile is written by one program, in a fixed
 order). With ``DQ`` (Triton 3.8 and later: TMA reduce-adds), each query tile's share of
@@ -79,7 +83,8 @@ DQ_CONFIGS = {
 
 #: What the DQ variant changes under a softcap, ALiBi or a window: at head dim 64 the 128-query
 #: tile spills 144-770 bytes per thread with them, the 64-query tile none (compiled for sm_90,
-#: Triton 3.9); at 128 no smaller tile exists.
+#: Triton 3.9); at 128 no smaller tile exists (it keeps 112 bytes with ALiBi, 136 with the
+#: softcap, 312 with all three).
 MODIFIED_DQ_CONFIGS = {64: dict(BLOCK_M=64), 128: {}}
 
 
@@ -231,20 +236,24 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
         # S^T's accumulator starts at -LSE / qk_scale, so that the tensor cores leave
         # S^T - LSE / qk_scale: no row of the LSE stays in registers. (dP^T's starts at zero: an
         # accumulator read from registers while S^T's product runs would make ptxas wait for it.)
-        # A softcap acts on S^T itself: the LSE is subtracted after it.
+        # ALiBi's biases join the LSE there (the tile is built before the product, in the
+        # accumulator's own registers). A softcap acts on S^T itself: the LSE is subtracted after.
         lse = stats.index(0).load(col_layout)
+        offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
         if SOFTCAP:
             sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        elif ALIBI:
+            bias, _ = modified_scores(s_zero, gl.expand_dims(offs_q, 0), gl.expand_dims(offs_kv, 1), qk_scale,
+                                      softcap, slope, shift, False, True, False)  # -slope |i - j| log2 e
+            sT = warpgroup_mma(k, q.permute((1, 0)), (bias - gl.expand_dims(lse, 0)) / qk_scale, is_async=True)
         else:
             sT = warpgroup_mma(k, q.permute((1, 0)), s_zero - gl.expand_dims(lse / qk_scale, 0), is_async=True)
         dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(1, deps=[sT])            # S^T is ready; dP^T may still run
-        offs_q = q_start + gl.arange(0, BLOCK_M, layout=col_layout)
-        if SOFTCAP or ALIBI:  # base-2 scores, minus the LSE
+        if SOFTCAP:  # base-2 scores, minus the LSE
             sT, dcap = modified_scores(sT, gl.expand_dims(offs_q, 0), gl.expand_dims(offs_kv, 1), qk_scale,
                                        softcap, slope, shift, SOFTCAP, ALIBI, False)
-            if SOFTCAP:
-                sT = sT - gl.expand_dims(lse, 0)
+            sT = sT - gl.expand_dims(lse, 0)
             scale2 = 1.0
         else:
             scale2 = qk_scale

@@ -367,9 +367,11 @@ def test_leading_dims_broadcast_as_in_sdpa(shape_q, shape_kv):
 @pytest.mark.parametrize("kwargs", [dict(), dict(attn_mask="padding"), dict(softcap=5.0), dict(alibi_slopes="slopes"),
                                     dict(dropout_p=0.2), dict(is_causal=True, causal_alignment="bottom_right")],
                          ids=["plain", "mask", "softcap", "alibi", "dropout", "bottom-right"])
-def test_gluon_kernels_never_get_modified_calls(monkeypatch, kwargs):
-    """A fake Gluon module stands in on the CPU: a plain call reaches it, a call with any new
-    argument takes the Triton kernels (the Gluon kernels implement none of them)."""
+def test_what_the_gluon_forward_gets(monkeypatch, kwargs):
+    """A fake Gluon module stands in on the CPU: a plain call reaches it, and so do a softcap,
+    ALiBi's slopes and the bottom-right alignment (as the window bounds moved by N_kv - N_q and the
+    shift of ALiBi's positions); a mask or dropout takes the Triton kernels (the Gluon kernels
+    implement neither)."""
     from flashattn import hopper
 
     calls = []
@@ -380,8 +382,8 @@ def test_gluon_kernels_never_get_modified_calls(monkeypatch, kwargs):
             return True
 
         @staticmethod
-        def attention_forward(q, k, v, causal, scale, window=None):
-            calls.append("forward")
+        def attention_forward(q, k, v, scale, **call):
+            calls.append(call)
             return torch.zeros_like(q), torch.zeros(q.shape[:-1], device=q.device)
 
     monkeypatch.setattr(hopper, "load", lambda name: FakeGluon if name == "forward" else None)
@@ -392,8 +394,18 @@ def test_gluon_kernels_never_get_modified_calls(monkeypatch, kwargs):
         kwargs["alibi_slopes"] = torch.tensor([0.5, 0.25], device=DEVICE)
     q, k, v = make_qkv(7, 11, 16, batch=1)
     out = flashattn.attention(q, k, v, **kwargs)
-    assert calls == (["forward"] if not kwargs else [])
-    assert (out.abs().max().item() == 0.0) == (not kwargs)
+    gluon = "attn_mask" not in kwargs and "dropout_p" not in kwargs
+    assert len(calls) == int(gluon) and (out.abs().max().item() == 0.0) == gluon
+    if gluon:
+        call = calls[0]
+        assert call["softcap"] == kwargs.get("softcap", 0.0)
+        assert (call["alibi_slopes"] is None) == ("alibi_slopes" not in kwargs)
+        if "alibi_slopes" in kwargs:
+            assert call["alibi_slopes"].flatten().tolist() == [0.5, 0.25]
+        if "causal_alignment" in kwargs:  # causal aligned bottom-right: a window moved by 11 - 7
+            assert call["shift"] == 4 and call["window"] == (7 + 11 - 4, 4) and not call["is_causal"]
+        else:
+            assert call["shift"] == 0 and call["window"] is None
 
 
 def test_vmap_with_a_mask_and_slopes_per_batch_element():

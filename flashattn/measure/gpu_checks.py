@@ -253,7 +253,7 @@ def child_gluon_mods(args):
                 rows = kw.pop("alibi")
                 kw["alibi_slopes"] = torch.rand((h,) if rows == "heads" else (b, h), generator=g, device="cuda")
             causal = kw.pop("is_causal", False)
-            call = dispatch._gluon_call(q, k, v, causal, kw.get("window_size", (-1, -1)), None,
+            call = dispatch.gluon_call(q, k, v, causal, kw.get("window_size", (-1, -1)), None,
                                         _score_mods_of(q, k, causal, kw))
             gluon_fwd = hopper.supports(q, k, v, window=call["window"])
             calls.clear()

@@ -35,7 +35,7 @@ from ..kernels.traversal import aligned_bounds, window_masking
 GLUON_DKDV_HEAD_DIMS = (128,)
 
 
-def _gluon_call(q, k, v, is_causal, window_size, sequences, mods):
+def gluon_call(q, k, v, is_causal, window_size, sequences, mods):
     """What the Gluon kernels need of a call they compute, as keyword arguments of
     ``hopper.forward.attention_forward`` and ``hopper.backward.attention_backward`` (``causal``, the
     ``window`` bounds moved to the bottom-right alignment where it applies, ``softcap``,
@@ -57,7 +57,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
                       lse_dtype=torch.float32, mods=None):
     """``(o, lse2)`` as :func:`flashattn.kernels.forward.attention_forward` computes them, from
     the Gluon forward where it applies (see the module's docstring)."""
-    call = _gluon_call(q, k, v, is_causal, window_size, sequences, mods) if config is None else None
+    call = gluon_call(q, k, v, is_causal, window_size, sequences, mods) if config is None else None
     gluon = hopper.load("forward") if call is not None else None
     if gluon is not None and gluon.supports(q, k, v, window=call["window"]):
         return gluon.attention_forward(q, k, v, scale=scale, **call)
@@ -76,7 +76,7 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     five tile products per pair of tiles); else dK/dV come from the Gluon kernel at the head dims
     of :data:`GLUON_DKDV_HEAD_DIMS` and dQ from the Triton kernel (seven tile products)."""
     configs = configs or {}
-    call = _gluon_call(q, k, v, is_causal, window_size, sequences, mods) if configs.get("bwd_dkdv") is None else None
+    call = gluon_call(q, k, v, is_causal, window_size, sequences, mods) if configs.get("bwd_dkdv") is None else None
     gluon = hopper.load("backward") if call is not None else None
     if gluon is not None and not gluon.supports(q, k, v):
         gluon = None

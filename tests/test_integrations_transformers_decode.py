@@ -136,7 +136,8 @@ def test_a_right_padded_batch_keeps_the_general_path(monkeypatch):
     once, and its steps take the general path: exact, no cache_leftpad."""
     model = tiny("llama")
     ids, mask = padded_batch("right", batch=2)
-    forced = torch.randint(1, TINY["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(5)).to(ids.device)
+    forced = torch.randint(1, TINY["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(5),
+                           device="cpu").to(ids.device)  # the CPU's generator, whatever the default device
     seen = []
     decode = flashattn.decode
     monkeypatch.setattr(flashattn, "decode", lambda *a, **kw: seen.append(kw.get("cache_leftpad")) or decode(*a, **kw))

@@ -9,6 +9,8 @@ within a few float32 roundings of theirs (the two differ only in the order of th
 import pytest
 import torch
 
+import flashattn
+
 from test_integrations_transformers import on_the_kernels_device  # noqa: F401  (autouse)
 from test_integrations_transformers import NAME, TINY, layer_mask, padded_batch, tiny
 
@@ -102,7 +104,8 @@ def test_chunks_holding_every_position_are_plain_causal_attention():
     chunked = masking_utils.chunked_causal_mask_function(8, torch.zeros(2, dtype=torch.int64))
     assert layer_mask(2, 3, 8, 5, 0, mask_function=chunked) is None
     mask = layer_mask(2, 3, 9, 6, 0, mask_function=chunked)
-    expected = masking_utils.sdpa_mask(2, 3, 9, 6, 0, mask_function=chunked, allow_is_causal_skip=False)
+    expected = masking_utils.sdpa_mask(2, 3, 9, 6, 0, mask_function=chunked, allow_is_causal_skip=False,
+                                       device=flashattn.DEVICE)
     assert torch.equal(mask, expected)
 
 

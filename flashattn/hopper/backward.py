@@ -48,8 +48,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..gpu.launcher import run
 from ..kernels.tiles import qk_scale
-from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, modified_scores, slope_args,  # noqa: F401
-                      supports, tma_load, tma_ok, tma_store)
+from .forward import (HEAD_DIMS, TANH_APPROX, block_layout, descriptor, mma_layout, modified_scores,  # noqa: F401
+                      slope_args, supports, tma_load, tma_ok, tma_store)
 
 if hasattr(tma, "async_atomic_add"):  # Triton 3.8 and later
     tma_reduce_add = tma.async_atomic_add
@@ -157,7 +157,8 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
                   qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes, stride_sb,
                   stride_sh, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
-                  PREFETCH: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+                  PREFETCH: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                  TANH_APPROX: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
     the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
     along columns), as in ``backward.dkdv_inner``.
@@ -252,7 +253,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
         sT = warpgroup_mma_wait(1, deps=[sT])            # S^T is ready; dP^T may still run
         if SOFTCAP:  # base-2 scores, minus the LSE
             sT, dcap = modified_scores(sT, gl.expand_dims(offs_q, 0), gl.expand_dims(offs_kv, 1), qk_scale,
-                                       softcap, slope, shift, SOFTCAP, ALIBI, False)
+                                       softcap, slope, shift, SOFTCAP, ALIBI, TANH_APPROX)
             sT = sT - gl.expand_dims(lse, 0)
             scale2 = 1.0
         else:
@@ -328,7 +329,7 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
-                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
+                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, TANH_APPROX: gl.constexpr = False):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
     # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
     # With DQ it also adds each query tile's share of dQ into the float32 tensor of desc_dq.
@@ -392,13 +393,15 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
                          stride_sb, stride_sh,
-                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI)),
+                         C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
+                         TANH_APPROX)),
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
                          stride_sb, stride_sh,
-                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI)),
+                         C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
+                         TANH_APPROX)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
                          ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES)),
@@ -450,7 +453,7 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
         IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
         WINDOW=window is not None, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-        **regs, **options)
+        TANH_APPROX=bool(cfg.get("TANH_APPROX", TANH_APPROX)), **regs, **options)
     return dk, dv
 
 

@@ -63,8 +63,18 @@ CONFIGS = {
 }
 #: What a configuration may also set: CONSUMERS, the consumer warpgroups (2 or 3) sharing each
 #: K/V tile; EXP2_FMA, every how many tiles a consumer computes exp2 with a polynomial on the FMA
-#: units instead of the special-function unit (0: never).
+#: units instead of the special-function unit (0: never); TANH_APPROX, the softcap's tanh
+#: (:data:`TANH_APPROX`).
 DEFAULTS = dict(CONSUMERS=2, EXP2_FMA=0)
+#: Whether the softcap's tanh is the special-function unit's ``tanh.approx.f32`` (one instruction,
+#: relative error about 2**-11, as FlashAttention-3's softcap), in the forward and both backward
+#: kernels, rather than the exact formula (an exp2, a division and a polynomial). Timed on an H100
+#: (bf16, causal, B = 4, H = 32, N = 8192, cap 50; Triton 3.9): the forward at 0.84x the plain
+#: call's speed at head dim 128 and 0.71x at 64 where the exact formula ran at 0.37x and 0.27x,
+#: with the same largest error against float64 on one bf16 case (its output's rounding dominates
+#: both). Off until the correctness grid (``gpu_checks`` ``gluon_mods --tanh-approx 1``) has run
+#: with it on a GPU.
+TANH_APPROX = False
 #: Registers per thread, per number of consumers: at launch (every warp of the program shares the
 #: 64K registers of an SM; one producer warp takes a warpgroup's slot), then after setmaxnreg:
 #: the producer gives most of its share to the consumers. 3 x 128 x 160 + 128 x 24 <= 65536.
@@ -149,10 +159,9 @@ def _exp2_fma(x):
 
 @gluon.jit
 def tanh(x, APPROX: gl.constexpr):
-    """tanh in float32. Exact to a few ulps: ``flashattn.kernels.tiles.tanh``'s formula, with the
-    division an approximate one (``div.full``, 2 ulps) rather than IEEE's longer sequence. With
-    APPROX, the special-function unit's ``tanh.approx.f32`` (one instruction, relative error about
-    2**-11, as FlashAttention-3's softcap uses): timed against the exact one, not the default."""
+    """tanh in float32. With APPROX (:data:`TANH_APPROX`, the default), the special-function
+    unit's ``tanh.approx.f32``; else exact to a few ulps: ``flashattn.kernels.tiles.tanh``'s
+    formula, with the division an approximate one (``div.full``, 2 ulps) rather than IEEE's."""
     if APPROX:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
                                          is_pure=True, pack=1)
@@ -522,7 +531,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softc
     """``(o, lse2)`` like ``flashattn.kernels.forward.attention_forward``, for inputs ``supports``
     accepts (grouped heads too: query head ``h`` reads K/V head ``h // (H_q / H_kv)`` in place).
     ``config`` overrides entries of the configuration of (head dim, causal): see :func:`tile_config`
-    (and ``TANH_APPROX``: the softcap's tanh from the special-function unit's approximation).
+    (and ``TANH_APPROX``, :data:`TANH_APPROX` by default).
     ``window = (left, right)`` (``traversal.window_masking``'s bounds, causal folded into
     ``right = 0``, moved by ``traversal.aligned_bounds`` where positions align bottom-right): a
     sliding window, with the masked configuration's tiles. ``softcap`` > 0 caps the scores;
@@ -533,7 +542,7 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softc
     o = torch.empty_like(q)  # q's layout where q is dense, else contiguous: either suits TMA
     lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
     cfg = tile_config(head_dim, is_causal or window is not None, config)
-    tanh_approx = bool(cfg.pop("TANH_APPROX", False))
+    tanh_approx = bool(cfg.pop("TANH_APPROX", TANH_APPROX))
     regs, options = launch_options(cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(n_q, cfg["CONSUMERS"] * bm), heads, batch)

@@ -79,7 +79,7 @@ def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False, m
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and not window,
                       PINGPONG=bool(cfg["PINGPONG"]), CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"],
-                      TANH_APPROX=bool(cfg.get("TANH_APPROX", False)),
+                      TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper.TANH_APPROX)),
                       **dict(_mod_constexprs(mods), WINDOW=bool(window)), **regs)
     return compile_gluon(hopper.attn_fwd_sm90, signature, constexprs, aligned=["LSE"], **options)
 
@@ -99,7 +99,8 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False, mods
                      scale="fp32", qk_scale="fp32", **MOD_SIGNATURE)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and "window" not in mods, DQ=bool(dq),
-                      PREFETCH=cfg["PREFETCH"], desc_dq=None, **_mod_constexprs(mods), **regs)
+                      PREFETCH=cfg["PREFETCH"], desc_dq=None, TANH_APPROX=bool(cfg.get("TANH_APPROX", bwd.TANH_APPROX)),
+                      **_mod_constexprs(mods), **regs)
     if dq:
         block = bwd.dq_block(cfg["BLOCK_M"], head_dim)
         layout = bwd.gl.NVMMASharedLayout.get_default_for(block, bwd.gl.float32)

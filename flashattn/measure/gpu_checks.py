@@ -222,7 +222,8 @@ def child_gluon(args):
 def child_gluon_mods(args):
     """Each case of MOD_SHAPES for one dtype and head dim through flashattn.attention against
     float64 under the rule, forward and backward, with counters proving which kernels ran: the
-    Gluon forward wherever ``hopper.supports`` takes the call, the Gluon backward always."""
+    Gluon forward wherever ``hopper.supports`` takes the call, the Gluon backward always.
+    ``--tanh-approx`` chooses the softcap's tanh (``hopper.forward.TANH_APPROX``)."""
     import functools
 
     import torch
@@ -233,6 +234,8 @@ def child_gluon_mods(args):
     from ..testing.rule import compare_with_reference
 
     os.environ["FLASHATTN_AUTOTUNE"] = "0"
+    if args.tanh_approx is not None:  # the softcap's tanh: the special-function unit's, or exact
+        hopper.TANH_APPROX = hopper_backward.TANH_APPROX = bool(args.tanh_approx)
     dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[args.dtype])
     calls = []
     _count_calls(hopper, "attention_forward", calls)
@@ -504,6 +507,7 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int)
     p.add_argument("--causal", type=int, default=0)
     p.add_argument("--skip", default="")
+    p.add_argument("--tanh-approx", type=int, choices=(0, 1), help="gluon_mods: the softcap's tanh (default: the kernels')")
     args = p.parse_args(argv)
     args.skip = set(filter(None, args.skip.split(",")))
     CHILDREN[args.job](args)

@@ -223,7 +223,8 @@ def child_gluon_mods(args):
     """Each case of MOD_SHAPES for one dtype and head dim through flashattn.attention against
     float64 under the rule, forward and backward, with counters proving which kernels ran: the
     Gluon forward wherever ``hopper.supports`` takes the call, the Gluon backward always.
-    ``--tanh-approx`` chooses the softcap's tanh (``hopper.forward.TANH_APPROX``)."""
+    ``--tanh-approx`` chooses the softcap's tanh (``hopper.forward.TANH_APPROX``);
+    ``--deterministic 1`` asks for the backward without dQ's reduce-adds."""
     import functools
 
     import torch
@@ -236,6 +237,8 @@ def child_gluon_mods(args):
     os.environ["FLASHATTN_AUTOTUNE"] = "0"
     if args.tanh_approx is not None:  # the softcap's tanh: the special-function unit's, or exact
         hopper.TANH_APPROX = hopper_backward.TANH_APPROX = bool(args.tanh_approx)
+    if args.deterministic:  # the backward without dQ's reduce-adds (Gluon dK/dV + Triton dQ)
+        torch.use_deterministic_algorithms(True)
     dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[args.dtype])
     calls = []
     _count_calls(hopper, "attention_forward", calls)
@@ -265,7 +268,7 @@ def child_gluon_mods(args):
             torch.cuda.synchronize()
             assert ("attention_forward" in calls) == gluon_fwd, (
                 f"the Gluon forward {'did not run' if gluon_fwd else 'ran'}: {call}")
-            fused = hopper_backward.has_dq_reduce()
+            fused = hopper_backward.has_dq_reduce() and not args.deterministic
             kernel = "attention_backward" if fused else "attention_backward_dkdv"
             wanted = fused or d in dispatch.GLUON_DKDV_HEAD_DIMS
             assert (kernel in calls) == wanted, f"the backward {'did not call' if wanted else 'called'} {kernel}"
@@ -508,6 +511,8 @@ def main(argv=None):
     p.add_argument("--causal", type=int, default=0)
     p.add_argument("--skip", default="")
     p.add_argument("--tanh-approx", type=int, choices=(0, 1), help="gluon_mods: the softcap's tanh (default: the kernels')")
+    p.add_argument("--deterministic", type=int, choices=(0, 1), default=0,
+                   help="gluon_mods: torch.use_deterministic_algorithms (no fused backward)")
     args = p.parse_args(argv)
     args.skip = set(filter(None, args.skip.split(",")))
     CHILDREN[args.job](args)

@@ -377,6 +377,8 @@ def test_what_the_gluon_forward_gets(monkeypatch, kwargs):
     calls = []
 
     class FakeGluon:
+        TANH_APPROX = True  # the softcap's tanh the Gluon forward is taken with
+
         @staticmethod
         def supports(q, k, v, window=None):
             return True
@@ -420,3 +422,29 @@ def test_vmap_with_a_mask_and_slopes_per_batch_element():
     for i in range(2):
         want, _ = reference.naive_attention(qs[i].double(), k.double(), v.double(), attn_mask=mask, alibi_slopes=s)
         torch.testing.assert_close(out[i].double(), want, atol=2e-6, rtol=2e-6)
+
+
+def test_an_exact_softcap_takes_the_triton_forward(monkeypatch):
+    """With the exact tanh (``hopper.forward.TANH_APPROX`` off) the softcap's forward is the Triton
+    kernel's, measured faster on an H100; a plain call still reaches the Gluon forward."""
+    from flashattn import hopper
+
+    calls = []
+
+    class FakeGluon:
+        TANH_APPROX = False
+
+        @staticmethod
+        def supports(q, k, v, window=None):
+            return True
+
+        @staticmethod
+        def attention_forward(q, k, v, scale, **call):
+            calls.append(call)
+            return torch.zeros_like(q), torch.zeros(q.shape[:-1], device=q.device)
+
+    monkeypatch.setattr(hopper, "load", lambda name: FakeGluon if name == "forward" else None)
+    q, k, v = make_qkv(7, 11, 16, batch=1)
+    assert flashattn.attention(q, k, v, softcap=5.0).abs().max().item() > 0 and calls == []
+    flashattn.attention(q, k, v)
+    assert len(calls) == 1

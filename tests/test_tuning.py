@@ -141,7 +141,7 @@ def test_gluon_dkdv_only_where_it_was_measured_faster(monkeypatch, head_dim, glu
             return False
 
         @staticmethod
-        def attention_backward_dkdv(q, k, v, *args):
+        def attention_backward_dkdv(q, k, v, *args, **mods):
             calls.append(q.shape[-1])
             return torch.zeros_like(k), torch.zeros_like(v)
 

@@ -159,7 +159,7 @@ def _exp2_fma(x):
 
 @gluon.jit
 def tanh(x, APPROX: gl.constexpr):
-    """tanh in float32. With APPROX (:data:`TANH_APPROX`, the default), the special-function
+    """tanh in float32. With APPROX (:data:`TANH_APPROX`; off by default), the special-function
     unit's ``tanh.approx.f32``; else exact to a few ulps: ``flashattn.kernels.tiles.tanh``'s
     formula, with the division an approximate one (``div.full``, 2 ulps) rather than IEEE's."""
     if APPROX:

@@ -59,7 +59,8 @@ class StandIn:
             s = s.masked_fill(j > i, float("-inf"))
         if window is not None:
             s = s.masked_fill((j < i - window[0]) | (j > i + window[1]), float("-inf"))
-        p = torch.exp2(s * LOG2E - lse2.double()[..., None])
+        lse = lse2.double()[..., None]
+        p = torch.exp2(s * LOG2E - lse).masked_fill(lse == float("-inf"), 0.0)  # rows that see no key
         ds = p * (do64 @ v64.transpose(-2, -1) - delta.double()[..., None]) * dcap
         dq = ds @ k64 * scale
         dk, dv = ds.transpose(-2, -1) @ q64 * scale, p.transpose(-2, -1) @ do64
@@ -142,11 +143,11 @@ def test_score_modifications_reach_the_gluon_backward(gluon, variant, determinis
     and the shift of ALiBi's positions, handed to the kernels as their contract says: within the
     rule, through the fused kernel or (deterministic) the dK/dV one."""
     kw = dict(MODIFIED[variant])
-    n_q = kw.pop("n_q", None)
+    n_q, causal = kw.pop("n_q", None), kw.pop("is_causal", False)
     if "alibi_slopes" in kw:
         kw["alibi_slopes"] = kw["alibi_slopes"].to(DEVICE)
     impl = functools.partial(flashattn.attention, enable_gqa=True, deterministic=deterministic, **kw)
-    checks = compare_with_reference(*qkv(n_q=n_q), impl=impl,
+    checks = compare_with_reference(*qkv(n_q=n_q), is_causal=causal, impl=impl,
                                     reference=functools.partial(naive_attention, enable_gqa=True, **kw))
     assert gluon.calls == ["dkdv" if deterministic else "fused"], gluon.calls
     assert all(c.ok for c in checks), "\n".join(map(str, checks))

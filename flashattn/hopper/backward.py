@@ -48,8 +48,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..gpu.launcher import run
 from ..kernels.tiles import qk_scale
-from .forward import (HEAD_DIMS, TANH_APPROX, block_layout, descriptor, mma_layout, modified_scores,  # noqa: F401
-                      slope_args, supports, tma_load, tma_ok, tma_store)
+from . import forward as hopper_forward
+from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, modified_scores, slope_args,  # noqa: F401
+                      supports, tma_load, tma_ok, tma_store)
 
 if hasattr(tma, "async_atomic_add"):  # Triton 3.8 and later
     tma_reduce_add = tma.async_atomic_add
@@ -137,7 +138,7 @@ def _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, kv_head, n_g
     """The LSE and Delta of tile ``t`` (tile j of query head g, in the producer's order), and with
     ALIBI that head's slope (else 0); rows past the sequence's end, and every row of a tile past the
     last, read as LSE = +inf, Delta = 0."""
-    g = t // n_tiles
+    g = t // gl.maximum(n_tiles, 1)  # a key block that no query sees has no tile: t = 0, g = 0
     head = kv_head * n_group + gl.minimum(g, n_group - 1)  # (past the last tile: a head that exists)
     rows = (batch.to(gl.int64) * n_heads + head) * n_q  # that head's LSE, Delta
     offs = q_lo + (t - g * n_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
@@ -453,7 +454,7 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
         IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
         WINDOW=window is not None, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-        TANH_APPROX=bool(cfg.get("TANH_APPROX", TANH_APPROX)), **regs, **options)
+        TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper_forward.TANH_APPROX)), **regs, **options)
     return dk, dv
 
 

@@ -73,7 +73,9 @@ DEFAULTS = dict(CONSUMERS=2, EXP2_FMA=0)
 #: call's speed at head dim 128 and 0.71x at 64 where the exact formula ran at 0.37x and 0.27x,
 #: with the same largest error against float64 on one bf16 case (its output's rounding dominates
 #: both). Off until the correctness grid (``gpu_checks`` ``gluon_mods --tanh-approx 1``) has run
-#: with it on a GPU.
+#: with it on a GPU. Both Gluon backward kernels read it at their launch; the Triton kernels keep
+#: the exact tanh (where they compute a backward, its P then differs from the forward's in the
+#: approximation's last bits).
 TANH_APPROX = False
 #: Registers per thread, per number of consumers: at launch (every warp of the program shares the
 #: 64K registers of an SM; one producer warp takes a warpgroup's slot), then after setmaxnreg:
@@ -543,6 +545,10 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softc
     lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
     cfg = tile_config(head_dim, is_causal or window is not None, config)
     tanh_approx = bool(cfg.pop("TANH_APPROX", TANH_APPROX))
+    if window is not None and not every_block_sees_keys(n_q, n_kv, *window, cfg["CONSUMERS"] * cfg["BLOCK_M"]):
+        # a program without a key tile would wait for one forever (``supports`` refuses these)
+        raise ValueError(f"window {window}: some block of {cfg['CONSUMERS'] * cfg['BLOCK_M']} queries sees "
+                         f"no key of {n_kv}; the Triton forward computes it")
     regs, options = launch_options(cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(n_q, cfg["CONSUMERS"] * bm), heads, batch)

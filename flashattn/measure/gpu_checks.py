@@ -85,6 +85,11 @@ MOD_SHAPES = [
     ("all-gqa", 2, 6, 2, 777, 777, "bnhd", 1.0,
      dict(softcap=3.0, alibi="heads", window_size=(300, 20), enable_gqa=True)),
     ("all-17", 2, 3, 3, 17, 17, "bhnd", 1.0, dict(softcap=3.0, alibi="rows", is_causal=True)),
+    ("alibi-bottom-right", 2, 3, 3, 333, 1000, "bhnd", 1.0,
+     dict(alibi="rows", is_causal=True, causal_alignment="bottom_right")),
+    ("alibi-fewer-q", 2, 3, 3, 333, 1000, "bhnd", 1.0, dict(alibi="heads", is_causal=True)),
+    ("alibi-window-bottom-right", 2, 3, 3, 200, 1000, "bhnd", 1.0,
+     dict(alibi="heads", window_size=(100, 30), causal_alignment="bottom_right")),
 ]
 #: The float32 grid: the lengths of tests/test_attention.py (odd, equal and not), head dims that
 #: are not powers of two, large magnitudes, scales, a transposed layout, and longer sequences.
@@ -236,7 +241,7 @@ def child_gluon_mods(args):
 
     os.environ["FLASHATTN_AUTOTUNE"] = "0"
     if args.tanh_approx is not None:  # the softcap's tanh: the special-function unit's, or exact
-        hopper.TANH_APPROX = hopper_backward.TANH_APPROX = bool(args.tanh_approx)
+        hopper.TANH_APPROX = bool(args.tanh_approx)  # read by the forward and both backward kernels
     if args.deterministic:  # the backward without dQ's reduce-adds (Gluon dK/dV + Triton dQ)
         torch.use_deterministic_algorithms(True)
     dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[args.dtype])

@@ -137,14 +137,17 @@ def _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, kv_head, n_g
                 n_tiles, n_total, BLOCK_M: gl.constexpr, layout: gl.constexpr, ALIBI: gl.constexpr):
     """The LSE and Delta of tile ``t`` (tile j of query head g, in the producer's order), and with
     ALIBI that head's slope (else 0); rows past the sequence's end, and every row of a tile past the
-    last, read as LSE = +inf, Delta = 0."""
-    g = t // gl.maximum(n_tiles, 1)  # a key block that no query sees has no tile: t = 0, g = 0
-    head = kv_head * n_group + gl.minimum(g, n_group - 1)  # (past the last tile: a head that exists)
-    rows = (batch.to(gl.int64) * n_heads + head) * n_q  # that head's LSE, Delta
+    last, read as LSE = +inf, Delta = 0. Every load is masked to the tiles that exist: a key block
+    that no query sees has none (``n_tiles`` = 0, and ``g`` is then no head's), but its prefetch of
+    tile 0 still runs."""
+    g = t // n_tiles
+    rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q  # that head's LSE, Delta
     offs = q_lo + (t - g * n_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
     inside = (offs < n_q) & (t < n_total)
     if ALIBI:
-        slope = gl.load(Slopes + batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh)
+        head = kv_head * n_group + g
+        slope = gl.load(Slopes + batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh,
+                        mask=t < n_total, other=0.0)
     else:
         slope = 0.0
     return (gl.load(LSE + rows + offs, mask=inside, other=float("inf")),

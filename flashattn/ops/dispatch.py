@@ -3,9 +3,10 @@ measured faster, the Triton kernels everywhere else.
 
 Both compute the same output and the same base-2 LSE in the same layout, so they mix within one
 call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``
-(grouped heads too, sliding windows where every query block sees some key, a softcap, ALiBi and
-the bottom-right alignment). The backward (the same calls, any window)
-takes, with a Triton whose Gluon has TMA reduce-adds (3.8 and later), all three gradients from the
+(grouped heads too, sliding windows where every query block sees some key, ALiBi, the
+bottom-right alignment, and a softcap where the kernels' tanh is the approximate one). The
+backward (the same calls, any window, any softcap) takes, with a Triton whose Gluon has TMA
+reduce-adds (3.8 and later), all three gradients from the
 fused kernel of ``flashattn.hopper.backward`` (dQ added by reduce-adds, in an order that varies),
 unless ``deterministic`` asks for gradients bit-identical from run to run; else its dK/dV from the
 Gluon dK/dV kernel at the head dims of :data:`GLUON_DKDV_HEAD_DIMS` and its Delta and dQ from the

@@ -516,7 +516,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int)
     p.add_argument("--causal", type=int, default=0)
     p.add_argument("--skip", default="")
-    p.add_argument("--tanh-approx", type=int, choices=(0, 1), help="gluon_mods: the softcap's tanh (default: the kernels')")
+    p.add_argument("--tanh-approx", type=int, choices=(0, 1),
+                   help="gluon_mods: the softcap's tanh (default: the kernels')")
     p.add_argument("--deterministic", type=int, choices=(0, 1), default=0,
                    help="gluon_mods: torch.use_deterministic_algorithms (no fused backward)")
     args = p.parse_args(argv)

@@ -364,20 +364,16 @@ def test_leading_dims_broadcast_as_in_sdpa(shape_q, shape_kv):
 
 # -- Dispatch ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(attn_mask="padding"), dict(softcap=5.0), dict(alibi_slopes="slopes"),
-                                    dict(dropout_p=0.2), dict(is_causal=True, causal_alignment="bottom_right")],
-                         ids=["plain", "mask", "softcap", "alibi", "dropout", "bottom-right"])
-def test_what_the_gluon_forward_gets(monkeypatch, kwargs):
-    """A fake Gluon module stands in on the CPU: a plain call reaches it, and so do a softcap,
-    ALiBi's slopes and the bottom-right alignment (as the window bounds moved by N_kv - N_q and the
-    shift of ALiBi's positions); a mask or dropout takes the Triton kernels (the Gluon kernels
-    implement neither)."""
+def fake_gluon_forward(monkeypatch, tanh_approx):
+    """A stand-in for the Gluon forward on the CPU that takes every call, returns zeros and records
+    the keyword arguments it was handed (the list returned); ``tanh_approx`` as
+    ``hopper.forward.TANH_APPROX``."""
     from flashattn import hopper
 
     calls = []
 
     class FakeGluon:
-        TANH_APPROX = True  # the softcap's tanh the Gluon forward is taken with
+        TANH_APPROX = tanh_approx
 
         @staticmethod
         def supports(q, k, v, window=None):
@@ -389,6 +385,18 @@ def test_what_the_gluon_forward_gets(monkeypatch, kwargs):
             return torch.zeros_like(q), torch.zeros(q.shape[:-1], device=q.device)
 
     monkeypatch.setattr(hopper, "load", lambda name: FakeGluon if name == "forward" else None)
+    return calls
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(attn_mask="padding"), dict(softcap=5.0), dict(alibi_slopes="slopes"),
+                                    dict(dropout_p=0.2), dict(is_causal=True, causal_alignment="bottom_right")],
+                         ids=["plain", "mask", "softcap", "alibi", "dropout", "bottom-right"])
+def test_what_the_gluon_forward_gets(monkeypatch, kwargs):
+    """A fake Gluon module stands in on the CPU: a plain call reaches it, and so do a softcap,
+    ALiBi's slopes and the bottom-right alignment (as the window bounds moved by N_kv - N_q and the
+    shift of ALiBi's positions); a mask or dropout takes the Triton kernels (the Gluon kernels
+    implement neither)."""
+    calls = fake_gluon_forward(monkeypatch, tanh_approx=True)
     kwargs = dict(kwargs)
     if kwargs.get("attn_mask") == "padding":
         kwargs["attn_mask"] = torch.ones(1, 1, 1, 11, dtype=torch.bool, device=DEVICE)
@@ -427,23 +435,7 @@ def test_vmap_with_a_mask_and_slopes_per_batch_element():
 def test_an_exact_softcap_takes_the_triton_forward(monkeypatch):
     """With the exact tanh (``hopper.forward.TANH_APPROX`` off) the softcap's forward is the Triton
     kernel's, measured faster on an H100; a plain call still reaches the Gluon forward."""
-    from flashattn import hopper
-
-    calls = []
-
-    class FakeGluon:
-        TANH_APPROX = False
-
-        @staticmethod
-        def supports(q, k, v, window=None):
-            return True
-
-        @staticmethod
-        def attention_forward(q, k, v, scale, **call):
-            calls.append(call)
-            return torch.zeros_like(q), torch.zeros(q.shape[:-1], device=q.device)
-
-    monkeypatch.setattr(hopper, "load", lambda name: FakeGluon if name == "forward" else None)
+    calls = fake_gluon_forward(monkeypatch, tanh_approx=False)
     q, k, v = make_qkv(7, 11, 16, batch=1)
     assert flashattn.attention(q, k, v, softcap=5.0).abs().max().item() > 0 and calls == []
     flashattn.attention(q, k, v)

@@ -100,6 +100,10 @@ def _flex(q, k, v, mask_mod, batch=None, score_mod=None):
     except ImportError:
         return None
     block_mask = create_block_mask(mask_mod, batch, None, q.shape[-2], k.shape[-2], device=q.device)
+    # The backward is timed alone with retain_graph=True, which a compiled backward that donates
+    # its saved buffers refuses (it did for the window's block mask on an H100, torch 2.11).
+    import torch._functorch.config
+    torch._functorch.config.donated_buffer = False
     compiled = torch.compile(flex_attention)
     return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 

@@ -236,6 +236,7 @@ def child_gluon_mods(args):
     from .. import attention
     from ..hopper import backward as hopper_backward, forward as hopper
     from ..ops import dispatch
+    from ..ops.modifiers import score_mods
     from ..testing.reference import naive_attention
     from ..testing.rule import compare_with_reference
 
@@ -264,8 +265,9 @@ def child_gluon_mods(args):
                 rows = kw.pop("alibi")
                 kw["alibi_slopes"] = torch.rand((h,) if rows == "heads" else (b, h), generator=g, device="cuda")
             causal = kw.pop("is_causal", False)
-            call = dispatch.gluon_call(q, k, v, causal, kw.get("window_size", (-1, -1)), None,
-                                        _score_mods_of(q, k, causal, kw))
+            mods = score_mods(q, k, None, 0.0, causal, kw.get("causal_alignment", "top_left"),
+                              kw.get("softcap", 0.0), kw.get("alibi_slopes"), b, h)  # as flashattn.attention
+            call = dispatch.gluon_call(q, k, v, causal, kw.get("window_size", (-1, -1)), None, mods)
             gluon_fwd = hopper.supports(q, k, v, window=call["window"]) and not (
                 call["softcap"] > 0 and not hopper.TANH_APPROX)  # dispatch's exact softcap: Triton
             calls.clear()
@@ -281,16 +283,6 @@ def child_gluon_mods(args):
             verdict(cid, checks, f"; gluon forward {gluon_fwd}")
         except Exception as e:
             fail(cid, e)
-
-
-def _score_mods_of(q, k, causal, kw):
-    """The ScoreMods flashattn.attention builds for these arguments (what dispatch sees)."""
-    from ..kernels.mods import ScoreMods
-    slopes = kw.get("alibi_slopes")
-    if slopes is not None and slopes.dim() == 1:
-        slopes = slopes.reshape(1, -1)
-    return ScoreMods(softcap=kw.get("softcap", 0.0), alibi_slopes=slopes,
-                     bottom_right=kw.get("causal_alignment") == "bottom_right")
 
 
 def _references(q, k, v, do, causal, scale=None):

@@ -17,11 +17,6 @@ from flashattn.measure import compiled
 SMEM_LIMIT = 227 * 1024
 
 
-def triton_version():
-    import triton
-    return tuple(int(part) for part in triton.__version__.split(".")[:2])
-
-
 def _report(kernel, **kwargs):
     try:
         return compiled.in_child("flashattn.measure.compiled_gluon:gluon_report", kernel=kernel, **kwargs)
@@ -65,7 +60,7 @@ def test_gluon_kernels_compile_for_sm90(kernel):
         if "error" in r:
             problems.append(f"{label}: {r['error']}")
             continue
-        stack_checked = not kernel.endswith("-mods") or triton_version() >= MODS_STACK_FROM
+        stack_checked = not kernel.endswith("-mods") or compiled.triton_release() >= MODS_STACK_FROM
         if stack_checked and r["spill"] > STACK_ALLOWED.get(kernel, 0):
             problems.append(f"{label}: {r['spill']} bytes of stack (spills)")
         for code, note in r["ptxas_notes"]:

@@ -4,8 +4,8 @@ On Hopper with a Triton whose Gluon has TMA reduce-adds, the default backward is
 that computes dK, dV and dQ (dQ's shares added in an order that varies from run to run);
 ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` keeps the path whose
 gradients are bit-identical from run to run (the Triton dQ kernel). The softcap, ALiBi, windows and
-the bottom-right alignment are handed to it; calls the Gluon kernels do not compute (an attn_mask,
-dropout, packed sequences, fixed configurations) never take it.
+the bottom-right alignment and dropout are handed to it; calls the Gluon kernels do not compute
+(an attn_mask, packed sequences, fixed configurations) never take it.
 
 Checked here on any machine with a stand-in for the Gluon module that computes the gradients from
 the formula, from exactly what the fused kernel is handed (q, k, v, dO, the base-2 LSE and Delta),
@@ -19,6 +19,7 @@ import torch
 
 import flashattn
 from flashattn import DEVICE, hopper
+from flashattn.kernels.mods import dropout_mask
 from flashattn.kernels.tiles import LOG2E
 from flashattn.testing.reference import naive_attention
 from flashattn.testing.rule import compare_with_reference
@@ -40,9 +41,11 @@ class StandIn:
         return True
 
     @staticmethod
-    def _grads(q, k, v, do, lse2, delta, is_causal, scale, window=None, softcap=0.0, alibi_slopes=None, shift=0):
+    def _grads(q, k, v, do, lse2, delta, is_causal, scale, window=None, softcap=0.0, alibi_slopes=None, shift=0,
+               dropout_p=0.0, seed=0):
         """The kernel's contract: ``window`` = (left, right) bounds already moved to the
-        bottom-right alignment, ALiBi at query positions ``i + shift``."""
+        bottom-right alignment, ALiBi at query positions ``i + shift``, dropout's pairs those
+        ``dropout_mask`` draws for ``seed``."""
         group = q.shape[1] // k.shape[1]
         q64, do64 = q.double(), do.double()
         k64, v64 = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
@@ -61,9 +64,12 @@ class StandIn:
             s = s.masked_fill((j < i - window[0]) | (j > i + window[1]), float("-inf"))
         lse = lse2.double()[..., None]
         p = torch.exp2(s * LOG2E - lse).masked_fill(lse == float("-inf"), 0.0)  # rows that see no key
-        ds = p * (do64 @ v64.transpose(-2, -1) - delta.double()[..., None]) * dcap
+        kept = 1.0
+        if dropout_p:
+            kept = dropout_mask(s.shape, dropout_p, seed, q.device).double() / (1 - dropout_p)
+        ds = p * (do64 @ v64.transpose(-2, -1) * kept - delta.double()[..., None]) * dcap
         dq = ds @ k64 * scale
-        dk, dv = ds.transpose(-2, -1) @ q64 * scale, p.transpose(-2, -1) @ do64
+        dk, dv = ds.transpose(-2, -1) @ q64 * scale, (p * kept).transpose(-2, -1) @ do64
         fold = lambda t: t.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731  (a group's sum)
         return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
@@ -153,7 +159,25 @@ def test_score_modifications_reach_the_gluon_backward(gluon, variant, determinis
     assert all(c.ok for c in checks), "\n".join(map(str, checks))
 
 
-@pytest.mark.parametrize("variant", ["attn_mask", "dropout", "varlen"])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_dropout_reaches_the_gluon_backward(gluon, is_causal, deterministic):
+    """Dropout's probability and the forward's seed reach the Gluon backward (the stand-in
+    rebuilds the mask from them): within the rule against the reference handed the mask the call
+    drew."""
+    q, k, v = qkv()
+    kw = dict(enable_gqa=True, dropout_p=0.2)
+    torch.manual_seed(8)
+    _, keep = flashattn.attention(q, k, v, is_causal=is_causal, return_dropout_mask=True, **kw)
+    torch.manual_seed(8)  # compare_with_reference's call draws the same seed again
+    impl = functools.partial(flashattn.attention, deterministic=deterministic, **kw)
+    checks = compare_with_reference(q, k, v, is_causal=is_causal, impl=impl,
+                                    reference=functools.partial(naive_attention, dropout_keep=keep, **kw))
+    assert gluon.calls == ["dkdv" if deterministic else "fused"], gluon.calls
+    assert all(c.ok for c in checks), "\n".join(map(str, checks))
+
+
+@pytest.mark.parametrize("variant", ["attn_mask", "varlen"])
 def test_calls_the_gluon_kernels_do_not_compute_never_take_it(gluon, variant):
     q, k, v = (t.requires_grad_() for t in qkv(heads_kv=4))
     if variant == "varlen":  # two packed sequences of 30 and 44 tokens: (tokens, heads, head dim)
@@ -161,9 +185,7 @@ def test_calls_the_gluon_kernels_do_not_compute_never_take_it(gluon, variant):
         packed = [t.detach()[0, :, :37].transpose(0, 1).repeat(2, 1, 1)[:74].requires_grad_() for t in (q, k, v)]
         out = flashattn.varlen_attention(*packed, cu, cu, 44, 44, is_causal=True)
     else:
-        kw = {"attn_mask": dict(attn_mask=torch.ones(37, 37, dtype=torch.bool, device=DEVICE).tril()),
-              "dropout": dict(dropout_p=0.2)}[variant]
-        out = flashattn.attention(q, k, v, **kw)
+        out = flashattn.attention(q, k, v, attn_mask=torch.ones(37, 37, dtype=torch.bool, device=DEVICE).tril())
     out.float().sum().backward()
     assert gluon.calls == [], gluon.calls  # neither Gluon backward kernel
 

@@ -17,21 +17,22 @@ def test_the_quick_run_writes_every_modification(tmp_path):
     score_mods.main(["--quick", "--out", str(out)])
     rows = list(csv.DictReader(out.open()))
     assert {r["modification"] for r in rows} == {"dense", "causal", "key-padding", "float-mask", "alibi", "softcap",
-                                                "window", "dropout", "bottom-right"}
+                                                "window", "dropout", "dropout-dense", "bottom-right"}
     assert all(r["mode"] in ("fwd", "bwd", "fwd+bwd") and float(r["ms"]) > 0 for r in rows)
     ours = [r for r in rows if r["provider"] == "flashattn"]
-    assert len(ours) == 9 * 3 and all(r["max_diff"] == "" and r["flashattn_speedup"] == "" for r in ours)
+    assert len(ours) == 10 * 3 and all(r["max_diff"] == "" and r["flashattn_speedup"] == "" for r in ours)
     peers = [r for r in rows if r["provider"] != "flashattn"]
     # FlexAttention runs on GPUs only: every modification but softcap has an SDPA row here, each
     # compared with flashattn's output but dropout's (each draws its own mask)
     assert {r["modification"] for r in peers} == {"dense", "causal", "key-padding", "float-mask", "alibi", "window",
-                                                 "dropout", "bottom-right"}
-    assert all(float(r["max_diff"]) <= 0.05 for r in peers if r["modification"] != "dropout")
-    assert all(r["max_diff"] == "" for r in peers if r["modification"] == "dropout")
+                                                 "dropout", "dropout-dense", "bottom-right"}
+    dropout = ("dropout", "dropout-dense")
+    assert all(float(r["max_diff"]) <= 0.05 for r in peers if r["modification"] not in dropout)
+    assert all(r["max_diff"] == "" for r in peers if r["modification"] in dropout)
     assert all(float(r["flashattn_speedup"]) > 0 for r in peers)
     # each row is timed against its provider's baseline, key padding against the dense kernel
     for r in rows:
-        assert r["baseline"] == ("dense" if r["modification"] in ("dense", "key-padding") else "causal")
+        assert r["baseline"] == ("dense" if r["modification"] in ("dense", "key-padding", "dropout-dense") else "causal")
         assert float(r["ratio_to_baseline"]) > 0
         assert r["modification"] != r["baseline"] or float(r["ratio_to_baseline"]) == 1.0
 

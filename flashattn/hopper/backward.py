@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..gpu.launcher import run
-from ..kernels.tiles import qk_scale
+from ..kernels.tiles import DROP_TILE, dropout_keep, qk_scale
 from . import forward as hopper_forward
 from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, modified_scores, slope_args,  # noqa: F401
                       supports, tma_load, tma_ok, tma_store)
@@ -82,10 +82,10 @@ DQ_CONFIGS = {
 }
 
 
-#: What the DQ variant changes under a softcap, ALiBi or a window: at head dim 64 the 128-query
-#: tile spills 144-770 bytes per thread with them, the 64-query tile none (compiled for sm_90,
-#: Triton 3.9); at 128 no smaller tile exists (it keeps 112 bytes with ALiBi, 136 with the
-#: softcap, 312 with all three).
+#: What the DQ variant changes under a softcap, ALiBi, a window or dropout: at head dim 64 the
+#: 128-query tile spills 144-770 bytes per thread with the first three, 752-968 with dropout, the
+#: 64-query tile 0-16 (compiled for sm_90, Triton 3.9); at 128 no smaller tile exists (it keeps
+#: 112 bytes with ALiBi, 136 with the softcap, 312 with all three, 408-520 with dropout).
 MODIFIED_DQ_CONFIGS = {64: dict(BLOCK_M=64), 128: {}}
 
 
@@ -96,8 +96,10 @@ def tile_config(head_dim, overrides=None):
 
 def dq_config(head_dim, overrides=None, modified=False):
     """The configuration of a head dim for the DQ variant (DQ_CONFIGS; MODIFIED_DQ_CONFIGS too if
-    ``modified``: a softcap, ALiBi or a window), with ``overrides``."""
-    return dict(DQ_CONFIGS[head_dim], **(MODIFIED_DQ_CONFIGS[head_dim] if modified else {}), **(overrides or {}))
+    ``modified``: a softcap, ALiBi, a window or dropout), with ``overrides``."""
+    cfg = dict(DQ_CONFIGS[head_dim], **(MODIFIED_DQ_CONFIGS[head_dim] if modified else {}))
+    cfg.update(overrides or {})
+    return cfg
 
 
 def launch_options(cfg):
@@ -159,10 +161,10 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
                   kv_ready, ready, empty, ds_ready, done,
                   LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
                   qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes, stride_sb,
-                  stride_sh, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  stride_sh, seed, p_drop, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
                   PREFETCH: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                  TANH_APPROX: gl.constexpr):
+                  TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
     the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
     along columns), as in ``backward.dkdv_inner``.
@@ -176,7 +178,9 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 
     WINDOW hides the pairs outside the sliding window in the query tiles outside ``[q_full_lo,
     q_full_hi)``; SOFTCAP and ALIBI modify the scores (``forward.modified_scores``) and the softcap
-    multiplies dS^T by its factor ``1 - tanh**2``."""
+    multiplies dS^T by its factor ``1 - tanh**2``. DROPOUT rebuilds the forward's mask
+    (``tiles.dropout_keep``): dV takes the kept probabilities and dP^T the kept products, both
+    scaled by ``1 / (1 - p)``, while dS^T = P^T * (dP^T - Delta) keeps P^T whole."""
     s_layout: gl.constexpr = mma_layout(BLOCK_M)      # S^T, dP^T: BLOCK_N keys x BLOCK_M queries
     acc_layout: gl.constexpr = mma_layout(HEAD_DIM)   # dK, dV: BLOCK_N keys x head dim
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -185,6 +189,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 
     kv_first = kv_start + C * BLOCK_N
     offs_kv = kv_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    drop_cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)), 1)
     # At the ragged end, keys past n_kv read as zeros: their probabilities 2**-LSE are not 0 and
     # may overflow dS^T, which dQ multiplies by those zero keys (inf * 0 = NaN): hide them.
     ragged = kv_first + BLOCK_N > n_kv
@@ -274,11 +279,19 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
         elif ragged:
             sT = gl.where(keys_in, sT, float("-inf"))
         pT = gl.exp2(sT * scale2)                                          # P^T from the LSE
-        pT_op = gl.convert_layout(pT.to(dtype), a_layout)
+        if DROPOUT:  # dropout's rows: those of query head g, as in the forward
+            drop_rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q + offs_q
+            keepT = dropout_keep(seed, p_drop, gl.expand_dims(drop_rows, 0), drop_cols, kv_first, BLOCK_N,
+                                 DROPOUT)
+            pT_op = gl.convert_layout(gl.where(keepT, pT * (1.0 / (1.0 - p_drop)), 0.0).to(dtype), a_layout)
+        else:
+            pT_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(pT_op, do, dv, is_async=True)                   # dV += P^T dO
         if SOFTCAP:  # dS^T carries the cap's factor; keep it in place of P^T
             pT = pT * dcap
         dpT = warpgroup_mma_wait(1, deps=[dpT])          # dP^T is ready; dV may still run
+        if DROPOUT:
+            dpT = gl.where(keepT, dpT * (1.0 / (1.0 - p_drop)), 0.0)
         delta = stats.index(1).load(col_layout)
         dsT = pT * (dpT - gl.expand_dims(delta, 0))                        # dS^T (unscaled)
         if DQ:
@@ -326,14 +339,16 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right", "shift", "stride_sb", "stride_sh"])
+@gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right", "shift", "stride_sb", "stride_sh",
+                              "seed"])
 def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LSE, Delta,
                   n_heads, n_group, n_q, n_kv, scale, qk_scale, win_left, win_right, shift, softcap,
-                  Slopes, stride_sb, stride_sh,
+                  Slopes, stride_sb, stride_sh, seed, p_drop,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
-                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, TANH_APPROX: gl.constexpr = False):
+                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, TANH_APPROX: gl.constexpr = False,
+                  DROPOUT: gl.constexpr = 0):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
     # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
     # With DQ it also adds each query tile's share of dQ into the float32 tensor of desc_dq.
@@ -396,16 +411,16 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
-                         stride_sb, stride_sh,
+                         stride_sb, stride_sh, seed, p_drop,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
-                         TANH_APPROX)),
+                         TANH_APPROX, DROPOUT)),
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
-                         stride_sb, stride_sh,
+                         stride_sb, stride_sh, seed, p_drop,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
-                         TANH_APPROX)),
+                         TANH_APPROX, DROPOUT)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
                          ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES)),
@@ -434,10 +449,10 @@ def dq_descriptor(dq_accum, block_m):
 
 
 def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, window=None, softcap=0.0,
-            alibi_slopes=None, shift=0):
+            alibi_slopes=None, shift=0, dropout_p=0.0, seed=0):
     """One launch of attn_bwd_sm90: ``(dk, dv)``, adding dQ's shares into ``dq_accum`` if given;
-    ``window``, ``softcap``, ``alibi_slopes`` and ``shift`` as ``forward.attention_forward`` takes
-    them."""
+    ``window``, ``softcap``, ``alibi_slopes``, ``shift``, ``dropout_p`` and ``seed`` as
+    ``forward.attention_forward`` takes them."""
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
     if not tma_ok(do):  # dO from autograd may be expanded or strided: TMA needs rows 16 bytes apart
@@ -453,11 +468,12 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
         None if dq_accum is None else dq_descriptor(dq_accum, bm),
         lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
-        *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2),
+        *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2), int(seed), float(dropout_p),
         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
         IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
         WINDOW=window is not None, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-        TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper_forward.TANH_APPROX)), **regs, **options)
+        TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper_forward.TANH_APPROX)),
+        DROPOUT=DROP_TILE if dropout_p > 0 else 0, **regs, **options)
     return dk, dv
 
 
@@ -466,8 +482,8 @@ def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=N
     Triton dK/dV kernel:
     ``lse2`` is the forward's base-2 LSE, ``delta`` is Delta (minus the LSE's gradient, if any),
     both float32 (B, H, N_q), contiguous. ``config`` overrides entries of ``CONFIGS[head_dim]``;
-    ``mods``: the forward's ``window``, ``softcap``, ``alibi_slopes`` and ``shift``
-    (``forward.attention_forward``)."""
+    ``mods``: the forward's ``window``, ``softcap``, ``alibi_slopes``, ``shift``, ``dropout_p`` and
+    ``seed`` (``forward.attention_forward``)."""
     return _launch(q, k, v, do, lse2, delta, is_causal, scale, tile_config(q.shape[-1], config), **mods)
 
 
@@ -480,7 +496,8 @@ def attention_backward(q, k, v, do, lse2, delta, is_causal, scale, config=None, 
     kernel). ``config`` overrides entries of ``DQ_CONFIGS[head_dim]``; ``mods`` as
     :func:`attention_backward_dkdv` takes them."""
     dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    modified = mods.get("window") is not None or mods.get("softcap", 0) > 0 or mods.get("alibi_slopes") is not None
+    modified = (mods.get("window") is not None or mods.get("softcap", 0) > 0 or mods.get("alibi_slopes") is not None
+                or mods.get("dropout_p", 0) > 0)
     dk, dv = _launch(q, k, v, do, lse2, delta, is_causal, scale, dq_config(q.shape[-1], config, modified),
                      dq_accum, **mods)
     dq = torch.empty_like(q)

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..kernels.tiles import qk_scale
+from ..kernels.tiles import DROP_TILE, dropout_keep, qk_scale
 from ..kernels.traversal import every_block_sees_keys
 
 # TMA's copies, under the names of the Triton at hand: Triton 3.9 calls them async_load and
@@ -247,18 +247,21 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, q
 def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
               LSE,
               batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi, qk_scale,
-              win_left, win_right, softcap, slope, shift,
+              win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
               C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
               WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-              TANH_APPROX: gl.constexpr):
+              TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr):
     """One warpgroup: rows ``q_start + C * BLOCK_M`` to ``+ BLOCK_M`` of the output.
 
     The loop is software-pipelined by one tile: in step j it issues ``S_j = Q K_j^T`` and
     ``O += P_{j-1} V_{j-1}``, waits for S_j only, and computes the softmax of tile j while the
     tensor cores still work on P V. With PINGPONG the consumers issue in turn (C, then C + 1, ...):
     consumer C waits for its mbarrier ``turn[C]`` and, once its matmuls are issued, passes the turn.
+
+    DROPOUT drops probabilities from ``P V`` after they joined the row sums (``tiles.dropout_keep``
+    on the dropout rows ``drop_row0 + i``: the same pairs as the Triton kernels drop).
     """
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM)
@@ -269,6 +272,8 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
 
     q = q_smem.index(C).reshape([BLOCK_M, HEAD_DIM])
     offs_q = q_start + C * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    drop_rows = gl.expand_dims(drop_row0 + offs_q, 1)
+    drop_cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -291,6 +296,8 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
                                        C % gl.maximum(EXP2_FMA, 1) == 0, win_left, win_right,
                                        softcap, slope, shift, BLOCK_N, IS_CAUSAL, EXP2_FMA, WINDOW,
                                        SOFTCAP, ALIBI, TANH_APPROX)
+    if DROPOUT:
+        p = gl.where(dropout_keep(seed, p_drop, drop_rows, drop_cols, kv_lo, BLOCK_N, DROPOUT), p, 0.0)
     p = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_tiles):
@@ -313,6 +320,9 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
                                                 j % gl.maximum(EXP2_FMA, 1) == C % gl.maximum(EXP2_FMA, 1),
                                                 win_left, win_right, softcap, slope, shift, BLOCK_N,
                                                 IS_CAUSAL, EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)
+        if DROPOUT:
+            p_next = gl.where(dropout_keep(seed, p_drop, drop_rows, drop_cols, kv_lo + j * BLOCK_N, BLOCK_N,
+                                           DROPOUT), p_next, 0.0)
         acc, p = warpgroup_mma_wait(0, deps=[acc, p])  # p's registers stay live until here
         mbarrier.arrive(v_empty.index(prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -335,6 +345,8 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     lse = m_i + gl.log2(l_i)
     gl.store(LSE + offs_q, lse, mask=offs_q < n_q)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    if DROPOUT:  # the kept probabilities scaled by 1 / (1 - p): O's expectation is P V
+        l_o = l_o * (1.0 - p_drop)
     o = (acc / gl.expand_dims(l_o, 1)).to(dtype)
     q.store(o)
     fence_async_shared()
@@ -343,15 +355,16 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right", "shift", "stride_sb", "stride_sh"])
+@gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right", "shift", "stride_sb", "stride_sh",
+                              "seed"])
 def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_scale, n_group,
-                   win_left, win_right, shift, softcap, Slopes, stride_sb, stride_sh,
+                   win_left, win_right, shift, softcap, Slopes, stride_sb, stride_sh, seed, p_drop,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                    CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
                    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
-                   TANH_APPROX: gl.constexpr = False):
+                   TANH_APPROX: gl.constexpr = False, DROPOUT: gl.constexpr = 0):
     BLOCK_Q: gl.constexpr = CONSUMERS * BLOCK_M  # query rows per program
     q_block = gl.program_id(0)
     if IS_CAUSAL:  # the last query blocks visit the most keys: start them first
@@ -360,7 +373,8 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
     batch = gl.program_id(2)
     kv_head = head // n_group  # grouped-query attention: n_group query heads share a K/V head
     q_start = q_block * BLOCK_Q
-    LSE += (batch.to(gl.int64) * n_heads + head) * n_q
+    drop_row0 = (batch.to(gl.int64) * n_heads + head) * n_q  # the (batch, head)'s first row
+    LSE += drop_row0
     if ALIBI:  # the head's slope (row ``batch`` of the slopes, or their one row: stride 0)
         slope = gl.load(Slopes + batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh)
     else:
@@ -419,14 +433,14 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
         gl.warp_specialize([
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right, softcap, slope, shift,
+                         qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right, softcap, slope, shift,
+                         qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                          k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES, CONSUMERS)),
@@ -435,19 +449,19 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
         gl.warp_specialize([
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right, softcap, slope, shift,
+                         qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right, softcap, slope, shift,
+                         qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
-                         qk_scale, win_left, win_right, softcap, slope, shift,
+                         qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                          k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES, CONSUMERS)),
@@ -529,7 +543,7 @@ def launch_options(cfg):
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softcap=0.0, alibi_slopes=None,
-                      shift=0):
+                      shift=0, dropout_p=0.0, seed=0):
     """``(o, lse2)`` like ``flashattn.kernels.forward.attention_forward``, for inputs ``supports``
     accepts (grouped heads too: query head ``h`` reads K/V head ``h // (H_q / H_kv)`` in place).
     ``config`` overrides entries of the configuration of (head dim, causal): see :func:`tile_config`
@@ -538,7 +552,8 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softc
     ``right = 0``, moved by ``traversal.aligned_bounds`` where positions align bottom-right): a
     sliding window, with the masked configuration's tiles. ``softcap`` > 0 caps the scores;
     ``alibi_slopes`` (``(B or 1, H)``, float32) add ALiBi's biases at query positions ``i + shift``
-    (``shift = N_kv - N_q`` aligned bottom-right, else 0)."""
+    (``shift = N_kv - N_q`` aligned bottom-right, else 0). ``dropout_p`` > 0 drops the pairs the
+    Triton kernels drop for ``seed`` (``tiles.dropout_keep``)."""
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
     o = torch.empty_like(q)  # q's layout where q is dense, else contiguous: either suits TMA
@@ -555,9 +570,9 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softc
     attn_fwd_sm90[grid](descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(o, bm),
                          lse2, heads, n_q, n_kv, qk_scale(scale), heads // k.shape[1],
                          *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2),
-                         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+                         int(seed), float(dropout_p), HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
                          IS_CAUSAL=bool(is_causal), PINGPONG=bool(cfg["PINGPONG"]),
                          CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], WINDOW=window is not None,
                          SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, TANH_APPROX=tanh_approx,
-                         **regs, **options)
+                         DROPOUT=DROP_TILE if dropout_p > 0 else 0, **regs, **options)
     return o, lse2

@@ -16,6 +16,7 @@ import tempfile
 
 import triton
 
+from ..kernels.tiles import DROP_TILE
 from .compiled import SM90, TORCH_DTYPES, CannotCompile, facts
 
 
@@ -51,17 +52,19 @@ def _descriptor_type(module, dtype, rows, head_dim):
 
 
 #: The score modifications a Gluon kernel may be compiled with (``mods`` below): their constexprs.
-MODS = {"softcap": "SOFTCAP", "alibi": "ALIBI", "window": "WINDOW"}
+MODS = {"softcap": "SOFTCAP", "alibi": "ALIBI", "window": "WINDOW", "dropout": "DROPOUT"}
 #: The run-time arguments the modifications add to both kernels' signatures.
 MOD_SIGNATURE = dict(win_left="i32", win_right="i32", shift="i32", softcap="fp32", Slopes="*fp32",
-                     stride_sb="i32", stride_sh="i32")
+                     stride_sb="i32", stride_sh="i32", seed="i32", p_drop="fp32")
 
 
 def _mod_constexprs(mods):
     unknown = set(mods) - set(MODS)
     if unknown:
         raise ValueError(f"mods: unknown {sorted(unknown)}; expected some of {sorted(MODS)}")
-    return {flag: name in mods for name, flag in MODS.items()}
+    flags = {flag: name in mods for name, flag in MODS.items()}
+    flags["DROPOUT"] = DROP_TILE if flags["DROPOUT"] else 0  # how a launch passes it
+    return flags
 
 
 def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False, mods=()):

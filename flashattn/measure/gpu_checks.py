@@ -90,6 +90,12 @@ MOD_SHAPES = [
     ("alibi-fewer-q", 2, 3, 3, 333, 1000, "bhnd", 1.0, dict(alibi="heads", is_causal=True)),
     ("alibi-window-bottom-right", 2, 3, 3, 200, 1000, "bhnd", 1.0,
      dict(alibi="heads", window_size=(100, 30), causal_alignment="bottom_right")),
+    ("dropout", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(dropout_p=0.17)),
+    ("dropout-causal", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(dropout_p=0.1, is_causal=True)),
+    ("dropout-gqa-long", 1, 4, 2, 4103, 4103, "bnhd", 1.0, dict(dropout_p=0.3, is_causal=True, enable_gqa=True)),
+    ("dropout-17", 2, 3, 3, 17, 17, "bhnd", 1.0, dict(dropout_p=0.5)),
+    ("dropout-all", 2, 3, 3, 333, 1000, "bhnd", 1.0,
+     dict(dropout_p=0.2, softcap=3.0, alibi="heads", window_size=(100, 30), causal_alignment="bottom_right")),
 ]
 #: The float32 grid: the lengths of tests/test_attention.py (odd, equal and not), head dims that
 #: are not powers of two, large magnitudes, scales, a transposed layout, and longer sequences.
@@ -229,7 +235,8 @@ def child_gluon_mods(args):
     float64 under the rule, forward and backward, with counters proving which kernels ran: the
     Gluon forward wherever ``hopper.supports`` takes the call, the Gluon backward always.
     ``--tanh-approx`` chooses the softcap's tanh (``hopper.forward.TANH_APPROX``);
-    ``--deterministic 1`` asks for the backward without dQ's reduce-adds."""
+    ``--deterministic 1`` asks for the backward without dQ's reduce-adds; ``--only`` runs the
+    cases whose name holds one of its parts."""
     import functools
 
     import torch
@@ -252,7 +259,7 @@ def child_gluon_mods(args):
     _count_calls(hopper_backward, "attention_backward", calls)
     d = args.head_dim
     for cid, (name, b, h, h_kv, n_q, n_kv, layout, mag, kw) in zip(gluon_mod_cases(args.dtype, d), MOD_SHAPES):
-        if cid in args.skip:
+        if cid in args.skip or (args.only and not any(part in name for part in args.only)):
             continue
         print(f"START {cid}", flush=True)
         try:
@@ -265,14 +272,19 @@ def child_gluon_mods(args):
                 rows = kw.pop("alibi")
                 kw["alibi_slopes"] = torch.rand((h,) if rows == "heads" else (b, h), generator=g, device="cuda")
             causal = kw.pop("is_causal", False)
-            mods = score_mods(q, k, None, 0.0, causal, kw.get("causal_alignment", "top_left"),
+            mods = score_mods(q, k, None, kw.get("dropout_p", 0.0), causal, kw.get("causal_alignment", "top_left"),
                               kw.get("softcap", 0.0), kw.get("alibi_slopes"), b, h)  # as flashattn.attention
             call = dispatch.gluon_call(q, k, v, causal, kw.get("window_size", (-1, -1)), None, mods)
             gluon_fwd = hopper.supports(q, k, v, window=call["window"]) and not (
                 call["softcap"] > 0 and not hopper.TANH_APPROX)  # dispatch's exact softcap: Triton
+            ref_kw = dict(kw)
+            if "dropout_p" in kw:  # the reference takes the pairs the call drops (its seed: drawn again)
+                torch.manual_seed(5)
+                ref_kw["dropout_keep"] = attention(q, k, v, is_causal=causal, return_dropout_mask=True, **kw)[1]
+                torch.manual_seed(5)
             calls.clear()
             checks = compare_with_reference(q, k, v, is_causal=causal, impl=functools.partial(attention, **kw),
-                                            reference=functools.partial(naive_attention, **kw))
+                                            reference=functools.partial(naive_attention, **ref_kw))
             torch.cuda.synchronize()
             assert ("attention_forward" in calls) == gluon_fwd, (
                 f"the Gluon forward {'did not run' if gluon_fwd else 'ran'}: {call}")
@@ -508,12 +520,14 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int)
     p.add_argument("--causal", type=int, default=0)
     p.add_argument("--skip", default="")
+    p.add_argument("--only", default="", help="gluon_mods: the cases whose name holds one of these (comma-separated)")
     p.add_argument("--tanh-approx", type=int, choices=(0, 1),
                    help="gluon_mods: the softcap's tanh (default: the kernels')")
     p.add_argument("--deterministic", type=int, choices=(0, 1), default=0,
                    help="gluon_mods: torch.use_deterministic_algorithms (no fused backward)")
     args = p.parse_args(argv)
     args.skip = set(filter(None, args.skip.split(",")))
+    args.only = list(filter(None, args.only.split(",")))
     CHILDREN[args.job](args)
 
 

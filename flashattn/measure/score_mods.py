@@ -16,10 +16,14 @@ One row per (modification, provider, mode), B = 4, H = 32, N = 8192, D = 128, ca
 * ``softcap``: Gemma 2's cap of 50 on the scores; FlexAttention's ``score_mod`` (no SDPA row);
 * ``window``: causal with a sliding window of N/8 keys, against FlexAttention's block mask and
   SDPA with the window as a boolean mask;
-* on a GPU, ``alibi``, ``softcap`` and ``window`` also time ``flashattn-deterministic``
-  (``deterministic=True``: the backward without dQ's reduce-adds, for the same call);
+* on a GPU, ``alibi``, ``softcap``, ``window`` and ``dropout`` also time
+  ``flashattn-deterministic`` (``deterministic=True``: the backward without dQ's reduce-adds, for
+  the same call), ``softcap`` ``flashattn-tanh-approx`` (the Gluon kernels' tanh on the
+  special-function unit, ``hopper.forward.TANH_APPROX``) and ``dropout`` ``flashattn-triton``
+  (the Triton kernels alone, ``FLASHATTN_GLUON=0``);
 * ``dropout``: ``dropout_p = 0.1`` in training mode, against SDPA's FlashAttention-2 backend
   (``sdpa-flash``; each draws its own mask: the times compare, the values cannot);
+  ``dropout-dense`` the same without the causal mask;
 * ``bottom-right``: causal aligned bottom-right with N/4 queries against N keys (a chunk of a
   prompt after a cache), SDPA with ``causal_lower_right``.
 
@@ -30,6 +34,7 @@ are the medians of ``triton.testing.do_bench`` (the interpreter: one timed call)
 peer that fails (FlexAttention cannot compile here, say) is reported and left out.
 """
 import argparse
+import contextlib
 import csv
 import datetime
 import math
@@ -118,6 +123,29 @@ def _sdpa_flash(q, k, v, **kwargs):
     return call
 
 
+@contextlib.contextmanager
+def provider_setting(provider):
+    """What a flashattn provider other than the default sets while it runs and is timed (forward
+    and backward): ``flashattn-triton`` the Triton kernels alone, ``flashattn-tanh-approx`` the
+    Gluon kernels' approximate tanh."""
+    if provider == "flashattn-triton":
+        before = os.environ.get("FLASHATTN_GLUON")
+        os.environ["FLASHATTN_GLUON"] = "0"
+        try:
+            yield
+        finally:
+            os.environ.pop("FLASHATTN_GLUON") if before is None else os.environ.update(FLASHATTN_GLUON=before)
+    elif provider == "flashattn-tanh-approx":
+        from ..hopper import forward as hopper
+        before, hopper.TANH_APPROX = hopper.TANH_APPROX, True
+        try:
+            yield
+        finally:
+            hopper.TANH_APPROX = before
+    else:
+        yield
+
+
 def cases(s, device, dtype):
     """``{modification: (baseline, leaves, flashattn call, {peer: call}, compare)}``: the peers'
     outputs are compared with flashattn's where ``compare``."""
@@ -156,6 +184,9 @@ def cases(s, device, dtype):
 
     def deterministic(**kwargs):  # the same call's backward without dQ's reduce-adds (GPU only)
         return {"flashattn-deterministic": lambda: fa(q, k, v, deterministic=True, **kwargs)} if on_gpu else {}
+
+    def setting(provider, **kwargs):  # the same call under provider_setting (GPU only)
+        return {provider: lambda: fa(q, k, v, **kwargs)} if on_gpu else {}
     return {
         "dense": ("dense", qkv, lambda: fa(q, k, v), {"sdpa": sdpa(q, k, v)}, True),
         "causal": ("causal", qkv, lambda: fa(q, k, v, is_causal=True), {"sdpa": sdpa(q, k, v, is_causal=True)}, True),
@@ -168,13 +199,20 @@ def cases(s, device, dtype):
                    **deterministic(is_causal=True, alibi_slopes=slopes)}, True),
         "softcap": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, softcap=SOFTCAP),
                     {**flex(q, k, v, causal_mod, score_mod=softcap_mod),
-                     **deterministic(is_causal=True, softcap=SOFTCAP)}, True),
+                     **deterministic(is_causal=True, softcap=SOFTCAP),
+                     **setting("flashattn-tanh-approx", is_causal=True, softcap=SOFTCAP)}, True),
         "window": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, window_size=(left, -1)),
                    {"sdpa": sdpa(q, k, v, in_window), **flex(q, k, v, window_mod(left)),
                     **deterministic(is_causal=True, window_size=(left, -1))}, True),
         "dropout": ("causal", qkv, lambda: fa(q, k, v, dropout_p=DROPOUT, is_causal=True),
-                    {"sdpa-flash": _sdpa_flash(q, k, v, dropout_p=DROPOUT, is_causal=True)} if on_gpu else
+                    {"sdpa-flash": _sdpa_flash(q, k, v, dropout_p=DROPOUT, is_causal=True),
+                     **deterministic(dropout_p=DROPOUT, is_causal=True),
+                     **setting("flashattn-triton", dropout_p=DROPOUT, is_causal=True)} if on_gpu else
                     {"sdpa": sdpa(q, k, v, dropout_p=DROPOUT, is_causal=True)}, False),
+        "dropout-dense": ("dense", qkv, lambda: fa(q, k, v, dropout_p=DROPOUT),
+                          {"sdpa-flash": _sdpa_flash(q, k, v, dropout_p=DROPOUT),
+                           **setting("flashattn-triton", dropout_p=DROPOUT)} if on_gpu else
+                          {"sdpa": sdpa(q, k, v, dropout_p=DROPOUT)}, False),
         "bottom-right": ("causal", (q_chunk, k, v),
                          lambda: fa(q_chunk, k, v, is_causal=True, causal_alignment="bottom_right"),
                          {"sdpa": sdpa(q_chunk, k, v, lower_right)}, True),
@@ -195,10 +233,11 @@ def run(quick, out):
             if fn is None:
                 continue
             try:
-                if compare and provider != "flashattn":
-                    with torch.no_grad():
-                        diffs[provider] = f"{max_diff(ours(), fn()):.3g}"
-                times[provider] = timed_modes(fn, inputs, quick)
+                with provider_setting(provider):
+                    if compare and provider != "flashattn":
+                        with torch.no_grad():
+                            diffs[provider] = f"{max_diff(ours(), fn()):.3g}"
+                    times[provider] = timed_modes(fn, inputs, quick)
             except AssertionError:
                 raise
             except Exception as error:  # a peer that cannot run here is left out, said so

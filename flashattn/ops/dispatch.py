@@ -4,8 +4,8 @@ measured faster, the Triton kernels everywhere else.
 Both compute the same output and the same base-2 LSE in the same layout, so they mix within one
 call: on an H100/H200 a 16-bit forward at head dims 64 and 128 takes ``flashattn.hopper.forward``
 (grouped heads too, sliding windows where every query block sees some key, ALiBi, the
-bottom-right alignment, and a softcap where the kernels' tanh is the approximate one). The
-backward (the same calls, any window, any softcap) takes, with a Triton whose Gluon has TMA
+bottom-right alignment, dropout, and a softcap where the kernels' tanh is the approximate one).
+The backward (the same calls, any window, any softcap) takes, with a Triton whose Gluon has TMA
 reduce-adds (3.8 and later), all three gradients from the
 fused kernel of ``flashattn.hopper.backward`` (dQ added by reduce-adds, in an order that varies),
 unless ``deterministic`` asks for gradients bit-identical from run to run; else its dK/dV from the
@@ -16,8 +16,8 @@ kernels; so does every call with ``FLASHATTN_GLUON=0``.
 So does every call whose v has a head dim of its own (D_v != D, as in DeepSeek's MLA): the Gluon
 kernels hold V and O in tiles of q's head dim.
 
-So does every call with an attn_mask or dropout: the Gluon kernels implement neither, and
-computing without them would be silently wrong.
+So does every call with an attn_mask: the Gluon kernels do not implement one, and computing
+without it would be silently wrong.
 """
 import functools
 
@@ -40,18 +40,21 @@ def gluon_call(q, k, v, is_causal, window_size, sequences, mods):
     """What the Gluon kernels need of a call they compute, as keyword arguments of
     ``hopper.forward.attention_forward`` and ``hopper.backward.attention_backward`` (``causal``, the
     ``window`` bounds moved to the bottom-right alignment where it applies, ``softcap``,
-    ``alibi_slopes``, ``shift``); None for a call they do not compute: packed sequences, an
-    attn_mask, dropout, v with a head dim of its own."""
+    ``alibi_slopes``, ``shift``, and under dropout ``dropout_p`` and ``seed``); None for a call they
+    do not compute: packed sequences, an attn_mask, v with a head dim of its own."""
     mods = mods or NO_MODS
-    if sequences is not None or mods.attn_mask is not None or mods.dropout_p > 0 or v.shape[-1] != q.shape[-1]:
+    if sequences is not None or mods.attn_mask is not None or v.shape[-1] != q.shape[-1]:
         return None
     n_q, n_kv = q.shape[2], k.shape[2]
     aligned = mods.aligned_bottom_right(n_q, n_kv, False)
     causal, window, left, right = window_masking(is_causal, window_size, n_q + n_kv, aligned)
     shift = n_kv - n_q if aligned else 0
     bounds = aligned_bounds(left, right, n_q, n_kv) if aligned else (left, right)
-    return dict(is_causal=causal, window=bounds if window else None, softcap=mods.softcap,
+    call = dict(is_causal=causal, window=bounds if window else None, softcap=mods.softcap,
                 alibi_slopes=mods.alibi_slopes, shift=shift)
+    if mods.dropout_p > 0:  # the Triton kernels' pairs (tiles.dropout_keep): the two mix in a call
+        call.update(dropout_p=mods.dropout_p, seed=int(mods.seed))
+    return call
 
 
 def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -1), sequences=None,

@@ -393,9 +393,9 @@ def fake_gluon_forward(monkeypatch, tanh_approx):
                          ids=["plain", "mask", "softcap", "alibi", "dropout", "bottom-right"])
 def test_what_the_gluon_forward_gets(monkeypatch, kwargs):
     """A fake Gluon module stands in on the CPU: a plain call reaches it, and so do a softcap,
-    ALiBi's slopes and the bottom-right alignment (as the window bounds moved by N_kv - N_q and the
-    shift of ALiBi's positions); a mask or dropout takes the Triton kernels (the Gluon kernels
-    implement neither)."""
+    ALiBi's slopes, the bottom-right alignment (as the window bounds moved by N_kv - N_q and the
+    shift of ALiBi's positions) and dropout (its probability and the call's seed); a mask takes
+    the Triton kernels (the Gluon kernels implement none)."""
     calls = fake_gluon_forward(monkeypatch, tanh_approx=True)
     kwargs = dict(kwargs)
     if kwargs.get("attn_mask") == "padding":
@@ -403,11 +403,15 @@ def test_what_the_gluon_forward_gets(monkeypatch, kwargs):
     if kwargs.get("alibi_slopes") == "slopes":
         kwargs["alibi_slopes"] = torch.tensor([0.5, 0.25], device=DEVICE)
     q, k, v = make_qkv(7, 11, 16, batch=1)
+    torch.manual_seed(3)
     out = flashattn.attention(q, k, v, **kwargs)
-    gluon = "attn_mask" not in kwargs and "dropout_p" not in kwargs
+    gluon = "attn_mask" not in kwargs
     assert len(calls) == int(gluon) and (out.abs().max().item() == 0.0) == gluon
     if gluon:
         call = calls[0]
+        torch.manual_seed(3)  # the seed the call drew, drawn again
+        dropout = dict(dropout_p=0.2, seed=int(draw_seed())) if "dropout_p" in kwargs else {}
+        assert {name: call.get(name) for name in dropout} == dropout
         assert call["softcap"] == kwargs.get("softcap", 0.0)
         assert (call["alibi_slopes"] is None) == ("alibi_slopes" not in kwargs)
         if "alibi_slopes" in kwargs:

@@ -157,6 +157,22 @@ def _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, kv_head, n_g
 
 
 @gluon.jit
+def _dropout_keep_t(seed, p_drop, rows, kv_first, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    layout: gl.constexpr, DROPOUT: gl.constexpr):
+    """Which pairs of a transposed tile (``BLOCK_N`` keys from ``kv_first`` by the ``BLOCK_M``
+    dropout rows ``rows``) dropout keeps, in ``layout``. Drawn in S^T's own layout, a thread would
+    hold 2 pairs of each Philox call (``tiles.dropout_keep`` gives a call the pairs a thread holds
+    in S's orientation), so the mask is drawn in S's orientation instead, where each thread holds
+    two neighbouring keys every 8 (the columns of one call: 8 pairs per call), then transposed
+    through shared memory."""
+    drawn: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, drawn))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, drawn))
+    keep = dropout_keep(seed, p_drop, gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), kv_first, BLOCK_N, DROPOUT)
+    return gl.convert_layout(gl.permute(keep.to(gl.int8), (1, 0)), layout) != 0
+
+
+@gluon.jit
 def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                   kv_ready, ready, empty, ds_ready, done,
                   LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
@@ -189,7 +205,6 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 
     kv_first = kv_start + C * BLOCK_N
     offs_kv = kv_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    drop_cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout)), 1)
     # At the ragged end, keys past n_kv read as zeros: their probabilities 2**-LSE are not 0 and
     # may overflow dS^T, which dQ multiplies by those zero keys (inf * 0 = NaN): hide them.
     ragged = kv_first + BLOCK_N > n_kv
@@ -281,8 +296,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
         pT = gl.exp2(sT * scale2)                                          # P^T from the LSE
         if DROPOUT:  # dropout's rows: those of query head g, as in the forward
             drop_rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q + offs_q
-            keepT = dropout_keep(seed, p_drop, gl.expand_dims(drop_rows, 0), drop_cols, kv_first, BLOCK_N,
-                                 DROPOUT)
+            keepT = _dropout_keep_t(seed, p_drop, drop_rows, kv_first, BLOCK_M, BLOCK_N, s_layout, DROPOUT)
             pT_op = gl.convert_layout(gl.where(keepT, pT * (1.0 / (1.0 - p_drop)), 0.0).to(dtype), a_layout)
         else:
             pT_op = gl.convert_layout(pT.to(dtype), a_layout)

@@ -69,14 +69,15 @@ DEFAULTS = dict(CONSUMERS=2, EXP2_FMA=0)
 #: Whether the softcap's tanh is the special-function unit's ``tanh.approx.f32`` (one instruction,
 #: relative error about 2**-11, as FlashAttention-3's softcap), in the forward and both backward
 #: kernels, rather than the exact formula (an exp2, a division and a polynomial). Timed on an H100
-#: (bf16, causal, B = 4, H = 32, N = 8192, cap 50; Triton 3.9): the forward at 0.84x the plain
-#: call's speed at head dim 128 and 0.71x at 64 where the exact formula ran at 0.37x and 0.27x,
-#: with the same largest error against float64 on one bf16 case (its output's rounding dominates
-#: both). Off until the correctness grid (``gpu_checks`` ``gluon_mods --tanh-approx 1``) has run
-#: with it on a GPU. Both Gluon backward kernels read it at their launch; the Triton kernels keep
-#: the exact tanh (where they compute a backward, its P then differs from the forward's in the
-#: approximation's last bits).
-TANH_APPROX = False
+#: (bf16, causal, B = 4, H = 32, N = 8192, cap 50; Triton 3.9, one run): the forward at 0.81x the
+#: plain call's speed where the exact formula (on the Triton forward, faster there) ran at 0.41x,
+#: the backward at 0.72x where it ran at 0.63x. Checked against float64 under the rule on an H100
+#: (``gpu_checks`` ``gluon_mods --tanh-approx 1``, the softcap cases, both 16-bit dtypes, head dims
+#: 64 and 128): the worst at 0.10 of the bound, as with the exact formula. Both
+#: Gluon backward kernels read it at their launch; the Triton kernels keep the exact tanh (where
+#: they compute a backward, its P then differs from the forward's in the approximation's last
+#: bits, within the same rule).
+TANH_APPROX = True
 #: Registers per thread, per number of consumers: at launch (every warp of the program shares the
 #: 64K registers of an SM; one producer warp takes a warpgroup's slot), then after setmaxnreg:
 #: the producer gives most of its share to the consumers. 3 x 128 x 160 + 128 x 24 <= 65536.
@@ -161,7 +162,7 @@ def _exp2_fma(x):
 
 @gluon.jit
 def tanh(x, APPROX: gl.constexpr):
-    """tanh in float32. With APPROX (:data:`TANH_APPROX`; off by default), the special-function
+    """tanh in float32. With APPROX (:data:`TANH_APPROX`, the default), the special-function
     unit's ``tanh.approx.f32``; else exact to a few ulps: ``flashattn.kernels.tiles.tanh``'s
     formula, with the division an approximate one (``div.full``, 2 ulps) rather than IEEE's."""
     if APPROX:

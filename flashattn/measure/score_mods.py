@@ -18,8 +18,8 @@ One row per (modification, provider, mode), B = 4, H = 32, N = 8192, D = 128, ca
   SDPA with the window as a boolean mask;
 * on a GPU, ``alibi``, ``softcap``, ``window`` and ``dropout`` also time
   ``flashattn-deterministic`` (``deterministic=True``: the backward without dQ's reduce-adds, for
-  the same call), ``softcap`` ``flashattn-tanh-approx`` (the Gluon kernels' tanh on the
-  special-function unit, ``hopper.forward.TANH_APPROX``) and ``dropout`` ``flashattn-triton``
+  the same call), ``softcap`` ``flashattn-tanh-exact`` (the Gluon kernels' exact tanh in place of
+  the special-function unit's, ``hopper.forward.TANH_APPROX`` off) and ``dropout`` ``flashattn-triton``
   (the Triton kernels alone, ``FLASHATTN_GLUON=0``);
 * ``dropout``: ``dropout_p = 0.1`` in training mode, against SDPA's FlashAttention-2 backend
   (``sdpa-flash``; each draws its own mask: the times compare, the values cannot);
@@ -126,8 +126,8 @@ def _sdpa_flash(q, k, v, **kwargs):
 @contextlib.contextmanager
 def provider_setting(provider):
     """What a flashattn provider other than the default sets while it runs and is timed (forward
-    and backward): ``flashattn-triton`` the Triton kernels alone, ``flashattn-tanh-approx`` the
-    Gluon kernels' approximate tanh."""
+    and backward): ``flashattn-triton`` the Triton kernels alone, ``flashattn-tanh-exact`` the
+    Gluon kernels' exact tanh."""
     if provider == "flashattn-triton":
         before = os.environ.get("FLASHATTN_GLUON")
         os.environ["FLASHATTN_GLUON"] = "0"
@@ -135,9 +135,9 @@ def provider_setting(provider):
             yield
         finally:
             os.environ.pop("FLASHATTN_GLUON") if before is None else os.environ.update(FLASHATTN_GLUON=before)
-    elif provider == "flashattn-tanh-approx":
+    elif provider == "flashattn-tanh-exact":
         from ..hopper import forward as hopper
-        before, hopper.TANH_APPROX = hopper.TANH_APPROX, True
+        before, hopper.TANH_APPROX = hopper.TANH_APPROX, False
         try:
             yield
         finally:
@@ -200,7 +200,7 @@ def cases(s, device, dtype):
         "softcap": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, softcap=SOFTCAP),
                     {**flex(q, k, v, causal_mod, score_mod=softcap_mod),
                      **deterministic(is_causal=True, softcap=SOFTCAP),
-                     **setting("flashattn-tanh-approx", is_causal=True, softcap=SOFTCAP)}, True),
+                     **setting("flashattn-tanh-exact", is_causal=True, softcap=SOFTCAP)}, True),
         "window": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, window_size=(left, -1)),
                    {"sdpa": sdpa(q, k, v, in_window), **flex(q, k, v, window_mod(left)),
                     **deterministic(is_causal=True, window_size=(left, -1))}, True),

@@ -28,7 +28,8 @@ their dK and dV.
 
 A softcap, ALiBi, a sliding window and the bottom-right alignment change the scores as in the
 forward (``forward.modified_scores``); a softcap's accumulator starts at zero instead, since the
-cap acts before the LSE is subtracted.
+cap acts before the LSE is subtracted. Dropout rebuilds the forward's mask from the seed
+(:func:`_dropout_keep_t`).
 
 Without ``DQ``, dQ is left to the Triton kernel (``flashattn.kernels.backward.attn_bwd_dq``), which keeps
 the gradients bit-identical from run to run (each dK/dV tile is written by one program, in a fixed

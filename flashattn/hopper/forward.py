@@ -23,9 +23,10 @@ tile lives and when to wait):
   tensor cores. Measured, it helps at head dim 128 and not at 64 (see ``CONFIGS``).
 
 It computes exactly what ``flashattn.forward.attention_forward`` computes (the output in q's dtype
-and the base-2 LSE), with the same score modifications but the mask and dropout (a softcap,
-ALiBi, sliding windows, the bottom-right alignment: constexpr switches, off for a plain call), so
-the backward kernels work unchanged (``flashattn.hopper_backward`` is the
+and the base-2 LSE), with the same score modifications but the mask (a softcap, ALiBi, sliding
+windows, the bottom-right alignment and dropout, whose Philox draw is the Triton kernels' own
+``tiles.dropout_keep``, called from Gluon: constexpr switches, off for a plain call), so the
+backward kernels work unchanged (``flashattn.hopper_backward`` is the
 dK/dV kernel written the same way). Gluon has no interpreter: these kernels run only where they
 are compiled for CUDA (``flashattn.forward`` calls them there; elsewhere this module is only read).
 """

@@ -63,11 +63,11 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window_size=(-1, -
     the Gluon forward where it applies (see the module's docstring)."""
     call = gluon_call(q, k, v, is_causal, window_size, sequences, mods) if config is None else None
     gluon = hopper.load("forward") if call is not None else None
-    # The softcap with the exact tanh: on an H100 (bf16, causal, B = 4, H = 32, N = 8192) the Gluon
-    # forward took 10.1 ms in two runs, the Triton forward 8.9 ms in an earlier one; likely (not
-    # profiled) its three special-function instructions per score (exp2, the division's
-    # reciprocal, the softmax's exp2) leave the Gluon kernel's overlap nothing to gain
-    # (docs/performance.md).
+    # The softcap with the exact tanh (``hopper.forward.TANH_APPROX`` off): on an H100 (bf16,
+    # causal, B = 4, H = 32, N = 8192) the Gluon forward took 10.1 ms in two runs, the Triton
+    # forward 8.9 ms in an earlier one; likely (not profiled) its three special-function
+    # instructions per score (exp2, the division's reciprocal, the softmax's exp2) leave the Gluon
+    # kernel's overlap nothing to gain (docs/performance.md).
     exact_softcap = gluon is not None and call["softcap"] > 0 and not gluon.TANH_APPROX
     if gluon is not None and not exact_softcap and gluon.supports(q, k, v, window=call["window"]):
         return gluon.attention_forward(q, k, v, scale=scale, **call)

@@ -17,12 +17,13 @@ def test_the_quick_run_writes_every_modification(tmp_path):
     score_mods.main(["--quick", "--out", str(out)])
     rows = list(csv.DictReader(out.open()))
     assert {r["modification"] for r in rows} == {"dense", "causal", "key-padding", "float-mask", "alibi", "softcap",
-                                                "window", "dropout", "dropout-dense", "bottom-right"}
+                                                "window", "causal-32k", "window-32k", "dropout", "dropout-dense",
+                                                "bottom-right"}
     assert all(r["mode"] in ("fwd", "bwd", "fwd+bwd") and float(r["ms"]) > 0 for r in rows)
     ours = [r for r in rows if r["provider"] == "flashattn"]
-    assert len(ours) == 10 * 3 and all(r["max_diff"] == "" and r["flashattn_speedup"] == "" for r in ours)
+    assert len(ours) == 12 * 3 and all(r["max_diff"] == "" and r["flashattn_speedup"] == "" for r in ours)
     peers = [r for r in rows if r["provider"] != "flashattn"]
-    # FlexAttention runs on GPUs only: every modification but softcap has an SDPA row here, each
+    # FlexAttention runs on GPUs only: every modification but softcap and the 32k pair has an SDPA row here, each
     # compared with flashattn's output but dropout's (each draws its own mask)
     assert {r["modification"] for r in peers} == {"dense", "causal", "key-padding", "float-mask", "alibi", "window",
                                                  "dropout", "dropout-dense", "bottom-right"}
@@ -32,9 +33,20 @@ def test_the_quick_run_writes_every_modification(tmp_path):
     assert all(float(r["flashattn_speedup"]) > 0 for r in peers)
     # each row is timed against its provider's baseline, key padding against the dense kernel
     for r in rows:
-        assert r["baseline"] == ("dense" if r["modification"] in ("dense", "key-padding", "dropout-dense") else "causal")
+        baseline = {"dense": "dense", "key-padding": "dense", "dropout-dense": "dense", "causal-32k": "causal-32k",
+                    "window-32k": "causal-32k"}.get(r["modification"], "causal")
+        assert r["baseline"] == baseline
         assert float(r["ratio_to_baseline"]) > 0
         assert r["modification"] != r["baseline"] or float(r["ratio_to_baseline"]) == 1.0
+
+
+def test_cases_picks_modifications_and_their_baselines(tmp_path):
+    out = tmp_path / "score_mods.csv"
+    score_mods.main(["--quick", "--out", str(out), "--cases", "window-32k,alibi"])
+    rows = list(csv.DictReader(out.open()))
+    assert {r["modification"] for r in rows} == {"causal-32k", "window-32k", "causal", "alibi"}
+    with pytest.raises(ValueError, match="--cases: unknown \\['nope'\\]"):
+        score_mods.main(["--quick", "--out", str(out), "--cases", "nope"])
 
 
 def test_key_padding_keeps_n_three_quarters_half_a_quarter():

@@ -15,7 +15,8 @@ One row per (modification, provider, mode), B = 4, H = 32, N = 8192, D = 128, ca
   a ``score_mod`` with the causal block mask;
 * ``softcap``: Gemma 2's cap of 50 on the scores; FlexAttention's ``score_mod`` (no SDPA row);
 * ``window``: causal with a sliding window of N/8 keys, against FlexAttention's block mask and
-  SDPA with the window as a boolean mask;
+  SDPA with the window as a boolean mask; ``window-32k``: a window of 4096 keys at N = 32768,
+  B = 1, against FlexAttention (baseline ``causal-32k``, the same call without the window);
 * on a GPU, ``alibi``, ``softcap``, ``window`` and ``dropout`` also time
   ``flashattn-deterministic`` (``deterministic=True``: the backward without dQ's reduce-adds, for
   the same call), ``softcap`` ``flashattn-tanh-exact`` (the Gluon kernels' exact tanh in place of
@@ -49,8 +50,8 @@ from .variants import leaves, max_diff, timed_modes
 
 FIELDS = ["gpu", "torch", "triton", "date", "modification", "provider", "mode", "ms", "baseline",
           "ratio_to_baseline", "flashattn_speedup", "max_diff"]
-SIZES = {"gpu": dict(batch=4, heads=32, n=8192, head_dim=128, chunk=2048),
-         "quick": dict(batch=4, heads=1, n=32, head_dim=16, chunk=16)}
+SIZES = {"gpu": dict(batch=4, heads=32, n=8192, head_dim=128, chunk=2048, long_n=32768, long_window=4096),
+         "quick": dict(batch=4, heads=1, n=32, head_dim=16, chunk=16, long_n=64, long_window=16)}
 SOFTCAP = 50.0
 DROPOUT = 0.1
 
@@ -160,6 +161,7 @@ def cases(s, device, dtype):
     slopes = alibi_slopes(heads, device)
     bias = alibi_bias(slopes, n, n, device, dtype).masked_fill_(~causal, float("-inf")).expand(batch, -1, -1, -1)
     q_chunk = leaves(q[:, :, -s["chunk"]:].detach())[0]
+    long = leaves(*(torch.randn(1, heads, s["long_n"], d, generator=g).to(device, dtype) for _ in range(3)))
     from torch.nn.attention.bias import causal_lower_right
 
     lower_right = causal_lower_right(s["chunk"], n)
@@ -204,6 +206,9 @@ def cases(s, device, dtype):
         "window": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, window_size=(left, -1)),
                    {"sdpa": sdpa(q, k, v, in_window), **flex(q, k, v, window_mod(left)),
                     **deterministic(is_causal=True, window_size=(left, -1))}, True),
+        "causal-32k": ("causal-32k", long, lambda: fa(*long, is_causal=True), flex(*long, causal_mod), True),
+        "window-32k": ("causal-32k", long, lambda: fa(*long, is_causal=True, window_size=(s["long_window"], -1)),
+                       flex(*long, window_mod(s["long_window"])), True),
         "dropout": ("causal", qkv, lambda: fa(q, k, v, dropout_p=DROPOUT, is_causal=True),
                     {"sdpa-flash": _sdpa_flash(q, k, v, dropout_p=DROPOUT, is_causal=True),
                      **deterministic(dropout_p=DROPOUT, is_causal=True),
@@ -219,7 +224,8 @@ def cases(s, device, dtype):
     }
 
 
-def run(quick, out):
+def run(quick, out, only=None):
+    """Time every case (or those named in ``only`` and their baselines) and write the CSV."""
     s = SIZES["quick" if quick else "gpu"]
     device, dtype = flashattn.DEVICE, torch.bfloat16
     import triton
@@ -227,7 +233,14 @@ def run(quick, out):
     meta = dict(gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                 torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat())
     rows, baselines = [], {}
-    for name, (baseline, inputs, ours, peers, compare) in cases(s, device, dtype).items():
+    chosen = cases(s, device, dtype)
+    if only:
+        unknown = set(only) - set(chosen)
+        if unknown:
+            raise ValueError(f"--cases: unknown {sorted(unknown)}; expected some of {sorted(chosen)}")
+        keep = set(only) | {chosen[name][0] for name in only}  # each with its baseline
+        chosen = {name: case for name, case in chosen.items() if name in keep}
+    for name, (baseline, inputs, ours, peers, compare) in chosen.items():
         times, diffs = {}, {}
         for provider, fn in (("flashattn", ours), *peers.items()):
             if fn is None:
@@ -270,10 +283,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the CSV to write")
     p.add_argument("--quick", action="store_true", help="tiny sizes (runs on the interpreter)")
+    p.add_argument("--cases", help="comma-separated modifications to time (with their baselines); default all")
     args = p.parse_args(argv)
     if not args.quick and flashattn.DEVICE.type != "cuda":
         sys.exit("score_mods times kernels on a CUDA GPU; on a CPU run it with --quick")
-    run(args.quick, args.out)
+    run(args.quick, args.out, args.cases.split(",") if args.cases else None)
 
 
 if __name__ == "__main__":

@@ -411,6 +411,7 @@ def test_what_the_gluon_forward_gets(monkeypatch, kwargs):
         call = calls[0]
         torch.manual_seed(3)  # the seed the call drew, drawn again
         dropout = dict(dropout_p=0.2, seed=int(draw_seed())) if "dropout_p" in kwargs else {}
+        assert ("dropout_p" in call) == ("dropout_p" in kwargs)
         assert {name: call.get(name) for name in dropout} == dropout
         assert call["softcap"] == kwargs.get("softcap", 0.0)
         assert (call["alibi_slopes"] is None) == ("alibi_slopes" not in kwargs)

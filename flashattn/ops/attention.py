@@ -105,8 +105,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     Under ``torch.autocast``, q, k and v are cast to the autocast dtype first, as
     scaled_dot_product_attention does. It works under ``torch.compile`` (as one opaque operator,
     ``fullgraph=True`` included), ``torch.func.vmap`` (over q, k, v) and ``torch.func.grad``; it has
-    no double backward (a gradient of the gradients raises a RuntimeError). Calls with a mask, a
-    softcap, ALiBi, dropout or the bottom-right alignment always run the Triton kernels.
+    no double backward (a gradient of the gradients raises a RuntimeError). Calls with a mask
+    always run the Triton kernels; on an H100/H200 the others may run the Gluon kernels of
+    ``flashattn.hopper`` (``flashattn.ops.dispatch`` says which).
     """
     q, k, v = _autocast(query, key, value)
     attn_mask, is_causal, causal_alignment = causal_bias(attn_mask, is_causal, causal_alignment, q, k)

@@ -4,6 +4,7 @@ in a fresh process that the backward then compiles nothing.)"""
 import pytest
 import torch
 
+import flashattn
 from flashattn import hopper
 from flashattn.gpu import launcher
 from flashattn.ops import warmup
@@ -168,3 +169,25 @@ def test_triton_is_prepared_three_jobs_side_by_side_and_failures_are_left_to_the
     monkeypatch.setattr(warmup, "_load_driver", job("driver", fails=True))
     warmup._prepare_triton()
     assert sorted(done) == ["driver", "hash", "import"]
+
+
+def test_a_deterministic_call_warms_its_own_backward(submitted):
+    """``deterministic=True`` (or torch's deterministic algorithms) is a setting of its own, handed
+    to the compile: its backward's kernels are others than the default's (no fused Gluon backward)."""
+    q, k, v = qkv()
+    start(q, k, v)
+    warmup.start(q, k, v, True, 0.125, (-1, -1), None, torch.float32, True)
+    assert [args[-1] for args in submitted] == [False, True]
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        start(q, k, v)  # the same setting as the deterministic call's
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert len(submitted) == 2
+
+
+def test_flashattn_attention_hands_the_warm_up_its_deterministic(submitted):
+    q, k, v = qkv(dtype=torch.float32)
+    flashattn.attention(q, k, v, is_causal=True, deterministic=True)
+    assert [args[-1] for args in submitted] == [True]

@@ -59,7 +59,7 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, is_causal, scale, window_size=(-1, -1), sequences=None, mods=None, deterministic=False):
         return torch.ops.flashattn.forward(q, k, v, is_causal, scale, *window_size, *_sequence_args(sequences),
-                                           *_mod_args(mods))
+                                           *_mod_args(mods), deterministic)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -198,14 +198,16 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bo
                 cu_seqlens_k: torch.Tensor | None, lengths_q: list[int] | None,
                 lengths_k: list[int] | None, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
-                bottom_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                bottom_right: bool = False, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse2)`` of :func:`flashattn.ops.dispatch.attention_forward`. On a GPU, when a gradient
     may follow, the backward's kernels start compiling beside the forward's (flashattn.ops.warmup;
-    not for calls with score modifications, whose kernels are other variants)."""
+    not for calls with score modifications, whose kernels are other variants): those of the
+    backward ``deterministic`` asks for."""
     sequences = _sequences(cu_seqlens_q, cu_seqlens_k, lengths_q, lengths_k)
     mods = _mods(softcap, alibi_slopes, attn_mask, dropout_p, seed, bottom_right)
     if mods is None:
-        warmup.start(q, k, v, is_causal, scale, (window_left, window_right), sequences, _lse_dtype(q))
+        warmup.start(q, k, v, is_causal, scale, (window_left, window_right), sequences, _lse_dtype(q),
+                     deterministic)
 
     def run(q, k, v):
         return attention_forward(q, k, v, is_causal, scale, None, (window_left, window_right),

@@ -33,14 +33,16 @@ _started = {}  # setting -> a Future whose result is the list of its kernels' co
 _lock = threading.Lock()
 
 
-def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
+def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype, deterministic=False):
     """Compile, in the background, the backward kernels of a forward about to run on ``q, k, v``
     (same arguments as ``flashattn.ops.dispatch.attention_backward``; ``lse_dtype``: the forward's
-    LSE dtype); only on a GPU, only if a gradient may be asked for, once per setting."""
+    LSE dtype; ``deterministic``: the call's, which picks the backward's kernels); only on a GPU,
+    only if a gradient may be asked for, once per setting."""
     if INTERPRET or not any(t.requires_grad for t in (q, k, v)):
         return
     setting = (q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], q.shape[1] == k.shape[1], bool(is_causal),
-               tuple(window_size), sequences is None)
+               tuple(window_size), sequences is None,
+               bool(deterministic) or torch.are_deterministic_algorithms_enabled())
     if setting in _started:  # every call after the first: one lookup, nothing else
         return
     # Autotuning times the kernels at the backward; during a CUDA graph's capture no other thread
@@ -52,7 +54,7 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
             if not _started:
                 _prepare_triton()
             _started[setting] = _pool.submit(_compile_backward, q.detach(), k.detach(), v.detach(), is_causal,
-                                             scale, window_size, sequences, lse_dtype)
+                                             scale, window_size, sequences, lse_dtype, setting[-1])
 
 
 def _prepare_triton():
@@ -97,7 +99,7 @@ def _quietly(job):
         pass
 
 
-def _compile_backward(q, k, v, is_causal, scale, window_size, sequences, lse_dtype):
+def _compile_backward(q, k, v, is_causal, scale, window_size, sequences, lse_dtype, deterministic=False):
     """In a thread of the pool: collect the backward's launches and hand each kernel's compile to a
     thread; returns their Futures."""
     # O and dO are allocated as the forward allocates O (like q where v has q's head dim): one
@@ -105,7 +107,8 @@ def _compile_backward(q, k, v, is_causal, scale, window_size, sequences, lse_dty
     o = empty_output(q, v.shape[-1])
     lse2 = torch.empty(q.shape[:-1], device=q.device, dtype=lse_dtype)
     with torch.cuda.device(q.device), launcher.defer_compiles() as jobs:
-        attention_backward(q, k, v, o, lse2, o, is_causal, scale, window_size=window_size, sequences=sequences)
+        attention_backward(q, k, v, o, lse2, o, is_causal, scale, window_size=window_size, sequences=sequences,
+                           deterministic=deterministic)
     return [_pool.submit(_compile, q.device, job) for job in jobs]
 
 

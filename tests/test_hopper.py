@@ -8,7 +8,7 @@ A case runs through flashattn.attention (the hooks in the forward and backward l
 to call the Gluon kernels), forward and, for most cases, the backward through it: fp16/bf16, head
 dims 64 and 128, causal or not, N in {1, 17, 128, 1000, 4103}, N_q != N_kv, (B, N, H, D)-transposed
 inputs, large magnitudes; and in groups of their own (``gpu_checks.MOD_SHAPES``) a softcap,
-ALiBi, sliding windows, the bottom-right alignment and all of them with grouped heads. The
+ALiBi, sliding windows, the bottom-right alignment, dropout and all of them with grouped heads. The
 watchdog itself is tested without a GPU.
 """
 import concurrent.futures

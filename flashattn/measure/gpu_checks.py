@@ -66,7 +66,8 @@ BWD_VARIANTS = {64: [dict(STAGES=3), dict(BLOCK_M=32)], 128: [dict(STAGES=3), di
 #: kernels' score modifications. A softcap of 3 bends scores of unit inputs (30 would hardly
 #: touch them); ALiBi's slopes are per head or per (batch, head); windows one- and two-sided;
 #: the bottom-right alignment with fewer queries than keys (every query block sees keys: Gluon)
-#: and with more (the first blocks see none: the forward falls back to Triton, the backward not).
+#: and with more (the first blocks see none: the forward falls back to Triton, the backward not);
+#: dropout alone and with everything else (its reference is handed the mask the call drew).
 MOD_SHAPES = [
     ("softcap", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(softcap=3.0)),
     ("softcap-causal", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(softcap=3.0, is_causal=True)),

@@ -395,7 +395,7 @@ def test_what_the_gluon_forward_gets(monkeypatch, kwargs):
     """A fake Gluon module stands in on the CPU: a plain call reaches it, and so do a softcap,
     ALiBi's slopes, the bottom-right alignment (as the window bounds moved by N_kv - N_q and the
     shift of ALiBi's positions) and dropout (its probability and the call's seed); a mask takes
-    the Triton kernels (the Gluon kernels implement none)."""
+    the Triton kernels (the Gluon kernels implement no mask)."""
     calls = fake_gluon_forward(monkeypatch, tanh_approx=True)
     kwargs = dict(kwargs)
     if kwargs.get("attn_mask") == "padding":

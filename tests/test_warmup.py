@@ -173,7 +173,7 @@ def test_triton_is_prepared_three_jobs_side_by_side_and_failures_are_left_to_the
 
 def test_a_deterministic_call_warms_its_own_backward(submitted):
     """``deterministic=True`` (or torch's deterministic algorithms) is a setting of its own, handed
-    to the compile: its backward's kernels are others than the default's (no fused Gluon backward)."""
+    to the compile: its backward's kernels differ from the default's (no fused Gluon backward)."""
     q, k, v = qkv()
     start(q, k, v)
     warmup.start(q, k, v, True, 0.125, (-1, -1), None, torch.float32, True)

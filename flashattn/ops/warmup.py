@@ -40,9 +40,9 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype, determin
     only if a gradient may be asked for, once per setting."""
     if INTERPRET or not any(t.requires_grad for t in (q, k, v)):
         return
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()  # as dispatch reads it
     setting = (q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], q.shape[1] == k.shape[1], bool(is_causal),
-               tuple(window_size), sequences is None,
-               bool(deterministic) or torch.are_deterministic_algorithms_enabled())
+               tuple(window_size), sequences is None, deterministic)
     if setting in _started:  # every call after the first: one lookup, nothing else
         return
     # Autotuning times the kernels at the backward; during a CUDA graph's capture no other thread
@@ -54,7 +54,7 @@ def start(q, k, v, is_causal, scale, window_size, sequences, lse_dtype, determin
             if not _started:
                 _prepare_triton()
             _started[setting] = _pool.submit(_compile_backward, q.detach(), k.detach(), v.detach(), is_causal,
-                                             scale, window_size, sequences, lse_dtype, setting[-1])
+                                             scale, window_size, sequences, lse_dtype, deterministic)
 
 
 def _prepare_triton():

@@ -274,6 +274,8 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
 
     q = q_smem.index(C).reshape([BLOCK_M, HEAD_DIM])
     offs_q = q_start + C * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    # Dropout's rows and a tile's column offsets, built once here: drawn inside _softmax_step, the
+    # compiled kernel rebuilt the offsets for every tile.
     drop_rows = gl.expand_dims(drop_row0 + offs_q, 1)
     drop_cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)

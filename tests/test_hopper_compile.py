@@ -83,6 +83,18 @@ def test_gluon_kernels_compile_for_sm90(kernel):
     assert not problems, "\n".join(problems)
 
 
+def test_exponentials_on_the_fma_units_leave_the_special_function_unit():
+    """``EXP2_FMA`` moves part of the forward's exponentials off the special-function unit (MUFU):
+    fewer ``ex2`` instructions, and no rounding or float-to-integer conversion in their place (those
+    run on the same 16-per-clock unit, so a polynomial that needs them gains nothing)."""
+    rows = _report("fwd", head_dims=(64,), dtypes=("bf16",), causal=(True,), configs=({}, {"EXP2_FMA": 2}))
+    assert [r.get("error") for r in rows] == [None, None], rows
+    plain, fma = rows
+    assert fma["exp2"] < plain["exp2"], (plain["exp2"], fma["exp2"])
+    assert fma["roundings"] == plain["roundings"], (plain["roundings"], fma["roundings"])
+    assert fma["spill"] == 0
+
+
 def test_the_interpreter_never_imports_gluon():
     """On the CPU the hooks in the forward and backward launchers must leave Gluon alone (checked in
     a fresh process: other tests, and the chapters' code, import the Gluon modules to read them)."""

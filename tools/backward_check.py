@@ -5,15 +5,20 @@ Triton dQ), each against float64 under the rule, then both timed beside SDPA's c
     python tools/backward_check.py                 # checks, the 24 cells of the sweep, grouped heads
     python tools/backward_check.py --quick         # bf16 only: checks, then N = 8192
     python tools/backward_check.py --csv OUT.csv   # also write the timings
+    python tools/backward_check.py --no-checks --head-dims 64 --fwd-variants '[{"CONSUMERS": 3}]'
+                                                   # time configurations beside the defaults
 
 Timings are medians of ``triton.testing.do_bench`` (backward alone: the graph kept, the forward
-run once), TFLOPS counted as in ``flashattn.measure.bench`` (backward 2.5x the forward's FLOPs).
+run once), the providers of a cell timed in turn, round after round, median of the rounds; TFLOPS
+counted as in ``flashattn.measure.bench`` (backward 2.5x the forward's FLOPs).
 """
 import argparse
 import contextlib
 import csv
 import functools
+import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -101,11 +106,27 @@ def determinism():
               f"dq {diffs[0]:.1e}, dk {diffs[1]:.1e}, dv {diffs[2]:.1e}", flush=True)
 
 
-def timings(cells, out_csv):
+def _interleaved(fns, rounds):
+    """Median milliseconds of each function in ``fns`` (name -> callable), timed in turn, round
+    after round, so that a drift of the GPU's clocks touches them all alike."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(triton.testing.do_bench(fn, return_mode="median"))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def timings(cells, out_csv, rounds=3, fwd_variants=(), bwd_variants=()):
+    """Each cell's TFLOPS: flashattn's forward, its fused and deterministic backward and SDPA's
+    cuDNN backend, interleaved over ``rounds`` rounds; then each configuration of
+    ``fwd_variants`` (overrides of ``hopper.forward.tile_config``) and ``bwd_variants``
+    (``hopper.backward.dq_config``) beside the kernel's default, called directly."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+    gluon_fwd, gluon_bwd = hopper.load("forward"), hopper.load("backward")
     rows = []
+    print(f"interleaved, {rounds} round(s), median; variants against the kernel's default (v0 / w0)", flush=True)
     print(f"{'dtype':5} {'D':>4} {'N':>6} {'causal':6} | {'fwd':>6} {'cudnn':>6} {'x':>5} | "
           f"{'fused':>6} {'determ':>6} {'cudnn':>6} {'fused x':>7} {'det x':>6}   (TFLOPS)", flush=True)
     for dtype_name, head_dim, n, causal, kv_heads in cells:
@@ -117,14 +138,6 @@ def timings(cells, out_csv):
                 for _ in range(2))
         do = torch.randn_like(q)
         tf = {m: attention_flops(batch, heads, n, n, head_dim, causal, m) * 1e-9 for m in ("fwd", "bwd")}
-        res = {}
-        res["fwd"] = tf["fwd"] / triton.testing.do_bench(
-            lambda: flashattn.attention(q, k, v, is_causal=causal, **gqa), return_mode="median")
-        for name, det in (("fused", False), ("determ", True)):
-            o = flashattn.attention(q, k, v, is_causal=causal, deterministic=det, **gqa)
-            backward(o, (q, k, v), do)
-            res[name] = tf["bwd"] / triton.testing.do_bench(lambda: backward(o, (q, k, v), do),
-                                                             return_mode="median")
         # SDPA's cuDNN backend; where it refuses the call (grouped heads in some releases), SDPA's default
         peer = "cudnn"
         try:
@@ -132,24 +145,54 @@ def timings(cells, out_csv):
                 sdpa(q, k, v, is_causal=causal, **gqa)
         except RuntimeError:
             peer = "sdpa-default"
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if peer == "cudnn" else contextlib.nullcontext():
-            res["cudnn_fwd"] = tf["fwd"] / triton.testing.do_bench(lambda: sdpa(q, k, v, is_causal=causal, **gqa),
-                                                                    return_mode="median")
+
+        def peer_backend():
+            return sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if peer == "cudnn" else contextlib.nullcontext()
+
+        def cudnn_fwd():
+            with peer_backend():
+                return sdpa(q, k, v, is_causal=causal, **gqa)
+        with peer_backend():
             oc = sdpa(q, k, v, is_causal=causal, **gqa)
-            res["cudnn"] = tf["bwd"] / triton.testing.do_bench(
-                lambda: torch.autograd.grad(oc, (q, k, v), do, retain_graph=True), return_mode="median")
+        outs = {det: flashattn.attention(q, k, v, is_causal=causal, deterministic=det, **gqa) for det in (False, True)}
+        fns = {"fwd": lambda: flashattn.attention(q, k, v, is_causal=causal, **gqa),
+               "cudnn_fwd": cudnn_fwd,
+               "fused": lambda: backward(outs[False], (q, k, v), do),
+               "determ": lambda: backward(outs[True], (q, k, v), do),
+               "cudnn": lambda: torch.autograd.grad(oc, (q, k, v), do, retain_graph=True)}
+        modes = dict(fwd="fwd", cudnn_fwd="fwd", fused="bwd", determ="bwd", cudnn="bwd")
+        if (fwd_variants or bwd_variants) and not gqa:
+            qd, kd, vd = (t.detach() for t in (q, k, v))
+            scale = head_dim ** -0.5
+            o, lse2 = gluon_fwd.attention_forward(qd, kd, vd, causal, scale)
+            delta = (o.float() * do.float()).sum(-1)
+            for i, cfg in enumerate([{}] + list(fwd_variants) if fwd_variants else []):
+                fns[f"v{i}"] = functools.partial(gluon_fwd.attention_forward, qd, kd, vd, causal, scale, cfg)
+                modes[f"v{i}"] = "fwd"
+            for i, cfg in enumerate([{}] + list(bwd_variants) if bwd_variants else []):
+                fns[f"w{i}"] = functools.partial(gluon_bwd.attention_backward, qd, kd, vd, do, lse2, delta,
+                                                 causal, scale, cfg)
+                modes[f"w{i}"] = "bwd"
+        for fn in fns.values():
+            fn()  # compile outside the timings
+        res = {name: tf[modes[name]] / ms for name, ms in _interleaved(fns, rounds).items()}
         heads_note = "" if not gqa else f" H{heads}/{kv_heads} against {peer}"
+        extra = [f"{name} {res[name]:.0f} ({res[name] / res[name[0] + '0']:.3f}x)"
+                 for name in res if name[0] in "vw" and name[1:] != "0"]
         print(f"{dtype_name:5} {head_dim:4} {n:6} {int(causal):6} | {res['fwd']:6.0f} {res['cudnn_fwd']:6.0f} "
               f"{res['fwd'] / res['cudnn_fwd']:5.2f} | {res['fused']:6.0f} {res['determ']:6.0f} {res['cudnn']:6.0f} "
-              f"{res['fused'] / res['cudnn']:7.2f} {res['determ'] / res['cudnn']:6.2f}{heads_note}", flush=True)
+              f"{res['fused'] / res['cudnn']:7.2f} {res['determ'] / res['cudnn']:6.2f}{heads_note}"
+              + ("   " + "  ".join(extra) if extra else ""), flush=True)
         rows.append(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                          dtype=dtype_name, head_dim=head_dim, seq_len=n, causal=int(causal), batch=batch,
                          heads=heads, kv_heads=kv_heads, peer=peer,
                          **{f"tflops_{k}": round(v, 1) for k, v in res.items()}))
-        del q, k, v, do, o, oc
+        del q, k, v, do, outs, oc, fns
+        torch.cuda.empty_cache()
     if out_csv and rows:
+        fields = list(dict.fromkeys(f for r in rows for f in r))
         with open(out_csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             w.writerows(rows)
 
@@ -159,6 +202,12 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-checks", action="store_true")
     p.add_argument("--csv")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--fwd-variants", type=json.loads, default=[],
+                   help='JSON list of forward configurations to time beside the default, e.g. \'[{"CONSUMERS": 3}]\'')
+    p.add_argument("--bwd-variants", type=json.loads, default=[],
+                   help="JSON list of fused backward configurations (hopper.backward.dq_config's overrides)")
     args = p.parse_args()
     print("GPU", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__,
           flush=True)
@@ -168,12 +217,13 @@ def main():
     calls = fused_calls()
     failures = 0 if args.no_checks else checks(calls, ["bf16"] if args.quick else list(DTYPES))
     determinism()
-    cells = [(d, hd, n, c, 32) for d in ("bf16", "fp16") for hd in (64, 128) for n in (4096, 8192, 16384)
+    cells = [(d, hd, n, c, 32) for d in ("bf16", "fp16") for hd in args.head_dims for n in (4096, 8192, 16384)
              for c in (False, True)]
     if args.quick:
         cells = [c for c in cells if c[0] == "bf16" and c[2] == 8192]
-    cells.append(("bf16", 128, 8192, True, 8))  # grouped heads: 32 query heads read 8 K/V heads
-    timings(cells, args.csv)
+    if 128 in args.head_dims:
+        cells.append(("bf16", 128, 8192, True, 8))  # grouped heads: 32 query heads read 8 K/V heads
+    timings(cells, args.csv, args.rounds, args.fwd_variants, args.bwd_variants)
     print(f"{failures} check(s) failed", flush=True)
     sys.exit(1 if failures else 0)
 

@@ -142,22 +142,25 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, 
 
 @gluon.jit
 def _exp2_fma(x):
-    """2**x with fused multiply-adds only, for x <= 0: 2**floor(x) * 2**f with f in [0, 1).
+    """2**x for x <= 0 without the special-function unit: 2**n * 2**f, n = round(x), f in [-0.5, 0.5].
 
     exp2 normally runs on the special-function unit (MUFU), which does 16 per clock and SM where
     the FMA units do 128; at head dim 64 a tile has as many exponentials as at 128 for half the
     matmul work, so MUFU can become the bottleneck (FlashAttention-4 moves part of them to FMAs).
-    2**f is a degree-4 polynomial (relative error 3e-6, far below the 16-bit rounding of P);
-    2**floor(x) is added to the float's exponent bits. x = -inf (a hidden score) is clamped to
-    -127, where the result is exactly 0."""
+    Rounding with ``floor`` and a float-to-int conversion would not help: both run on the same
+    16-per-clock unit. So n comes from adding 1.5 * 2**23, which leaves round(x) in the sum's low
+    mantissa bits (plain float adds), and shifting those bits into the exponent field of 2**f
+    (integer adds): the product of the two powers is one integer add on the float's bits. 2**f is a
+    degree-4 polynomial (relative error 3e-6, far below the 16-bit rounding of P). x = -inf (a
+    hidden score) is clamped to -127: n = -127, f = 0, and the result is exactly 0."""
     x = gl.maximum(x, -127.0)
-    xi = gl.floor(x)
-    f = x - xi
-    p = f * 0.0134266846 + 0.0522424735
-    p = p * f + 0.241280205
-    p = p * f + 0.693044845
+    j = x + 12582912.0  # 1.5 * 2**23: j's mantissa ends in round(x), two's complement
+    f = x - (j - 12582912.0)
+    p = f * 0.00960045028 + 0.0559169091
+    p = p * f + 0.240237176
+    p = p * f + 0.69312197
     p = p * f + 1.0
-    bits = p.to(gl.int32, bitcast=True) + (xi.to(gl.int32) << 23)
+    bits = p.to(gl.int32, bitcast=True) + (j.to(gl.int32, bitcast=True) << 23)
     return bits.to(gl.float32, bitcast=True)
 
 

@@ -193,8 +193,9 @@ def facts(compiled):
     shared memory bytes, and counts read from its PTX: wgmma instructions (``wgmma``) and waits
     for them (``wgmma_waits``), TMA copies into and out of shared memory (``tma_loads``,
     ``tma_stores``) and TMA reduce-adds into global memory (``tma_reduces``), mbarrier waits
-    (``mbarrier_waits``), and the register budgets the warps set
-    themselves (``setmaxnreg``, sorted)."""
+    (``mbarrier_waits``), the register budgets the warps set themselves (``setmaxnreg``, sorted),
+    and two kinds of instructions that run on the special-function unit, 16 per clock and SM:
+    exponentials (``exp2``) and float-to-integer roundings and conversions (``roundings``)."""
     regs, spill, smem = resources(compiled)
     ptx = compiled.asm["ptx"]
     return dict(regs=regs, spill=spill, smem=smem,
@@ -204,7 +205,9 @@ def facts(compiled):
                 tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                 mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
                 tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk", ptx)),
-                setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
+                setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                exp2=len(re.findall(r"\bex2\.approx", ptx)),
+                roundings=len(re.findall(r"\bcvt\.r[mnpz]i\.", ptx)))
 
 
 # ---------------------------------------------------------------------------- Gluon kernels

@@ -5,8 +5,8 @@ Triton dQ), each against float64 under the rule, then both timed beside SDPA's c
     python tools/backward_check.py                 # checks, the 24 cells of the sweep, grouped heads
     python tools/backward_check.py --quick         # bf16 only: checks, then N = 8192
     python tools/backward_check.py --csv OUT.csv   # also write the timings
-    python tools/backward_check.py --no-checks --head-dims 64 --fwd-variants '[{"CONSUMERS": 3}]'
-                                                   # time configurations beside the defaults
+    python tools/backward_check.py --no-checks --head-dims 64 --bwd-variants '[{"STAGES": 3}]'
+                                                   # time configurations beside the default
 
 Timings are medians of ``triton.testing.do_bench`` (backward alone: the graph kept, the forward
 run once), the providers of a cell timed in turn, round after round, median of the rounds; TFLOPS
@@ -116,17 +116,17 @@ def _interleaved(fns, rounds):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def timings(cells, out_csv, rounds=3, fwd_variants=(), bwd_variants=()):
+def timings(cells, out_csv, rounds=3, variants=()):
     """Each cell's TFLOPS: flashattn's forward, its fused and deterministic backward and SDPA's
-    cuDNN backend, interleaved over ``rounds`` rounds; then each configuration of
-    ``fwd_variants`` (overrides of ``hopper.forward.tile_config``) and ``bwd_variants``
-    (``hopper.backward.dq_config``) beside the kernel's default, called directly."""
+    cuDNN backend, interleaved over ``rounds`` rounds; with ``variants`` (overrides of
+    ``hopper.backward.dq_config``), the fused kernel called directly with its default (w0) and
+    each of them (w1, ...). tools/forward_variants.py does the same for the forward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     gluon_fwd, gluon_bwd = hopper.load("forward"), hopper.load("backward")
     rows = []
-    print(f"interleaved, {rounds} round(s), median; variants against the kernel's default (v0 / w0)", flush=True)
+    print(f"interleaved, {rounds} round(s), median; variants against the kernel's default (w0)", flush=True)
     print(f"{'dtype':5} {'D':>4} {'N':>6} {'causal':6} | {'fwd':>6} {'cudnn':>6} {'x':>5} | "
           f"{'fused':>6} {'determ':>6} {'cudnn':>6} {'fused x':>7} {'det x':>6}   (TFLOPS)", flush=True)
     for dtype_name, head_dim, n, causal, kv_heads in cells:
@@ -161,15 +161,12 @@ def timings(cells, out_csv, rounds=3, fwd_variants=(), bwd_variants=()):
                "determ": lambda: backward(outs[True], (q, k, v), do),
                "cudnn": lambda: torch.autograd.grad(oc, (q, k, v), do, retain_graph=True)}
         modes = dict(fwd="fwd", cudnn_fwd="fwd", fused="bwd", determ="bwd", cudnn="bwd")
-        if (fwd_variants or bwd_variants) and not gqa:
+        if variants and not gqa:
             qd, kd, vd = (t.detach() for t in (q, k, v))
             scale = head_dim ** -0.5
             o, lse2 = gluon_fwd.attention_forward(qd, kd, vd, causal, scale)
             delta = (o.float() * do.float()).sum(-1)
-            for i, cfg in enumerate([{}] + list(fwd_variants) if fwd_variants else []):
-                fns[f"v{i}"] = functools.partial(gluon_fwd.attention_forward, qd, kd, vd, causal, scale, cfg)
-                modes[f"v{i}"] = "fwd"
-            for i, cfg in enumerate([{}] + list(bwd_variants) if bwd_variants else []):
+            for i, cfg in enumerate([{}] + list(variants)):
                 fns[f"w{i}"] = functools.partial(gluon_bwd.attention_backward, qd, kd, vd, do, lse2, delta,
                                                  causal, scale, cfg)
                 modes[f"w{i}"] = "bwd"
@@ -177,8 +174,8 @@ def timings(cells, out_csv, rounds=3, fwd_variants=(), bwd_variants=()):
             fn()  # compile outside the timings
         res = {name: tf[modes[name]] / ms for name, ms in _interleaved(fns, rounds).items()}
         heads_note = "" if not gqa else f" H{heads}/{kv_heads} against {peer}"
-        extra = [f"{name} {res[name]:.0f} ({res[name] / res[name[0] + '0']:.3f}x)"
-                 for name in res if name[0] in "vw" and name[1:] != "0"]
+        extra = [f"{name} {res[name]:.0f} ({res[name] / res['w0']:.3f}x)"
+                 for name in res if name[0] == "w" and name != "w0"]
         print(f"{dtype_name:5} {head_dim:4} {n:6} {int(causal):6} | {res['fwd']:6.0f} {res['cudnn_fwd']:6.0f} "
               f"{res['fwd'] / res['cudnn_fwd']:5.2f} | {res['fused']:6.0f} {res['determ']:6.0f} {res['cudnn']:6.0f} "
               f"{res['fused'] / res['cudnn']:7.2f} {res['determ'] / res['cudnn']:6.2f}{heads_note}"
@@ -204,8 +201,6 @@ def main():
     p.add_argument("--csv")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--fwd-variants", type=json.loads, default=[],
-                   help='JSON list of forward configurations to time beside the default, e.g. \'[{"CONSUMERS": 3}]\'')
     p.add_argument("--bwd-variants", type=json.loads, default=[],
                    help="JSON list of fused backward configurations (hopper.backward.dq_config's overrides)")
     args = p.parse_args()
@@ -223,7 +218,7 @@ def main():
         cells = [c for c in cells if c[0] == "bf16" and c[2] == 8192]
     if 128 in args.head_dims:
         cells.append(("bf16", 128, 8192, True, 8))  # grouped heads: 32 query heads read 8 K/V heads
-    timings(cells, args.csv, args.rounds, args.fwd_variants, args.bwd_variants)
+    timings(cells, args.csv, args.rounds, args.bwd_variants)
     print(f"{failures} check(s) failed", flush=True)
     sys.exit(1 if failures else 0)
 

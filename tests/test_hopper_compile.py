@@ -76,8 +76,11 @@ def test_gluon_kernels_compile_for_sm90(kernel):
                 problems.append(f"{label}: ptxas {code}: {note}")
         if r["smem"] > SMEM_LIMIT:
             problems.append(f"{label}: {r['smem']} bytes of shared memory")
-        if 240 not in r["setmaxnreg"] or 24 not in r["setmaxnreg"]:
-            problems.append(f"{label}: no setmaxnreg 240 (consumers) and 24 (producer): {r['setmaxnreg']}")
+        # Three consumers of 160 registers in the forward at head dim 64 (hopper.forward.CONFIGS),
+        # two of 240 everywhere else (MODIFIED_CONFIGS: with a window or a score modification).
+        consumer = 160 if kernel == "fwd" and r["head_dim"] == 64 else 240
+        if consumer not in r["setmaxnreg"] or 24 not in r["setmaxnreg"]:
+            problems.append(f"{label}: no setmaxnreg {consumer} (consumers) and 24 (producer): {r['setmaxnreg']}")
         if not (r["wgmma"] and r["wgmma_waits"] and r["tma_loads"] and r["tma_stores"] and r["mbarrier_waits"]):
             problems.append(f"{label}: wgmma, its waits, TMA loads and stores, mbarrier waits expected: {r}")
     assert not problems, "\n".join(problems)
@@ -87,7 +90,8 @@ def test_exponentials_on_the_fma_units_leave_the_special_function_unit():
     """``EXP2_FMA`` moves part of the forward's exponentials off the special-function unit (MUFU):
     fewer ``ex2`` instructions, and no rounding or float-to-integer conversion in their place (those
     run on the same 16-per-clock unit, so a polynomial that needs them gains nothing)."""
-    rows = _report("fwd", head_dims=(64,), dtypes=("bf16",), causal=(True,), configs=({}, {"EXP2_FMA": 2}))
+    two = {"CONSUMERS": 2}  # with three (the default at head dim 64) the polynomial spills
+    rows = _report("fwd", head_dims=(64,), dtypes=("bf16",), causal=(True,), configs=(two, dict(two, EXP2_FMA=2)))
     assert [r.get("error") for r in rows] == [None, None], rows
     plain, fma = rows
     assert fma["exp2"] < plain["exp2"], (plain["exp2"], fma["exp2"])

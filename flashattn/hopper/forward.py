@@ -56,9 +56,13 @@ HEAD_DIMS = (64, 128)
 #: triton 3.6), 2026-12-01, B=4, H=32, N=8192, fp16 and bf16 (figures/data/h200_gluon_forward.csv):
 #: at head dim 64 ping-pong off won in all four settings (+3-5% over on); at head dim 128 it
 #: stayed on, with 2 stages without the mask (+5% fp16, even bf16) and 3 with it (+3% on average).
+#: At head dim 64 three consumer warpgroups (192 query rows a program) beat two on an H100 (torch
+#: 2.11, triton 3.6, 2026-12-06, tools/forward_variants.py, B=4, H=32, N=4k-16k, both dtypes, causal
+#: or not): +5-14% in 10 of the 12 settings, even at N=4096 causal
+#: (docs/gpu-record/2026-12-06-2330-forward-variants-h100.txt).
 CONFIGS = {
-    (64, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, PINGPONG=False),
-    (64, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, PINGPONG=False),
+    (64, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, PINGPONG=False, CONSUMERS=3),
+    (64, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, PINGPONG=False, CONSUMERS=3),
     (128, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, PINGPONG=True),
     (128, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, PINGPONG=True),
 }
@@ -67,6 +71,11 @@ CONFIGS = {
 #: units instead of the special-function unit (0: never); TANH_APPROX, the softcap's tanh
 #: (:data:`TANH_APPROX`).
 DEFAULTS = dict(CONSUMERS=2, EXP2_FMA=0)
+#: What a call with a score modification (a softcap, ALiBi, a window or dropout) changes: at head
+#: dim 64 a third consumer's 160 registers a thread do not hold it (compiled for sm_90, Triton 3.9,
+#: bf16: 88 bytes of stack with ALiBi under the causal mask, 208-584 with dropout, 128 with a
+#: softcap, ALiBi and a window at once), so these calls keep two consumers of 240.
+MODIFIED_CONFIGS = {64: dict(CONSUMERS=2), 128: {}}
 #: Whether the softcap's tanh is the special-function unit's ``tanh.approx.f32`` (one instruction,
 #: relative error about 2**-11, as FlashAttention-3's softcap), in the forward and both backward
 #: kernels, rather than the exact formula (an exp2, a division and a polynomial). Timed on an H100
@@ -86,9 +95,12 @@ REGISTERS = {2: dict(launch=168, consumer=240, producer=24),
              3: dict(launch=128, consumer=160, producer=24)}
 
 
-def tile_config(head_dim, causal, overrides=None):
-    """The full configuration for (head dim, causal): CONFIGS, DEFAULTS, then ``overrides``."""
+def tile_config(head_dim, causal, overrides=None, modified=False):
+    """The full configuration for (head dim, causal): DEFAULTS, CONFIGS, MODIFIED_CONFIGS if
+    ``modified`` (a softcap, ALiBi, a window or dropout), then ``overrides``."""
     cfg = dict(DEFAULTS, **CONFIGS[head_dim, bool(causal)])
+    if modified:
+        cfg.update(MODIFIED_CONFIGS[head_dim])
     cfg.update(overrides or {})
     if cfg["CONSUMERS"] not in REGISTERS:
         raise ValueError(f"CONSUMERS must be one of {sorted(REGISTERS)}, got {cfg['CONSUMERS']}")
@@ -509,7 +521,7 @@ def supports(q, k, v, is_causal=False, scale=None, window=None):
     dim. Under a sliding ``window`` every query block must see some key (the kernel's consumers
     start on a first tile), for the masked configuration's blocks."""
     if window is not None:
-        cfg = tile_config(q.shape[-1], True) if q.shape[-1] in HEAD_DIMS else None
+        cfg = tile_config(q.shape[-1], True, modified=True) if q.shape[-1] in HEAD_DIMS else None
         if cfg is None or not every_block_sees_keys(q.shape[2], k.shape[2], *window,
                                                     cfg["CONSUMERS"] * cfg["BLOCK_M"]):
             return False
@@ -553,8 +565,8 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softc
                       shift=0, dropout_p=0.0, seed=0):
     """``(o, lse2)`` like ``flashattn.kernels.forward.attention_forward``, for inputs ``supports``
     accepts (grouped heads too: query head ``h`` reads K/V head ``h // (H_q / H_kv)`` in place).
-    ``config`` overrides entries of the configuration of (head dim, causal): see :func:`tile_config`
-    (and ``TANH_APPROX``, :data:`TANH_APPROX` by default).
+    ``config`` overrides entries of the configuration of (head dim, causal, modified): see
+    :func:`tile_config` (and ``TANH_APPROX``, :data:`TANH_APPROX` by default).
     ``window = (left, right)`` (``traversal.window_masking``'s bounds, causal folded into
     ``right = 0``, moved by ``traversal.aligned_bounds`` where positions align bottom-right): a
     sliding window, with the masked configuration's tiles. ``softcap`` > 0 caps the scores;
@@ -565,7 +577,8 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softc
     n_kv = k.shape[2]
     o = torch.empty_like(q)  # q's layout where q is dense, else contiguous: either suits TMA
     lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
-    cfg = tile_config(head_dim, is_causal or window is not None, config)
+    modified = window is not None or softcap > 0 or alibi_slopes is not None or dropout_p > 0
+    cfg = tile_config(head_dim, is_causal or window is not None, config, modified)
     tanh_approx = bool(cfg.pop("TANH_APPROX", TANH_APPROX))
     if window is not None and not every_block_sees_keys(n_q, n_kv, *window, cfg["CONSUMERS"] * cfg["BLOCK_M"]):
         # a program without a key tile would wait for one forever (``supports`` refuses these)

@@ -74,7 +74,7 @@ def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False, m
     ``hopper.tile_config``) as a launch compiles it."""
     hopper = _gluon("forward")
     window = window or "window" in mods
-    cfg = hopper.tile_config(head_dim, causal or window, config)
+    cfg = hopper.tile_config(head_dim, causal or window, config, modified=bool(mods) or window)
     regs, options = hopper.launch_options(cfg)
     q, kv = (_descriptor_type(hopper, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
     signature = dict(desc_q=q, desc_k=kv, desc_v=kv, desc_o=q, LSE="*fp32", n_heads="i32",

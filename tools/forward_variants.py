@@ -1,8 +1,8 @@
 """Check and time configurations of the Gluon forward beside its default, on a Hopper GPU.
 
-    python tools/forward_variants.py '[{"CONSUMERS": 3}, {"EXP2_FMA": 4}]'
+    python tools/forward_variants.py '[{"CONSUMERS": 2}, {"CONSUMERS": 2, "EXP2_FMA": 4}]'
     python tools/forward_variants.py '[{"EXP2_FMA": 2}]' --head-dims 128 --causal 1 --softcap 50
-    python tools/forward_variants.py '[{"EXP2_FMA": 4}]' --csv OUT.csv
+    python tools/forward_variants.py '[{"STAGES": 2}]' --head-dims 64 128 --csv OUT.csv
 
 Each variant (v1, v2, ...: overrides of ``hopper.forward.tile_config``) is first checked against
 float64 under the rule on a small odd shape (error / bound, for out and the LSE), then every cell

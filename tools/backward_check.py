@@ -18,7 +18,6 @@ import csv
 import functools
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -28,7 +27,7 @@ import triton  # noqa: E402
 
 import flashattn  # noqa: E402
 from flashattn import hopper  # noqa: E402
-from flashattn.measure.bench import attention_flops  # noqa: E402
+from flashattn.measure.bench import attention_flops, interleaved_ms  # noqa: E402
 from flashattn.testing.reference import naive_attention  # noqa: E402
 from flashattn.testing.rule import compare_with_reference  # noqa: E402
 
@@ -106,16 +105,6 @@ def determinism():
               f"dq {diffs[0]:.1e}, dk {diffs[1]:.1e}, dv {diffs[2]:.1e}", flush=True)
 
 
-def _interleaved(fns, rounds):
-    """Median milliseconds of each function in ``fns`` (name -> callable), timed in turn, round
-    after round, so that a drift of the GPU's clocks touches them all alike."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(triton.testing.do_bench(fn, return_mode="median"))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def timings(cells, out_csv, rounds=3, variants=()):
     """Each cell's TFLOPS: flashattn's forward, its fused and deterministic backward and SDPA's
     cuDNN backend, interleaved over ``rounds`` rounds; with ``variants`` (overrides of
@@ -172,7 +161,7 @@ def timings(cells, out_csv, rounds=3, variants=()):
                 modes[f"w{i}"] = "bwd"
         for fn in fns.values():
             fn()  # compile outside the timings
-        res = {name: tf[modes[name]] / ms for name, ms in _interleaved(fns, rounds).items()}
+        res = {name: tf[modes[name]] / ms for name, ms in interleaved_ms(fns, rounds).items()}
         heads_note = "" if not gqa else f" H{heads}/{kv_heads} against {peer}"
         extra = [f"{name} {res[name]:.0f} ({res[name] / res['w0']:.3f}x)"
                  for name in res if name[0] == "w" and name != "w0"]

@@ -17,7 +17,6 @@ import csv
 import functools
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -27,7 +26,7 @@ import triton  # noqa: E402
 
 from flashattn import hopper  # noqa: E402
 from flashattn.kernels.tiles import LN2  # noqa: E402
-from flashattn.measure.bench import attention_flops  # noqa: E402
+from flashattn.measure.bench import attention_flops, interleaved_ms  # noqa: E402
 from flashattn.testing.reference import naive_attention  # noqa: E402
 from flashattn.testing.rule import compare_with_reference  # noqa: E402
 
@@ -99,12 +98,8 @@ def main():
                                                          softcap=args.softcap)
                     for fn in fns.values():
                         fn()  # compile outside the timings
-                    times = {name: [] for name in fns}
-                    for _ in range(args.rounds):
-                        for name, fn in fns.items():
-                            times[name].append(triton.testing.do_bench(fn, return_mode="median"))
                     flops = attention_flops(b, h, n, n, d, causal, "fwd") * 1e-9
-                    tf = {name: flops / statistics.median(t) for name, t in times.items()}
+                    tf = {name: flops / ms for name, ms in interleaved_ms(fns, args.rounds).items()}
                     print(f"D{d} {dtype_name} N{n:<5} causal={int(causal)} {peer} {tf[peer]:5.0f} | "
                           + "  ".join(f"v{i} {tf[f'v{i}']:5.0f} ({tf[f'v{i}'] / tf[peer]:.3f}x {peer}"
                                       + (f", {tf[f'v{i}'] / tf['v0']:.3f}x v0)" if i else ")")

@@ -511,10 +511,8 @@ def attention_backward(q, k, v, do, lse2, delta, is_causal, scale, config=None, 
     kernel). ``config`` overrides entries of ``DQ_CONFIGS[head_dim]``; ``mods`` as
     :func:`attention_backward_dkdv` takes them."""
     dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    modified = (mods.get("window") is not None or mods.get("softcap", 0) > 0 or mods.get("alibi_slopes") is not None
-                or mods.get("dropout_p", 0) > 0)
-    dk, dv = _launch(q, k, v, do, lse2, delta, is_causal, scale, dq_config(q.shape[-1], config, modified),
-                     dq_accum, **mods)
+    cfg = dq_config(q.shape[-1], config, hopper_forward.is_modified(**mods))
+    dk, dv = _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum, **mods)
     dq = torch.empty_like(q)
     dq.copy_(dq_accum.mul_(scale))
     return dq, dk, dv

@@ -95,6 +95,13 @@ REGISTERS = {2: dict(launch=168, consumer=240, producer=24),
              3: dict(launch=128, consumer=160, producer=24)}
 
 
+def is_modified(window=None, softcap=0.0, alibi_slopes=None, shift=0, dropout_p=0.0, seed=0):
+    """Whether a call's score modifications (:func:`attention_forward`'s keyword arguments, which
+    the backward kernels take too) make it "modified": a window, a softcap, ALiBi or dropout. The
+    alignment's ``shift`` and dropout's ``seed`` alone change nothing of the configuration."""
+    return window is not None or softcap > 0 or alibi_slopes is not None or dropout_p > 0
+
+
 def tile_config(head_dim, causal, overrides=None, modified=False):
     """The full configuration for (head dim, causal): DEFAULTS, CONFIGS, MODIFIED_CONFIGS if
     ``modified`` (a softcap, ALiBi, a window or dropout), then ``overrides``."""
@@ -577,8 +584,8 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softc
     n_kv = k.shape[2]
     o = torch.empty_like(q)  # q's layout where q is dense, else contiguous: either suits TMA
     lse2 = torch.empty((batch, heads, n_q), device=q.device, dtype=torch.float32)
-    modified = window is not None or softcap > 0 or alibi_slopes is not None or dropout_p > 0
-    cfg = tile_config(head_dim, is_causal or window is not None, config, modified)
+    cfg = tile_config(head_dim, is_causal or window is not None, config,
+                      is_modified(window, softcap, alibi_slopes, shift, dropout_p, seed))
     tanh_approx = bool(cfg.pop("TANH_APPROX", TANH_APPROX))
     if window is not None and not every_block_sees_keys(n_q, n_kv, *window, cfg["CONSUMERS"] * cfg["BLOCK_M"]):
         # a program without a key tile would wait for one forever (``supports`` refuses these)

@@ -20,6 +20,7 @@ import csv
 import datetime
 import math
 import os
+import statistics
 import sys
 
 import torch
@@ -38,6 +39,18 @@ def attention_flops(batch, heads, n_q, n_kv, head_dim, causal, mode):
     if causal:
         flops *= 0.5
     return flops * (2.5 if mode == "bwd" else 1.0)
+
+
+def interleaved_ms(fns, rounds=3):
+    """Median milliseconds of each function in ``fns`` (name -> callable): ``triton.testing.do_bench``
+    medians, the functions timed in turn, round after round, so that a drift of the GPU's clocks
+    touches them all alike; the median of the rounds."""
+    import triton
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(triton.testing.do_bench(fn, return_mode="median"))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _sdpa(backend):

@@ -56,10 +56,9 @@ HEAD_DIMS = (64, 128)
 #: triton 3.6), 2026-12-01, B=4, H=32, N=8192, fp16 and bf16 (figures/data/h200_gluon_forward.csv):
 #: at head dim 64 ping-pong off won in all four settings (+3-5% over on); at head dim 128 it
 #: stayed on, with 2 stages without the mask (+5% fp16, even bf16) and 3 with it (+3% on average).
-#: At head dim 64 three consumer warpgroups (192 query rows a program) beat two on an H100 (torch
-#: 2.11, triton 3.6, 2026-12-06, tools/forward_variants.py, B=4, H=32, N=4k-16k, both dtypes, causal
-#: or not): +5-14% in 10 of the 12 settings, even at N=4096 causal
-#: (docs/gpu-record/2026-12-06-2330-forward-variants-h100.txt).
+#: At head dim 64 three consumer warpgroups (192 query rows) beat two on an H100 (triton 3.6,
+#: 2026-12-06, tools/forward_variants.py, N=4k-16k, both dtypes, causal or not): +5-14% in 10 of 12
+#: settings, even at N=4096 causal (docs/gpu-record/2026-12-06-2330-forward-variants-h100.txt).
 CONFIGS = {
     (64, False): dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, PINGPONG=False, CONSUMERS=3),
     (64, True): dict(BLOCK_M=64, BLOCK_N=128, STAGES=4, PINGPONG=False, CONSUMERS=3),
@@ -71,10 +70,9 @@ CONFIGS = {
 #: units instead of the special-function unit (0: never); TANH_APPROX, the softcap's tanh
 #: (:data:`TANH_APPROX`).
 DEFAULTS = dict(CONSUMERS=2, EXP2_FMA=0)
-#: What a call with a score modification (a softcap, ALiBi, a window or dropout) changes: at head
-#: dim 64 a third consumer's 160 registers a thread do not hold it (compiled for sm_90, Triton 3.9,
-#: bf16: 88 bytes of stack with ALiBi under the causal mask, 208-584 with dropout, 128 with a
-#: softcap, ALiBi and a window at once), so these calls keep two consumers of 240.
+#: What a call with a softcap, ALiBi, a window or dropout changes: at head dim 64 a third consumer's
+#: 160 registers spill (sm_90, Triton 3.9, bf16: 88 bytes with causal ALiBi, 208-584 with dropout,
+#: 128 with a softcap, ALiBi and a window), so these calls keep two consumers of 240.
 MODIFIED_CONFIGS = {64: dict(CONSUMERS=2), 128: {}}
 #: Whether the softcap's tanh is the special-function unit's ``tanh.approx.f32`` (one instruction,
 #: relative error about 2**-11, as FlashAttention-3's softcap), in the forward and both backward
@@ -96,9 +94,8 @@ REGISTERS = {2: dict(launch=168, consumer=240, producer=24),
 
 
 def is_modified(window=None, softcap=0.0, alibi_slopes=None, shift=0, dropout_p=0.0, seed=0):
-    """Whether a call's score modifications (:func:`attention_forward`'s keyword arguments, which
-    the backward kernels take too) make it "modified": a window, a softcap, ALiBi or dropout. The
-    alignment's ``shift`` and dropout's ``seed`` alone change nothing of the configuration."""
+    """Whether :func:`attention_forward`'s (and the backward's) modifications take MODIFIED_CONFIGS:
+    a window, a softcap, ALiBi or dropout (``shift`` and ``seed`` alone do not)."""
     return window is not None or softcap > 0 or alibi_slopes is not None or dropout_p > 0
 
 
@@ -166,12 +163,10 @@ def _exp2_fma(x):
     exp2 normally runs on the special-function unit (MUFU), which does 16 per clock and SM where
     the FMA units do 128; at head dim 64 a tile has as many exponentials as at 128 for half the
     matmul work, so MUFU can become the bottleneck (FlashAttention-4 moves part of them to FMAs).
-    Rounding with ``floor`` and a float-to-int conversion would not help: both run on the same
-    16-per-clock unit. So n comes from adding 1.5 * 2**23, which leaves round(x) in the sum's low
-    mantissa bits (plain float adds), and shifting those bits into the exponent field of 2**f
-    (integer adds): the product of the two powers is one integer add on the float's bits. 2**f is a
-    degree-4 polynomial (relative error 3e-6, far below the 16-bit rounding of P). x = -inf (a
-    hidden score) is clamped to -127: n = -127, f = 0, and the result is exactly 0."""
+    ``floor`` and a float-to-int conversion would run on that same 16-per-clock unit, so n comes
+    from adding 1.5 * 2**23, which leaves round(x) in the sum's low mantissa bits, shifted into the
+    exponent field of 2**f by one integer add. 2**f is a degree-4 polynomial (relative error 3e-6,
+    far below P's 16-bit rounding). x = -inf is clamped to -127: n = -127, f = 0, the result 0."""
     x = gl.maximum(x, -127.0)
     j = x + 12582912.0  # 1.5 * 2**23: j's mantissa ends in round(x), two's complement
     f = x - (j - 12582912.0)

@@ -16,6 +16,7 @@ they are a linear function. They pass through ``dP - Delta``, where FlashAttenti
 but summed differently. Where a row sees a single key the difference is exactly 0, so PyTorch's
 dQ and dK are exact, while flashattn's carry roundings at the size of dO.
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,20 @@ def baseline_inputs(*tensors):
     if tensors and tensors[0].dtype == torch.float32 and unit_roundoff(torch.float32) == DOT_EPS["tf32"]:
         return [round_to_tf32(t) for t in tensors]
     return list(tensors)
+
+
+@contextlib.contextmanager
+def ieee_float32():
+    """PyTorch's float32 matmuls in IEEE float32 within the block. The baseline's TF32 is the
+    rounding of its inputs (:func:`baseline_inputs`), not what a backend makes of 'high' or
+    'medium': on a CPU with bfloat16 matrix units (AMX), 'medium' multiplies float32 in bfloat16,
+    whose error would let a kernel 1% off pass."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -124,7 +139,8 @@ def compare_with_reference(q, k, v, is_causal=False, scale=None, backward=True, 
 
     out, lse = impl(*leaves, is_causal=is_causal, scale=scale, return_lse=True)
     out_ref, lse_ref = reference(*ref64, is_causal=is_causal, scale=scale)
-    out_pt, lse_pt = reference(*base, is_causal=is_causal, scale=scale)
+    with ieee_float32():
+        out_pt, lse_pt = reference(*base, is_causal=is_causal, scale=scale)
 
     results = {"out": (out, out_ref, out_pt), "lse": (lse, lse_ref, lse_pt)}
     if backward:
@@ -135,7 +151,8 @@ def compare_with_reference(q, k, v, is_causal=False, scale=None, backward=True, 
         upstream = max_error(do, torch.zeros_like(do))  # the largest |dO|
         ours = _grads(out, lse, leaves, do, dlse)
         ref = _grads(out_ref, lse_ref, ref64, do, dlse)
-        pt = _grads(out_pt, lse_pt, base, do, dlse)
+        with ieee_float32():
+            pt = _grads(out_pt, lse_pt, base, do, dlse)
         for i, name in enumerate(("dq", "dk", "dv")):
             results[name] = (ours[i], ref[i], pt[i])
 

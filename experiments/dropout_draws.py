@@ -29,7 +29,6 @@ with that draw) and ``score_mods``' dropout rows beside the same calls without d
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -102,14 +101,6 @@ def use(draw):
         module.dropout_keep = DRAWS[draw]
 
 
-def sass_total(kernel):
-    from flashattn.measure.compiled import cuobjdump, resources
-
-    sass = cuobjdump(kernel.asm["cubin"], "-sass")
-    total = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass, flags=re.M))
-    return total, resources(kernel)[1]
-
-
 def compile_child(draw):
     """Print, as JSON, the SASS instruction count and spilled bytes of the Gluon forward and fused
     backward with ``draw`` and without dropout (bf16, head dim 128, causal and not)."""
@@ -119,6 +110,7 @@ def compile_child(draw):
     torch.cuda.get_device_name = lambda *args: "sm_90, compile only"
     use(draw)
     from flashattn.measure import compiled_gluon as cg
+    from flashattn.measure.compiled import resources, sass_instructions
 
     rows = []
     for kind in ("forward", "backward"):
@@ -128,8 +120,8 @@ def compile_child(draw):
                     kernel = cg.compile_hopper_forward(128, "bf16", causal, mods=mods)
                 else:
                     kernel = cg.compile_hopper_backward(128, "bf16", causal, dq=True, mods=mods)
-                total, spill = sass_total(kernel)
-                rows.append(dict(kernel=kind, causal=causal, dropout=bool(mods), sass=total, spill=spill))
+                rows.append(dict(kernel=kind, causal=causal, dropout=bool(mods), sass=sass_instructions(kernel),
+                                 spill=resources(kernel)[1]))
     print("RESULT " + json.dumps(rows))
 
 

@@ -1,15 +1,18 @@
 """Compile the Gluon kernels for Hopper (sm_90) without a GPU, and report what the compiler made.
 
-    python tools/compile_hopper.py [--kernel fwd|bwd] [--head-dim 64] [--dtype bf16] [--causal 1]
-                                   [--config '{"STAGES": 3}'] [--variants]
+    python tools/compile_hopper.py [--kernel fwd|bwd|bwd_dq] [--head-dim 64] [--dtype bf16] [--causal 1]
+                                   [--config '{"STAGES": 3}'] [--variants] [--mods alibi,softcap]
 
 Gluon has no interpreter, so compiling is the only check these kernels get on a machine without
 a GPU: it catches errors in layouts, shared memory and barriers that only the compiler sees, and
 prints what each configuration costs: registers per thread at launch (each partition then sets its
 own budget with setmaxnreg, listed last), spilled bytes, shared memory, and the wgmma
 instructions, TMA copies and mbarrier waits in the PTX, and the codes of ptxas's notes (C7517: a
-wgmma wait it had to inject). ``--variants`` adds the forward variants
-that tools/hopper_check.py times (flashattn.measure.gpu_checks.VARIANTS).
+wgmma wait it had to inject), and how many SASS instructions the kernel holds (where a kernel is
+bound by issuing them, a score modification's share of the plain call's speed is about the plain
+kernel's count over the modified one's). ``--variants`` adds the forward variants that
+tools/hopper_check.py times (flashattn.measure.gpu_checks.VARIANTS); ``--mods`` compiles every
+kernel with these score modifications (of softcap, alibi, window, dropout).
 """
 import argparse
 import json
@@ -29,10 +32,12 @@ def main():
     p.add_argument("--causal", type=int, choices=(0, 1), action="append")
     p.add_argument("--config", type=json.loads, action="append", help="overrides, as JSON")
     p.add_argument("--variants", action="store_true")
+    p.add_argument("--mods", default="", help="comma-separated score modifications, e.g. alibi,softcap")
     args = p.parse_args()
+    mods = [m for m in args.mods.split(",") if m]
     failures = 0
     print(f"{'kernel':6} {'D':>4} {'dtype':5} {'causal':6} {'config':40} {'regs':>4} {'spill':>5} "
-          f"{'smem':>6} {'wgmma':>5} {'tma':>5} {'waits':>5} setmaxnreg ptxas")
+          f"{'smem':>6} {'wgmma':>5} {'tma':>5} {'waits':>5} {'sass':>5} setmaxnreg ptxas")
     for kernel in args.kernel or ["fwd", "bwd", "bwd_dq"]:
         for head_dim in args.head_dim or [64, 128]:
             configs = list(args.config or [None])
@@ -41,7 +46,8 @@ def main():
             try:
                 rows = compiled.in_child("flashattn.measure.compiled_gluon:gluon_report", kernel=kernel,
                                          head_dims=[head_dim], dtypes=args.dtype or ["fp16", "bf16"],
-                                         causal=[bool(c) for c in (args.causal or [0, 1])], configs=configs)
+                                         causal=[bool(c) for c in (args.causal or [0, 1])], configs=configs,
+                                         mods=mods, instructions=True)
             except compiled.CannotCompile as reason:
                 print(f"cannot compile here: {reason}")
                 sys.exit(1)
@@ -54,7 +60,8 @@ def main():
                     continue
                 notes = " ".join(sorted({code for code, _ in r["ptxas_notes"]}))
                 print(f"{head} {r['regs']:4} {r['spill']:5} {r['smem'] // 1024:5}K {r['wgmma']:5} "
-                      f"{r['tma_loads']}+{r['tma_stores']:<3} {r['mbarrier_waits']:5} {r['setmaxnreg']} {notes}",
+                      f"{r['tma_loads']}+{r['tma_stores']:<3} {r['mbarrier_waits']:5} {r['instructions']:5} "
+                      f"{r['setmaxnreg']} {notes}",
                       flush=True)
     sys.exit(1 if failures else 0)
 

@@ -22,13 +22,11 @@ tile lives and when to wait):
   consumer passes the turn), so that one's softmax runs while the other's matmuls occupy the
   tensor cores. Measured, it helps at head dim 128 and not at 64 (see ``CONFIGS``).
 
-It computes exactly what ``flashattn.forward.attention_forward`` computes (the output in q's dtype
-and the base-2 LSE), with the same score modifications but the mask (a softcap, ALiBi, sliding
-windows, the bottom-right alignment and dropout, whose Philox draw is the Triton kernels' own
-``tiles.dropout_keep``, called from Gluon: constexpr switches, off for a plain call), so the
-backward kernels work unchanged (``flashattn.hopper_backward`` is the
-dK/dV kernel written the same way). Gluon has no interpreter: these kernels run only where they
-are compiled for CUDA (``flashattn.forward`` calls them there; elsewhere this module is only read).
+It computes what ``flashattn.forward.attention_forward`` computes (the output in q's dtype and the
+base-2 LSE), with the same score modifications but the mask (softcap, ALiBi, windows, bottom-right
+alignment, dropout with the Triton kernels' ``tiles.dropout_keep``: constexpr switches, off for a
+plain call), for either backward. Gluon has no interpreter: these kernels run only where they are
+compiled for CUDA (``flashattn.forward`` calls them there; elsewhere this module is only read).
 """
 import math
 
@@ -210,8 +208,8 @@ def modified_scores(s, rows, cols, qk_scale, softcap, slope, shift, SOFTCAP: gl.
     else:
         s2 = s * qk_scale
         dcap = 1.0
-    if ALIBI:
-        s2 = s2 - (slope * 1.4426950408889634) * gl.abs(rows + shift - cols).to(gl.float32)
+    if ALIBI:  # the distance in float32, as tiles.modified_scores takes it
+        s2 = s2 - (slope * 1.4426950408889634) * gl.abs((rows + shift).to(gl.float32) - cols.to(gl.float32))
     return s2, dcap
 
 
@@ -224,10 +222,12 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, q
     alpha)``, exactly as ``flashattn.forward.fwd_inner`` does (base 2, scale folded into exp2).
     With EXP2_FMA, ``on_fma`` says whether this tile's exponentials go to the FMA units. Tiles
     outside ``[kv_full_lo, kv_full_hi)`` are masked: the causal diagonal, the ragged end and, with
-    WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``). SOFTCAP and ALIBI
-    modify the scores first (:func:`modified_scores`)."""
+    WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``), after modified_scores."""
     offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    if SOFTCAP or ALIBI:
+    if SOFTCAP and not ALIBI:  # tanh alone: its factor to base 2 joins exp2's fused multiply-add
+        s = tanh(s * (qk_scale * 0.6931471805599453 / softcap), TANH_APPROX)
+        scale2 = softcap * 1.4426950408889634
+    elif SOFTCAP or ALIBI:
         s, _ = modified_scores(s, gl.expand_dims(offs_q, 1), gl.expand_dims(offs_kv, 0), qk_scale, softcap,
                                slope, shift, SOFTCAP, ALIBI, TANH_APPROX)
         scale2 = 1.0  # the scores are in base 2 already

@@ -210,6 +210,12 @@ def facts(compiled):
                 roundings=len(re.findall(r"\bcvt\.r[mnpz]i\.", ptx)))
 
 
+def sass_instructions(compiled):
+    """How many machine instructions (SASS, as cuobjdump disassembles it) a compiled kernel holds:
+    where a kernel is bound by issuing instructions, a change's cost in time follows this count."""
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+[A-Z@]", cuobjdump(compiled.asm["cubin"], "-sass"), flags=re.M))
+
+
 # ---------------------------------------------------------------------------- Gluon kernels
 
 

@@ -17,7 +17,7 @@ import tempfile
 import triton
 
 from ..kernels.tiles import DROP_TILE
-from .compiled import SM90, TORCH_DTYPES, CannotCompile, facts
+from .compiled import SM90, TORCH_DTYPES, CannotCompile, facts, sass_instructions
 
 
 def _gluon(module):
@@ -114,10 +114,11 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False, mods
 
 
 def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), causal=(False, True),
-                 configs=(None,), mods=()):
+                 configs=(None,), mods=(), instructions=False):
     """Compile a Gluon kernel ("fwd" or "bwd") for every combination and return one dict per
-    compilation: its settings and :func:`facts`, or ``error``. ``causal`` may hold "window" for
-    the forward: its sliding-window variant; ``mods`` (names of :data:`MODS`) apply to every one.
+    compilation: its settings and :func:`facts` (with ``instructions``, its SASS instruction count
+    too), or ``error``. ``causal`` may hold "window" for the forward: its sliding-window variant;
+    ``mods`` (names of :data:`MODS`) apply to every one.
     CannotCompile when the first one
     fails in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
     compile_one = {"fwd": functools.partial(compile_hopper_forward, mods=mods),
@@ -134,10 +135,11 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
                         if is_causal == "window":  # the forward's sliding window (masked tiles)
                             row["causal"] = "window"
                             binary = compile_hopper_forward(head_dim, dtype, True, config, window=True, mods=mods)
-                            row.update(facts(binary), ptxas_notes=ptxas_notes(binary))
                         else:
                             binary = compile_one(head_dim, dtype, is_causal, config)
-                            row.update(facts(binary), ptxas_notes=ptxas_notes(binary))
+                        row.update(facts(binary), ptxas_notes=ptxas_notes(binary))
+                        if instructions:
+                            row["instructions"] = sass_instructions(binary)
                     except CannotCompile:
                         raise
                     except Exception as error:  # report and go on: one configuration cannot hide others

@@ -21,7 +21,8 @@
 # README's table and figure: bf16 and fp16, head dims 64 and 128, causal or not, N 1k-16k, against
 # SDPA's backends), tf32x3-checks (float32 'highest' as 3xTF32 against float64 over the whole
 # float32 grid, in four processes), bench-tf32x3 and first-call-tf32x3 (its speed against SDPA's
-# float32, and its first calls) run only when named.
+# float32, and its first calls), dropout-draws (experiments/dropout_draws.py: cheaper dropout draws
+# checked and timed beside the calls without dropout) run only when named.
 # Each part writes OUT_DIR/<part>.txt (and its CSV files); the screen gets one line per part.
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
@@ -58,6 +59,7 @@ part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_d
 part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"
 part tests-mods 420 $pytest tests/test_modifiers.py tests/test_mask_tiles.py tests/test_sdpa_dropin.py tests/test_kv_cache.py tests/test_paged_decode.py
 part bench-mods 600 python -m flashattn.measure.score_mods --out "$out/score_mods.csv"
+part dropout-draws 420 python experiments/dropout_draws.py --time --out-dir "$out"
 part decode-host 50 python -m flashattn.measure.bench_decode --host-ab --out "$out/decode_host_ab.csv"
 part decode-paged 180 python -m flashattn.measure.bench_decode --paged --lengths 4096 16384 --out "$out/decode_paged.csv"
 part bench-generate 300 bash -c "python -m flashattn.measure.bench_generate --out '$out/generate_left_padded.csv' && python -m flashattn.measure.bench_generate --cache static --out '$out/generate_left_padded_static.csv'"

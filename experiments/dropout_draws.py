@@ -1,6 +1,6 @@
 """Cheaper dropout draws than the package's, compiled for sm_90 on any machine and, on an H100 or
-H200, checked and timed. None is adopted: docs/performance.md ("Dropout on the Gluon kernels")
-says what they measured.
+H200, checked and timed. None is adopted: docs/performance.md ("Cheaper draws, compiled only")
+says what was found.
 
     python experiments/dropout_draws.py                    # SASS instructions of each draw, any machine
     python experiments/dropout_draws.py --check            # each draw's kernels agree (CPU: interpreter)
@@ -21,10 +21,9 @@ the kernels were bound by issuing instructions. For the package's draw that esti
 0.03 of the share measured on an H100 (docs/performance.md). ``--check`` runs, with each draw, two
 calls forward and backward against float64 given the mask the call returned (the forward, the
 backward and the mask kernel must draw the same pairs), and the share of pairs dropped at
-p = 0.1. With ``--time`` a child per draw
-runs ``gpu_checks``' dropout cases against float64 (the reference takes the mask the call drew,
-with that draw) and ``score_mods``' dropout rows beside the same calls without dropout, writing
-``D/draw-<name>.csv``.
+p = 0.1. With ``--time`` a child per draw runs ``gpu_checks``' dropout cases against float64 (the
+reference takes the mask the call drew, with that draw) and ``score_mods``' dropout rows beside
+the same calls without dropout, writing ``D/draw-<name>.csv``.
 """
 import argparse
 import json
@@ -104,10 +103,6 @@ def use(draw):
 def compile_child(draw):
     """Print, as JSON, the SASS instruction count and spilled bytes of the Gluon forward and fused
     backward with ``draw`` and without dropout (bf16, head dim 128, causal and not)."""
-    import torch
-
-    torch.cuda.is_available = lambda: True  # flashattn then defines its kernels for the compiler
-    torch.cuda.get_device_name = lambda *args: "sm_90, compile only"
     use(draw)
     from flashattn.measure import compiled_gluon as cg
     from flashattn.measure.compiled import resources, sass_instructions
@@ -137,6 +132,7 @@ def check_child(draw):
 
     use(draw)
     g = torch.Generator().manual_seed(0)
+    failed = False
     for causal, n_q, n_kv in ((True, 37, 37), (False, 20, 70)):
         q, k, v = (torch.randn(1, 2, n, 64, generator=g).to(DEVICE) for n in (n_q, n_kv, n_kv))
         torch.manual_seed(5)
@@ -145,11 +141,13 @@ def check_child(draw):
         checks = compare_with_reference(q, k, v, is_causal=causal, impl=functools.partial(attention, dropout_p=0.3),
                                         reference=functools.partial(naive_attention, dropout_p=0.3,
                                                                     dropout_keep=keep))
+        failed |= not all(c.ok for c in checks)
         print(f"{draw:>8} {'causal' if causal else 'dense':>6} {n_q}x{n_kv}: "
               + ("ok" if all(c.ok for c in checks) else "; ".join(str(c) for c in checks if not c.ok)))
     zeros = [torch.zeros(1, 4, n, 64, device=DEVICE) for n in (64, 256, 256)]
     keep = attention(*zeros, dropout_p=0.1, return_dropout_mask=True)[1]
     print(f"{draw:>8} dropped {1 - keep.float().mean().item():.4f} of {keep.numel()} pairs at p = 0.1")
+    sys.exit(1 if failed else 0)
 
 
 def time_child(draw, out_dir):
@@ -164,18 +162,27 @@ def time_child(draw, out_dir):
     score_mods.run(False, os.path.join(out_dir, f"draw-{draw}.csv"), ["dropout", "dropout-dense"])
 
 
-def child(*args):
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+def child(*args, timeout, capture=False):
+    """Run this script with ``args`` in a fresh process (a draw patched before any kernel compiles),
+    under ``timeout`` seconds (a kernel waiting on a barrier would wait forever); its output shown
+    as it comes, or with ``capture`` returned. This process's ``import flashattn`` turned Triton's
+    interpreter on where there is no GPU: the child decides that for itself."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        result = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, timeout=timeout,
+                                capture_output=capture, text=True)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"{' '.join(args)}: stopped after {timeout} s")
     if result.returncode:
-        sys.exit(f"{' '.join(args)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        sys.exit(f"{' '.join(args)} failed" + (f":\n{result.stdout[-3000:]}{result.stderr[-3000:]}" if capture else ""))
     return result.stdout
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="check each draw's kernels against float64")
-    p.add_argument("--time", action="store_true", help="check and time each draw (a Hopper GPU)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="check each draw's kernels against float64")
+    mode.add_argument("--time", action="store_true", help="check and time each draw (a Hopper GPU)")
     p.add_argument("--out-dir", default=".", help="where --time writes draw-<name>.csv")
     p.add_argument("--draws", default=",".join(DRAWS), help=f"comma-separated, of {list(DRAWS)}")
     p.add_argument("--compile-child", help=argparse.SUPPRESS)
@@ -188,15 +195,18 @@ def main():
         return check_child(args.check_child)
     if args.time_child:
         return time_child(args.time_child, args.out_dir)
-    for draw in args.draws.split(","):
+    draws = args.draws.split(",")
+    if set(draws) - set(DRAWS):
+        p.error(f"--draws: unknown {sorted(set(draws) - set(DRAWS))}; expected some of {list(DRAWS)}")
+    for draw in draws:
         if args.check:
-            print(child("--check-child", draw), end="", flush=True)
+            child("--check-child", draw, timeout=900)
             continue
         if args.time:
             print(f"== {draw}", flush=True)
-            print(child("--time-child", draw, "--out-dir", args.out_dir), flush=True)
+            child("--time-child", draw, "--out-dir", args.out_dir, timeout=600)
             continue
-        out = child("--compile-child", draw)
+        out = child("--compile-child", draw, timeout=1200, capture=True)
         rows = json.loads(out.split("RESULT ", 1)[1])
         plain = {(r["kernel"], r["causal"]): r["sass"] for r in rows if not r["dropout"]}
         for r in rows:

@@ -8,11 +8,12 @@ a GPU: it catches errors in layouts, shared memory and barriers that only the co
 prints what each configuration costs: registers per thread at launch (each partition then sets its
 own budget with setmaxnreg, listed last), spilled bytes, shared memory, and the wgmma
 instructions, TMA copies and mbarrier waits in the PTX, and the codes of ptxas's notes (C7517: a
-wgmma wait it had to inject), and how many SASS instructions the kernel holds (where a kernel is
-bound by issuing them, a score modification's share of the plain call's speed is about the plain
-kernel's count over the modified one's). ``--variants`` adds the forward variants that
-tools/hopper_check.py times (flashattn.measure.gpu_checks.VARIANTS); ``--mods`` compiles every
-kernel with these score modifications (of softcap, alibi, window, dropout).
+wgmma wait it had to inject), and how many SASS instructions the kernel holds (a rough guide to a
+change's cost: the plain kernel's count over a modified one's came within 0.03 of dropout's
+measured share of the plain call's speed, not of every modification's: docs/performance.md).
+``--variants`` adds the forward variants that tools/hopper_check.py times
+(flashattn.measure.gpu_checks.VARIANTS); ``--mods`` compiles every kernel with these score
+modifications (of softcap, alibi, window, dropout; with a window, the masked configuration only).
 """
 import argparse
 import json
@@ -21,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from flashattn.measure import compiled, gpu_checks  # noqa: E402  (the checkout's flashattn)
+from flashattn.measure import compiled, compiled_gluon, gpu_checks  # noqa: E402  (the checkout's flashattn)
 
 
 def main():
@@ -35,6 +36,10 @@ def main():
     p.add_argument("--mods", default="", help="comma-separated score modifications, e.g. alibi,softcap")
     args = p.parse_args()
     mods = [m for m in args.mods.split(",") if m]
+    unknown = set(mods) - set(compiled_gluon.MODS)
+    if unknown:
+        p.error(f"--mods: unknown {sorted(unknown)}; expected some of {', '.join(compiled_gluon.MODS)}")
+    causal = [bool(c) for c in (args.causal or [0, 1])] if "window" not in mods else [True]
     failures = 0
     print(f"{'kernel':6} {'D':>4} {'dtype':5} {'causal':6} {'config':40} {'regs':>4} {'spill':>5} "
           f"{'smem':>6} {'wgmma':>5} {'tma':>5} {'waits':>5} {'sass':>5} setmaxnreg ptxas")
@@ -46,7 +51,7 @@ def main():
             try:
                 rows = compiled.in_child("flashattn.measure.compiled_gluon:gluon_report", kernel=kernel,
                                          head_dims=[head_dim], dtypes=args.dtype or ["fp16", "bf16"],
-                                         causal=[bool(c) for c in (args.causal or [0, 1])], configs=configs,
+                                         causal=causal, configs=configs,
                                          mods=mods, instructions=True)
             except compiled.CannotCompile as reason:
                 print(f"cannot compile here: {reason}")

@@ -25,8 +25,8 @@ tile lives and when to wait):
 It computes what ``flashattn.forward.attention_forward`` computes (the output in q's dtype and the
 base-2 LSE), with the same score modifications but the mask (softcap, ALiBi, windows, bottom-right
 alignment, dropout with the Triton kernels' ``tiles.dropout_keep``: constexpr switches, off for a
-plain call), for either backward. Gluon has no interpreter: these kernels run only where they are
-compiled for CUDA (``flashattn.forward`` calls them there; elsewhere this module is only read).
+plain call), so that either backward works unchanged. Gluon has no interpreter: these kernels run
+only where they are compiled for CUDA (``flashattn.forward`` calls them; elsewhere it is only read).
 """
 import math
 
@@ -201,7 +201,7 @@ def modified_scores(s, rows, cols, qk_scale, softcap, slope, shift, SOFTCAP: gl.
     - slope * |i + shift - j|)``, and the softcap's factor on dS (``1 - tanh**2``, 1 without it),
     as ``flashattn.kernels.tiles.modified_scores`` computes them (``rows``/``cols`` broadcast to
     the tile either way round)."""
-    if SOFTCAP:
+    if SOFTCAP:  # _softmax_step takes t itself (a cap alone): the backward's P needs the same t
         t = tanh(s * (qk_scale * 0.6931471805599453 / softcap), TANH_APPROX)
         s2 = t * (softcap * 1.4426950408889634)
         dcap = 1.0 - t * t
@@ -222,9 +222,9 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, q
     alpha)``, exactly as ``flashattn.forward.fwd_inner`` does (base 2, scale folded into exp2).
     With EXP2_FMA, ``on_fma`` says whether this tile's exponentials go to the FMA units. Tiles
     outside ``[kv_full_lo, kv_full_hi)`` are masked: the causal diagonal, the ragged end and, with
-    WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``), after modified_scores."""
+    WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``): modified scores."""
     offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    if SOFTCAP and not ALIBI:  # tanh alone: its factor to base 2 joins exp2's fused multiply-add
+    if SOFTCAP and not ALIBI:  # modified_scores' tanh; its factor to base 2 joins exp2's FMA
         s = tanh(s * (qk_scale * 0.6931471805599453 / softcap), TANH_APPROX)
         scale2 = softcap * 1.4426950408889634
     elif SOFTCAP or ALIBI:

@@ -118,9 +118,8 @@ def gluon_report(kernel="fwd", head_dims=(64, 128), dtypes=("fp16", "bf16"), cau
     """Compile a Gluon kernel ("fwd" or "bwd") for every combination and return one dict per
     compilation: its settings and :func:`facts` (with ``instructions``, its SASS instruction count
     too), or ``error``. ``causal`` may hold "window" for the forward: its sliding-window variant;
-    ``mods`` (names of :data:`MODS`) apply to every one.
-    CannotCompile when the first one
-    fails in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
+    ``mods`` (names of :data:`MODS`) apply to every one. CannotCompile when the first one fails
+    in the assembler (this machine lacks ptxas), so callers can tell the two apart."""
     compile_one = {"fwd": functools.partial(compile_hopper_forward, mods=mods),
                    "bwd": functools.partial(compile_hopper_backward, mods=mods),
                    "bwd_dq": functools.partial(compile_hopper_backward, dq=True, mods=mods)}[kernel]

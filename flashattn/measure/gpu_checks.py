@@ -303,13 +303,14 @@ def _references(q, k, v, do, causal, scale=None):
     second on testing.baseline_inputs (rounded to TF32 where the kernels use TF32)."""
     import torch
     from ..testing import reference
-    from ..testing.rule import baseline_inputs
+    from ..testing.rule import baseline_inputs, ieee_float32
 
     refs = []
     for dtype, inputs in ((torch.float64, (q, k, v)), (q.dtype, baseline_inputs(q, k, v))):
         leaves = [x.detach().to(dtype).requires_grad_() for x in inputs]
-        out, lse = reference.naive_attention(*leaves, is_causal=causal, scale=scale)
-        grads = torch.autograd.grad(out, leaves, do.to(dtype))
+        with ieee_float32():  # the baseline's TF32 is its inputs' rounding (testing.rule)
+            out, lse = reference.naive_attention(*leaves, is_causal=causal, scale=scale)
+            grads = torch.autograd.grad(out, leaves, do.to(dtype))
         refs.append(dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2]))
     return refs
 

@@ -44,40 +44,38 @@ ROUNDS: tl.constexpr = tl.constexpr(7)
 
 
 @triton.jit
-def keep_rounds7(seed, p_drop, rows, cols, col0, BLOCK_KV: tl.constexpr, DROPOUT: tl.constexpr):
-    """``tiles.dropout_keep`` with 7 Philox rounds: the same pairs in a call, the same bits."""
-    if DROPOUT == 1 and BLOCK_KV % 32 == 0:
+def keep_with(seed, p_drop, rows, cols, col0, BLOCK_KV: tl.constexpr, DROPOUT: tl.constexpr, BITS: tl.constexpr):
+    """``tiles.dropout_keep`` with ``ROUNDS`` Philox rounds and ``BITS`` (16 or 8) a pair. A call
+    serves the ``128 / BITS`` columns a thread holds in a span of ``512 / BITS`` (the tensor core's
+    pairs of neighbours, 8 apart): column c takes slot ``2 * (c >> 3 & (SPAN / 8 - 1)) + (c & 1)``,
+    part ``slot % (32 / BITS)`` of word ``slot // (32 / BITS)``. With 16 bits, the package's pairs."""
+    SPAN: tl.constexpr = 512 // BITS
+    PARTS: tl.constexpr = 32 // BITS
+    if DROPOUT == 1 and BLOCK_KV % SPAN == 0:
         c = cols
     else:
-        c = col0 % 32 + cols
-    group = (col0 // 32 + (c >> 5)) * 4 + ((c >> 1) & 3)
+        c = col0 % SPAN + cols
+    group = (col0 // SPAN + c // SPAN) * 4 + ((c >> 1) & 3)
     rows = rows.to(tl.int64)
     r0, r1, r2, r3 = tl.philox(seed, group.to(tl.uint32), rows.to(tl.uint32), (rows >> 32).to(tl.uint32),
                                group.to(tl.uint32) * 0, ROUNDS)
-    word = (c >> 3) & 3
+    slot = ((c >> 3) & (SPAN // 8 - 1)) * 2 + (c & 1)
+    word = slot // PARTS
     bits = tl.where(word < 2, tl.where(word == 0, r0, r1), tl.where(word == 2, r2, r3))
-    bits = (bits >> ((c & 1) * 16).to(tl.uint32)) & 0xFFFF
-    return bits.to(tl.int32) >= tl.cast(p_drop * 65536.0 + 0.5, tl.int32)
+    bits = (bits >> ((slot % PARTS) * BITS).to(tl.uint32)) & ((1 << BITS) - 1)
+    return bits.to(tl.int32) >= tl.cast(p_drop * (1 << BITS) + 0.5, tl.int32)
+
+
+@triton.jit
+def keep_rounds7(seed, p_drop, rows, cols, col0, BLOCK_KV: tl.constexpr, DROPOUT: tl.constexpr):
+    """7 rounds, 16 bits a pair: the package's pairs and bits from fewer rounds."""
+    return keep_with(seed, p_drop, rows, cols, col0, BLOCK_KV, DROPOUT, 16)
 
 
 @triton.jit
 def keep_bits8(seed, p_drop, rows, cols, col0, BLOCK_KV: tl.constexpr, DROPOUT: tl.constexpr):
-    """8 bits a pair from 7 Philox rounds: a call serves the 16 columns a thread holds in 64 (the
-    tensor core's pairs of neighbours, 8 apart); column c takes byte ``c & 1`` of the pair at
-    ``c >> 3 & 7``: word ``slot >> 2``, byte ``slot & 3`` of ``slot = 2 * (c >> 3 & 7) + (c & 1)``."""
-    if DROPOUT == 1 and BLOCK_KV % 64 == 0:
-        c = cols
-    else:
-        c = col0 % 64 + cols
-    group = (col0 // 64 + (c >> 6)) * 4 + ((c >> 1) & 3)
-    rows = rows.to(tl.int64)
-    r0, r1, r2, r3 = tl.philox(seed, group.to(tl.uint32), rows.to(tl.uint32), (rows >> 32).to(tl.uint32),
-                               group.to(tl.uint32) * 0, ROUNDS)
-    slot = ((c >> 3) & 7) * 2 + (c & 1)
-    word = slot >> 2
-    bits = tl.where(word < 2, tl.where(word == 0, r0, r1), tl.where(word == 2, r2, r3))
-    bits = (bits >> ((slot & 3) * 8).to(tl.uint32)) & 0xFF
-    return bits.to(tl.int32) >= tl.cast(p_drop * 256.0 + 0.5, tl.int32)
+    """7 rounds, 8 bits a pair: 16 pairs a call, FlashAttention-2's draw."""
+    return keep_with(seed, p_drop, rows, cols, col0, BLOCK_KV, DROPOUT, 8)
 
 
 DRAWS = {"package": None, "rounds7": keep_rounds7, "bits8": keep_bits8}

@@ -222,7 +222,7 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, q
     alpha)``, exactly as ``flashattn.forward.fwd_inner`` does (base 2, scale folded into exp2).
     With EXP2_FMA, ``on_fma`` says whether this tile's exponentials go to the FMA units. Tiles
     outside ``[kv_full_lo, kv_full_hi)`` are masked: the causal diagonal, the ragged end and, with
-    WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``): modified scores."""
+    WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``), scores once modified."""
     offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
     if SOFTCAP and not ALIBI:  # modified_scores' tanh; its factor to base 2 joins exp2's FMA
         s = tanh(s * (qk_scale * 0.6931471805599453 / softcap), TANH_APPROX)

@@ -212,8 +212,10 @@ def facts(compiled):
 
 def sass_instructions(compiled):
     """How many machine instructions (SASS, as cuobjdump disassembles it) a compiled kernel holds:
-    where a kernel is bound by issuing instructions, a change's cost in time follows this count."""
-    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+[A-Z@]", cuobjdump(compiled.asm["cubin"], "-sass"), flags=re.M))
+    a rough guide to what a change costs where the kernel is bound by issuing them (not a timing:
+    docs/performance.md says where the count followed the measured speed and where it did not)."""
+    sass = cuobjdump(compiled.asm["cubin"], "-sass")
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass, flags=re.M))
 
 
 # ---------------------------------------------------------------------------- Gluon kernels

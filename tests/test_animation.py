@@ -1,5 +1,7 @@
 """The animations of one program walking its tiles (flashattn.plotting.animation): one frame per tile
 the program visits, in the kernel's order, ending on the right values, and HTML that plays anywhere."""
+import gc
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -14,6 +16,14 @@ from flashattn.testing import reference  # noqa: E402
 
 # most tests look at an animation's frames without rendering it, which matplotlib warns about
 pytestmark = pytest.mark.filterwarnings("ignore:Animation was deleted without rendering")
+
+
+@pytest.fixture(autouse=True)
+def _delete_animations():
+    """Delete each test's animations (held in cycles with their figures) while the filter above
+    holds: collected during a later test, they warned there."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="module")

@@ -208,7 +208,7 @@ def modified_scores(s, rows, cols, qk_scale, softcap, slope, shift, SOFTCAP: gl.
     else:
         s2 = s * qk_scale
         dcap = 1.0
-    if ALIBI:  # the distance in float32, as tiles.modified_scores takes it
+    if ALIBI:  # rows and columns converted once, not every pair's integer distance (exact < 2**24)
         s2 = s2 - (slope * 1.4426950408889634) * gl.abs((rows + shift).to(gl.float32) - cols.to(gl.float32))
     return s2, dcap
 

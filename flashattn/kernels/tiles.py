@@ -258,10 +258,7 @@ def modified_scores(s, rows, cols, n_q, n_kv, qk_scale, softcap, slope, shift,
         s2 = s * qk_scale
         dcap = 1.0
     if ALIBI:
-        # the distance in float32 (exact below 2**24 positions): rows and columns converted once
-        # each, not every pair's integer distance (a conversion per pair, in every tile)
-        distance = tl.abs((rows + shift).to(tl.float32) - cols.to(tl.float32))
-        s2 = s2 - (slope * 1.4426950408889634) * distance
+        s2 = s2 - (slope * 1.4426950408889634) * tl.abs(rows + shift - cols).to(tl.float32)
     if MASK_KIND != 0:
         if MASK_KIND & 4:  # one row for every query: read as a row (or column) of keys, broadcast
             ptrs = Mask + cols.to(tl.int64) * stride_mk

@@ -92,8 +92,7 @@ REGISTERS = {2: dict(launch=168, consumer=240, producer=24),
 
 
 def is_modified(window=None, softcap=0.0, alibi_slopes=None, shift=0, dropout_p=0.0, seed=0):
-    """Whether :func:`attention_forward`'s (and the backward's) modifications take MODIFIED_CONFIGS:
-    a window, a softcap, ALiBi or dropout (``shift`` and ``seed`` alone do not)."""
+    """Whether a call's modifications take MODIFIED_CONFIGS (``shift`` and ``seed`` alone do not)."""
     return window is not None or softcap > 0 or alibi_slopes is not None or dropout_p > 0
 
 
@@ -131,8 +130,7 @@ def _load_tile(desc, smem, ready, empty, batch, head, kv_lo, j, BLOCK_N: gl.cons
     # through the ring does not wait; later rounds wait for both consumers' release.
     mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
-    tma_load(desc, [batch, head, kv_lo + j * BLOCK_N, 0], ready.index(stage),
-                                    smem.index(stage))
+    tma_load(desc, [batch, head, kv_lo + j * BLOCK_N, 0], ready.index(stage), smem.index(stage))
 
 
 @gluon.jit
@@ -145,8 +143,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, 
     ``kv_head``, the query head's group under grouped-query attention (else the head itself)."""
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
-        tma_load(desc_q, [batch, head, q_start + c * BLOCK_M, 0],
-                                        q_ready.index(c), q_smem.index(c))
+        tma_load(desc_q, [batch, head, q_start + c * BLOCK_M, 0], q_ready.index(c), q_smem.index(c))
     _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, kv_lo, 0, BLOCK_N, STAGES)
     for j in range(1, n_tiles):
         _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, kv_lo, j, BLOCK_N, STAGES)
@@ -178,9 +175,8 @@ def _exp2_fma(x):
 
 @gluon.jit
 def tanh(x, APPROX: gl.constexpr):
-    """tanh in float32. With APPROX (:data:`TANH_APPROX`, the default), the special-function
-    unit's ``tanh.approx.f32``; else exact to a few ulps: ``flashattn.kernels.tiles.tanh``'s
-    formula, with the division an approximate one (``div.full``, 2 ulps) rather than IEEE's."""
+    """tanh in float32: with APPROX (:data:`TANH_APPROX`) ``tanh.approx.f32``, else within a few ulps
+    (``tiles.tanh``'s formula, with an approximate division, ``div.full``: 2 ulps)."""
     if APPROX:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
                                          is_pure=True, pack=1)
@@ -195,14 +191,20 @@ def tanh(x, APPROX: gl.constexpr):
 
 
 @gluon.jit
+def capped(s, qk_scale, softcap, TANH_APPROX: gl.constexpr):
+    """The softcap's ``tanh(scale * s / softcap)``: base-2 scores are it times ``softcap * log2(e)``."""
+    return tanh(s * (qk_scale * 0.6931471805599453 / softcap), TANH_APPROX)
+
+
+@gluon.jit
 def modified_scores(s, rows, cols, qk_scale, softcap, slope, shift, SOFTCAP: gl.constexpr,
                     ALIBI: gl.constexpr, TANH_APPROX: gl.constexpr):
     """``(S2, dcap)``: raw scores ``s`` turned into base-2 scores, ``log2(e) * (softcap(scale * s)
     - slope * |i + shift - j|)``, and the softcap's factor on dS (``1 - tanh**2``, 1 without it),
     as ``flashattn.kernels.tiles.modified_scores`` computes them (``rows``/``cols`` broadcast to
     the tile either way round)."""
-    if SOFTCAP:  # _softmax_step takes t itself (a cap alone): the backward's P needs the same t
-        t = tanh(s * (qk_scale * 0.6931471805599453 / softcap), TANH_APPROX)
+    if SOFTCAP:
+        t = capped(s, qk_scale, softcap, TANH_APPROX)
         s2 = t * (softcap * 1.4426950408889634)
         dcap = 1.0 - t * t
     else:
@@ -224,8 +226,8 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, q
     outside ``[kv_full_lo, kv_full_hi)`` are masked: the causal diagonal, the ragged end and, with
     WINDOW, both edges of the sliding window (``tiles.kv_window_bounds``), scores once modified."""
     offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    if SOFTCAP and not ALIBI:  # modified_scores' tanh; its factor to base 2 joins exp2's FMA
-        s = tanh(s * (qk_scale * 0.6931471805599453 / softcap), TANH_APPROX)
+    if SOFTCAP and not ALIBI:  # the cap's factor to base 2 joins exp2's fused multiply-add
+        s = capped(s, qk_scale, softcap, TANH_APPROX)
         scale2 = softcap * 1.4426950408889634
     elif SOFTCAP or ALIBI:
         s, _ = modified_scores(s, gl.expand_dims(offs_q, 1), gl.expand_dims(offs_kv, 0), qk_scale, softcap,
@@ -371,8 +373,7 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     o = (acc / gl.expand_dims(l_o, 1)).to(dtype)
     q.store(o)
     fence_async_shared()
-    tma_store(desc_o, [batch, head, q_start + C * BLOCK_M, 0],
-                                    q_smem.index(C))
+    tma_store(desc_o, [batch, head, q_start + C * BLOCK_M, 0], q_smem.index(C))
     tma.store_wait(0)
 
 
@@ -445,8 +446,7 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
     if PINGPONG:
         mbarrier.arrive(turn.index(0))  # consumer 0 issues first
 
-    # The first consumer runs in the program's own 4 warps; the others and the producer are
-    # workers (Gluon needs the list of partitions spelled out).
+    # Consumer 0 runs in the program's own 4 warps, the rest are workers (partitions spelled out).
     C0: gl.constexpr = 0
     C1: gl.constexpr = 1
     C2: gl.constexpr = 2

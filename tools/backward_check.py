@@ -7,6 +7,8 @@ Triton dQ), each against float64 under the rule, then both timed beside SDPA's c
     python tools/backward_check.py --csv OUT.csv   # also write the timings
     python tools/backward_check.py --no-checks --head-dims 64 --bwd-variants '[{"STAGES": 3}]'
                                                    # time configurations beside the default
+    python tools/backward_check.py --check-variants --bwd-variants '[{"DQ_BUFFERS": 2}]'
+                                                   # and check them (bf16) before
 
 Timings are medians of ``triton.testing.do_bench`` (backward alone: the graph kept, the forward
 run once), the providers of a cell timed in turn, round after round, median of the rounds; TFLOPS
@@ -62,7 +64,8 @@ def backward(o, inputs, do):
     return torch.autograd.grad(o, inputs, do, retain_graph=True)
 
 
-def checks(calls, dtypes):
+def checks(calls, dtypes, paths=(False, True), label=""):
+    """Both backward paths (``paths``: deterministic or not) against float64 under the rule."""
     failures = 0
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
@@ -75,7 +78,7 @@ def checks(calls, dtypes):
                     v = torch.randn(b, h_kv, n_kv, head_dim, device="cuda", generator=g)
                     q, k, v = (t.to(dtype) for t in (q, k, v))
                     ref = functools.partial(naive_attention, enable_gqa=h != h_kv)
-                    for deterministic in (False, True):
+                    for deterministic in paths:
                         before = calls[0]
                         impl = functools.partial(attention(deterministic), enable_gqa=h != h_kv)
                         result = compare_with_reference(q, k, v, is_causal=causal, impl=impl, reference=ref)
@@ -87,7 +90,7 @@ def checks(calls, dtypes):
                               f"{'causal' if causal else 'full  '} B{b} H{h}/{h_kv} {n_q}x{n_kv} x{magnitude} "
                               f"{'deterministic' if deterministic else 'fused'}: worst {worst:.2f} of the bound"
                               + (f" ({'; '.join(map(str, bad))})" if bad else "")
-                              + ("" if fused != deterministic else " WRONG PATH"), flush=True)
+                              + ("" if fused != deterministic else " WRONG PATH") + label, flush=True)
     return failures
 
 
@@ -187,11 +190,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--no-timings", action="store_true")
     p.add_argument("--csv")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--bwd-variants", type=json.loads, default=[],
                    help="JSON list of fused backward configurations (hopper.backward.dq_config's overrides)")
+    p.add_argument("--check-variants", action="store_true",
+                   help="check the fused backward with each of --bwd-variants too (bf16)")
     args = p.parse_args()
     print("GPU", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__,
           flush=True)
@@ -200,6 +206,14 @@ def main():
         sys.exit("the fused backward needs Gluon with TMA reduce-adds (Triton >= 3.8) on a Hopper GPU")
     calls = fused_calls()
     failures = 0 if args.no_checks else checks(calls, ["bf16"] if args.quick else list(DTYPES))
+    if args.check_variants:  # the fused path with each variant as its default, bf16
+        for variant in args.bwd_variants:
+            saved = {d: dict(c) for d, c in gluon.DQ_CONFIGS.items()}
+            for cfg in gluon.DQ_CONFIGS.values():
+                cfg.update(variant)
+            failures += checks(calls, ["bf16"], paths=(False,), label=f" {json.dumps(variant)}")
+            for d, c in saved.items():
+                gluon.DQ_CONFIGS[d] = c
     determinism()
     cells = [(d, hd, n, c, 32) for d in ("bf16", "fp16") for hd in args.head_dims for n in (4096, 8192, 16384)
              for c in (False, True)]
@@ -207,7 +221,8 @@ def main():
         cells = [c for c in cells if c[0] == "bf16" and c[2] == 8192]
     if 128 in args.head_dims:
         cells.append(("bf16", 128, 8192, True, 8))  # grouped heads: 32 query heads read 8 K/V heads
-    timings(cells, args.csv, args.rounds, args.bwd_variants)
+    if not args.no_timings:
+        timings(cells, args.csv, args.rounds, args.bwd_variants)
     print(f"{failures} check(s) failed", flush=True)
     sys.exit(1 if failures else 0)
 

@@ -66,8 +66,8 @@ else:  # Triton hashes every name a kernel reads, so the DQ branch's must exist 
 #: (at head dim 128, 64 queries spill 24-64 bytes per thread, 32 none); not yet timed against
 #: the alternatives (tools/hopper_check.py times them).
 CONFIGS = {
-    64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, PREFETCH=True, ROTATE=False, DQ_BUFFERS=1),
-    128: dict(BLOCK_M=32, BLOCK_N=64, STAGES=2, PREFETCH=True, ROTATE=False, DQ_BUFFERS=1),
+    64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, PREFETCH=True),
+    128: dict(BLOCK_M=32, BLOCK_N=64, STAGES=2, PREFETCH=True),
 }
 #: Registers per thread: at launch, then the consumers' and the producer's budgets (setmaxnreg).
 REGISTERS = dict(launch=168, consumer=240, producer=24)
@@ -78,8 +78,8 @@ REGISTERS = dict(launch=168, consumer=240, producer=24)
 #: rows). Timed on an H100 (triton 3.9, bf16, N = 8192; docs/gpu-record/2026-12-06-0732-*): at head
 #: dim 64, 128 queries 15 % faster than 64; a third stage no faster; at 128 one stage as fast as two.
 DQ_CONFIGS = {
-    64: dict(BLOCK_M=128, BLOCK_N=64, STAGES=2, PREFETCH=True, ROTATE=False, DQ_BUFFERS=1),
-    128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, PREFETCH=True, ROTATE=False, DQ_BUFFERS=1),
+    64: dict(BLOCK_M=128, BLOCK_N=64, STAGES=2, PREFETCH=True),
+    128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, PREFETCH=True),
 }
 
 
@@ -111,8 +111,8 @@ def launch_options(cfg):
 
 @gluon.jit
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                  ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, rot,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr):
+                  ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warp: each consumer's K and V once, then Q and dO tile by tile into the ring, for each
     of the ``n_group`` query heads that read this K/V head in turn."""
     for c in gl.static_range(2):
@@ -121,29 +121,18 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
                                         kv_ready.index(c), k_smem.index(c))
         tma_load(desc_v, [batch, kv_head, kv_start + c * BLOCK_N, 0],
                                         kv_ready.index(c), v_smem.index(c))
-    n_total = n_group * n_tiles
-    for t in range(rot, rot + n_total):  # tile j of query head g, heads one after the other
-        u = _tile_of(t, n_total, ROTATE)
-        g = u // n_tiles
+    for t in range(n_group * n_tiles):  # tile j of query head g, heads one after the other
+        g = t // n_tiles
         head = kv_head * n_group + g
         stage = t % STAGES
         # The first round through the ring does not wait (see hopper._load_tile).
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), desc_q.block_type.nbytes + desc_do.block_type.nbytes)
-        q_start = q_lo + (u - g * n_tiles) * BLOCK_M
+        q_start = q_lo + (t - g * n_tiles) * BLOCK_M
         tma_load(desc_q, [batch, head, q_start, 0], ready.index(stage),
                                         q_smem.index(stage))
         tma_load(desc_do, [batch, head, q_start, 0], ready.index(stage),
                                         do_smem.index(stage))
-
-
-@gluon.jit
-def _tile_of(t, n_total, ROTATE: gl.constexpr):
-    """The tile that step ``t`` of the loops visits, tile j of query head g numbered g * n_tiles + j:
-    the steps run from ``rot`` to ``rot + n_total`` (:func:`attn_bwd_sm90`), wrapping around."""
-    if ROTATE:
-        t = gl.where(t >= n_total, t - n_total, t)
-    return t
 
 
 @gluon.jit
@@ -187,13 +176,12 @@ def _dropout_keep_t(seed, p_drop, rows, kv_first, BLOCK_M: gl.constexpr, BLOCK_N
 @gluon.jit
 def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                   kv_ready, ready, empty, ds_ready, done,
-                  LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, rot, n_q, n_kv, n_tiles, scale,
+                  LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
                   qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes, stride_sb,
                   stride_sh, seed, p_drop, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
                   PREFETCH: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                  TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr, ROTATE: gl.constexpr,
-                  DQ_BUFFERS: gl.constexpr):
+                  TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
     the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
     along columns), as in ``backward.dkdv_inner``.
@@ -240,17 +228,17 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
         if not SPLIT_ROWS:
             k_cols0 = k_cols0.slice(C * DQ_COLS, DQ_COLS, dim=1)
             k_cols1 = k_cols1.slice(C * DQ_COLS, DQ_COLS, dim=1)
+        dq_out = dq_smem.index(C).reshape([DQ_ROWS, DQ_COLS])
 
     n_total = n_group * n_tiles
     if PREFETCH:
-        lse_row, delta_row, slope_next = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, rot, batch, kv_head,
+        lse_row, delta_row, slope_next = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, 0, batch, kv_head,
                                                      n_group, n_heads, q_lo, n_q, n_tiles, n_total, BLOCK_M,
                                                      stat_layout, ALIBI)
-    for t in range(rot, rot + n_total):  # the producer's order: tile j of query head g
-        u = _tile_of(t, n_total, ROTATE)
-        g = u // n_tiles
+    for t in range(n_total):  # the producer's order: tile j of query head g
+        g = t // n_tiles
         stage = t % STAGES
-        q_start = q_lo + (u - g * n_tiles) * BLOCK_M
+        q_start = q_lo + (t - g * n_tiles) * BLOCK_M
         # LSE and Delta pass through shared memory: read straight into the layout of S^T's
         # columns, each thread would hold a 64-bit address per column it owns. With PREFETCH the
         # next tile's rows are loaded now and stored at its start: the load's latency (both
@@ -259,12 +247,11 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
             stats.index(0).store(lse_row)
             stats.index(1).store(delta_row)
             slope = slope_next
-            lse_row, delta_row, slope_next = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh,
-                                                         _tile_of(t + 1, n_total, ROTATE), batch,
+            lse_row, delta_row, slope_next = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t + 1, batch,
                                                          kv_head, n_group, n_heads, q_lo, n_q, n_tiles, n_total,
                                                          BLOCK_M, stat_layout, ALIBI)
         else:
-            lse_now, delta_now, slope = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, u, batch, kv_head,
+            lse_now, delta_now, slope = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, kv_head,
                                                     n_group, n_heads, q_lo, n_q, n_tiles, n_total, BLOCK_M,
                                                     stat_layout, ALIBI)
             stats.index(0).store(lse_now)
@@ -341,15 +328,14 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
             dq = warpgroup_mma(ds1.permute((1, 0)), k_cols1, dq, is_async=True)
             dv, dk, dq, pT_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pT_op])
             mbarrier.arrive(empty.index(stage))          # done with Q_j, dO_j
-            dq_buf = dq_smem.index(C * DQ_BUFFERS + t % DQ_BUFFERS)
-            tma.store_wait(DQ_BUFFERS - 1)               # the reduce-add that last read dq_buf is done
-            dq_buf.reshape([DQ_ROWS, DQ_COLS]).store(dq)
+            tma.store_wait(0)                            # the last tile's reduce-add has read dq_out
+            dq_out.store(dq)
             fence_async_shared()
             if SPLIT_ROWS:
                 dq_at = [batch, kv_head * n_group + g, q_start + C * DQ_ROWS, 0]
             else:
                 dq_at = [batch, kv_head * n_group + g, q_start, C * DQ_COLS]
-            tma_reduce_add(desc_dq, dq_at, dq_buf)
+            tma_reduce_add(desc_dq, dq_at, dq_smem.index(C))
         else:
             dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
             dk = warpgroup_mma(dsT_op, q, dk, is_async=True)               # dK += dS^T Q
@@ -375,9 +361,7 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
                   Slopes, stride_sb, stride_sh, seed, p_drop,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr,
-                  ROTATE: gl.constexpr, DQ_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr,
-                  WINDOW: gl.constexpr = False,
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
                   SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, TANH_APPROX: gl.constexpr = False,
                   DROPOUT: gl.constexpr = 0):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
@@ -406,16 +390,6 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
         q_full_lo = q_lo
         q_full_hi = n_q
     n_tiles = gl.cdiv(gl.maximum(q_hi - q_lo, 0), BLOCK_M)
-    # Without a mask every key block would walk its head's query tiles from tile 0, in step with
-    # the others: with DQ all of them would add into the same rows of dQ at the same time. ROTATE
-    # starts each near the tile of its own keys, as the causal blocks start, and wraps around: the
-    # loops' steps run from ``rot`` on, a multiple of 4 x STAGES so that the phases of the ring's
-    # and of ds_ready's mbarriers start as at step 0.
-    ROTATES: gl.constexpr = ROTATE and not IS_CAUSAL and not WINDOW
-    if ROTATES:
-        rot = (kv_start // BLOCK_M) % gl.maximum(n_group * n_tiles, 1) // (4 * STAGES) * (4 * STAGES)
-    else:
-        rot = 0
 
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
@@ -432,7 +406,7 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ds_rows, ds_cols], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2 if DQ else 1, ds_rows, ds_cols], ds_layout)
     if DQ:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS] + desc_dq.block_type.shape, desc_dq.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + desc_dq.block_type.shape, desc_dq.layout)
     else:
         dq_smem = ds_smem
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -450,21 +424,21 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
     gl.warp_specialize([
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
-                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, rot, n_q, n_kv, n_tiles,
+                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
                          stride_sb, stride_sh, seed, p_drop,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
-                         TANH_APPROX, DROPOUT, ROTATES, DQ_BUFFERS)),
+                         TANH_APPROX, DROPOUT)),
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
-                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, rot, n_q, n_kv, n_tiles,
+                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
                          stride_sb, stride_sh, seed, p_drop,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
-                         TANH_APPROX, DROPOUT, ROTATES, DQ_BUFFERS)),
+                         TANH_APPROX, DROPOUT)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                         ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, rot, BLOCK_M, BLOCK_N,
-                         STAGES, ROTATES)),
+                         ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
+                         STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -511,8 +485,7 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
         *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2), int(seed), float(dropout_p),
         HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
-        IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"], ROTATE=cfg["ROTATE"],
-        DQ_BUFFERS=cfg["DQ_BUFFERS"],
+        IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
         WINDOW=window is not None, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
         TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper_forward.TANH_APPROX)),
         DROPOUT=DROP_TILE if dropout_p > 0 else 0, **regs, **options)

@@ -102,8 +102,7 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False, mods
                      scale="fp32", qk_scale="fp32", **MOD_SIGNATURE)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and "window" not in mods, DQ=bool(dq),
-                      PREFETCH=cfg["PREFETCH"], ROTATE=cfg["ROTATE"], DQ_BUFFERS=cfg["DQ_BUFFERS"],
-                      desc_dq=None,
+                      PREFETCH=cfg["PREFETCH"], desc_dq=None,
                       TANH_APPROX=bool(cfg.get("TANH_APPROX", bwd.hopper_forward.TANH_APPROX)),
                       **_mod_constexprs(mods), **regs)
     if dq:

@@ -86,7 +86,7 @@ DQ_CONFIGS = {
 #: What the DQ variant changes under a softcap, ALiBi, a window or dropout: at head dim 64 the
 #: 128-query tile spills 144-770 bytes per thread with the first three, 752-968 with dropout, the
 #: 64-query tile 0-24 (compiled for sm_90, Triton 3.9); at 128 no smaller tile exists (it keeps
-#: 112 bytes with ALiBi, 136 with the softcap, 312 with all three, 232-280 with dropout).
+#: 112 bytes with ALiBi, 128 with the softcap, 312 with all three, 232-280 with dropout).
 MODIFIED_DQ_CONFIGS = {64: dict(BLOCK_M=64), 128: {}}
 
 

@@ -11,9 +11,13 @@ from flashattn.measure import bench_train  # noqa: E402  (after the skip above)
 
 
 @pytest.mark.skipif(flashattn.DEVICE.type == "cuda", reason="the GPU run is the benchmark itself")
-def test_the_quick_run_writes_every_implementation(tmp_path):
+def test_the_quick_run_writes_every_implementation(tmp_path, capsys):
     out = tmp_path / "train.csv"
-    bench_train.main(["--quick", "--out", str(out)])
+    bench_train.main(["--quick", "--profile", "--out", str(out)])
+    printed = capsys.readouterr().out
+    for row in ("flashattn", "flashattn-deterministic", "sdpa"):  # --profile: each step's table first
+        assert f"== {row}\n" in printed, printed
+    assert printed.count("(profiled), kernels") == 3 and "aten::" in printed
     rows = list(csv.DictReader(out.open()))
     assert [r["implementation"] for r in rows] == ["flashattn", "flashattn-deterministic", "sdpa"]
     assert all(float(r["step_ms"]) > 0 for r in rows) and rows[2]["of_sdpa"] == "1.000"

@@ -53,7 +53,7 @@ part() {  # part NAME SECONDS COMMAND...
 
 part backward 420 python tools/backward_check.py --csv "$out/backward.csv"
 part backward-tiles 150 python tools/backward_tiles.py '{"64": [{}, {"PREFETCH": false}], "128": [{}, {"PREFETCH": false}]}'
-part train-step 240 python -m flashattn.measure.bench_train --out "$out/train_step.csv"
+part train-step 240 python -m flashattn.measure.bench_train --profile --out "$out/train_step.csv"
 part tests-variants 150 $pytest $variant_tests
 part tests-kernels 170 ${pytest/$workers/} -m gpu tests/test_gpu.py tests/test_decode.py
 part bench-variants 150 python -m flashattn.measure.variants --out-dir "$out"

@@ -37,19 +37,46 @@ def training_step(model, ids):
     return step
 
 
-def step_ms(step, device, warmup, rounds):
-    """The median milliseconds of ``step()`` over ``rounds`` calls, after ``warmup`` calls (a
-    training step is long enough for the host's clock; each call waits for the GPU)."""
-    for _ in range(warmup):
-        step()
-    times = []
+def one_step_ms(step, device):
+    """The milliseconds of one ``step()``, waited for (a training step is long enough for the
+    host's clock)."""
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def interleaved_step_ms(steps, device, warmup, rounds):
+    """The median milliseconds of each of ``steps`` (name -> a function setting up its
+    implementation, then returning its step), after ``warmup`` calls of each: round after round, one
+    step of each in turn, so that the GPU's clocks and temperature drift over all of them alike."""
+    for setup in steps.values():
+        step = setup()
+        for _ in range(warmup):
+            step()
+    times = {name: [] for name in steps}
     for _ in range(rounds):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for name, setup in steps.items():
+            times[name].append(one_step_ms(setup(), device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def profile_step(step, device, log, rows=12):
+    """Log the CUDA kernels of one ``step()`` by their total time (torch.profiler), and the step's
+    wall time against the time the GPU spent in kernels: a gap there is the host's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall = one_step_ms(step, device)
+    averages = prof.key_averages()
+    key = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    kernels_ms = sum(getattr(a, key) for a in averages) / 1e3
+    log(f"wall {wall:.2f} ms (profiled), kernels {kernels_ms:.2f} ms")
+    log(averages.table(sort_by=key, row_limit=rows))
 
 
 def gradients(model):
@@ -76,28 +103,39 @@ def run(args, log=print):
                 date=datetime.date.today().isoformat(), dtype=args.dtype, batch=args.batch, tokens=args.tokens,
                 layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                 command=" ".join(["python -m flashattn.measure.bench_train", *args.argv]))
+    step = training_step(model, ids)
+
+    def setup(implementation, deterministic):
+        def use():
+            model.set_attn_implementation(names[implementation])
+            torch.use_deterministic_algorithms(deterministic, warn_only=True)
+            return step
+        return use
+    steps = {row: setup(implementation, deterministic) for row, implementation, deterministic in IMPLEMENTATIONS}
+    was = torch.are_deterministic_algorithms_enabled()
     measured = {}
-    for row, implementation, deterministic in IMPLEMENTATIONS:
-        model.set_attn_implementation(names[implementation])
-        was = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(deterministic, warn_only=True)
-        try:
-            step = training_step(model, ids)
-            loss = step().item()
-            grads = gradients(model)
-            ms = step_ms(step, device, 1 if args.quick else 3, 1 if args.quick else args.rounds)
-        finally:
-            torch.use_deterministic_algorithms(was)
-        measured[row] = (ms, loss, grads)
-        log(f"{row:24} step {ms:9.2f} ms   {args.batch * args.tokens / ms * 1e3:10.0f} tokens/s   loss {loss:.5f}")
+    try:
+        for row, use in steps.items():  # the first step's loss and gradients
+            loss = use()().item()
+            measured[row] = (loss, gradients(model))
+            if args.profile:
+                log(f"== {row}")
+                profile_step(use(), device, log)
+        ms = interleaved_step_ms(steps, device, 1 if args.quick else 3, 1 if args.quick else args.rounds)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for row, (loss, _) in measured.items():
+        log(f"{row:24} step {ms[row]:9.2f} ms   {args.batch * args.tokens / ms[row] * 1e3:10.0f} tokens/s   "
+            f"loss {loss:.5f}")
     rows = []
-    sdpa_ms, sdpa_loss, sdpa_grads = measured["sdpa"]
-    for row, (ms, loss, grads) in measured.items():
+    sdpa_ms, (sdpa_loss, sdpa_grads) = ms["sdpa"], measured["sdpa"]
+    for row, (loss, grads) in measured.items():
         # the largest difference of a parameter's gradient from sdpa's, relative to that gradient's largest entry
         grad_diff = max(((g - sdpa_grads[n]).abs().max() / sdpa_grads[n].abs().max().clamp_min(1e-30)).item()
                         for n, g in grads.items())
-        rows.append(dict(meta, implementation=row, step_ms=f"{ms:.3f}",
-                         tokens_per_s=f"{args.batch * args.tokens / ms * 1e3:.0f}", of_sdpa=f"{sdpa_ms / ms:.3f}",
+        rows.append(dict(meta, implementation=row, step_ms=f"{ms[row]:.3f}",
+                         tokens_per_s=f"{args.batch * args.tokens / ms[row] * 1e3:.0f}",
+                         of_sdpa=f"{sdpa_ms / ms[row]:.3f}",
                          loss=f"{loss:.6f}", loss_diff=f"{abs(loss - sdpa_loss):.3g}", grad_diff=f"{grad_diff:.3g}"))
     return rows
 
@@ -123,14 +161,17 @@ def main(argv=None):
     which makes flashattn's backward bit-identical from run to run; other operations are asked for
     their deterministic versions too, warnings only) and ``sdpa``. Columns:
 
-    * ``step_ms``: the median of ``--rounds`` steps after 3 unmeasured ones, each waited for;
+    * ``step_ms``: the median of ``--rounds`` steps after 3 unmeasured ones, each waited for, the
+      implementations taking turns step by step;
       ``tokens_per_s``: the batch's tokens per second at that rate; ``of_sdpa``: sdpa's time over
       this row's (above 1: faster than sdpa);
     * ``loss_diff``: the first step's loss against sdpa's; ``grad_diff``: the largest difference of
       a parameter's gradient from sdpa's, relative to that gradient's largest entry.
 
     ``--quick``: a tiny float32 model, 2 sequences of 16 tokens (runs on the interpreter; its times
-    mean nothing).
+    mean nothing). ``--profile``: before the timings, each implementation's step under torch's
+    profiler: its kernels by total time, and its wall time against the kernels' (the difference is
+    time the GPU waited for the host).
     """
     p = argparse.ArgumentParser(prog="python -m flashattn.measure.bench_train", description=main.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,6 +186,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--quick", action="store_true", help="tiny sizes, float32 (the interpreter too)")
+    p.add_argument("--profile", action="store_true", help="each step's kernels under torch.profiler first")
     p.add_argument("--out", help="the CSV (default figures/data/train_step.csv)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

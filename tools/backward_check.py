@@ -7,7 +7,7 @@ Triton dQ), each against float64 under the rule, then both timed beside SDPA's c
     python tools/backward_check.py --csv OUT.csv   # also write the timings
     python tools/backward_check.py --no-checks --head-dims 64 --bwd-variants '[{"STAGES": 3}]'
                                                    # time configurations beside the default
-    python tools/backward_check.py --check-variants --bwd-variants '[{"DQ_BUFFERS": 2}]'
+    python tools/backward_check.py --check-variants --bwd-variants '[{"STAGES": 3}]'
                                                    # and check them (bf16) before
 
 Timings are medians of ``triton.testing.do_bench`` (backward alone: the graph kept, the forward

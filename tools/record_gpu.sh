@@ -22,7 +22,9 @@
 # SDPA's backends), tf32x3-checks (float32 'highest' as 3xTF32 against float64 over the whole
 # float32 grid, in four processes), bench-tf32x3 and first-call-tf32x3 (its speed against SDPA's
 # float32, and its first calls), dropout-draws (experiments/dropout_draws.py: cheaper dropout draws
-# checked and timed beside the calls without dropout) run only when named.
+# checked and timed beside the calls without dropout), bench-sweep (the 24 cells of bf16 and fp16,
+# head dims 64 and 128, N 4k-16k, causal or not, forward and backward, beside cuDNN, SDPA's
+# FlashAttention-2 backend and FlexAttention in one run) run only when named.
 # Each part writes OUT_DIR/<part>.txt (and its CSV files); the screen gets one line per part.
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
@@ -70,6 +72,7 @@ part first-call 400 python tools/first_call.py
 part first-call-timeline 120 python tools/first_call.py --timeline
 part chapters 420 python tools/time_chapters.py --jobs 4
 part bench-readme 420 python -m flashattn.measure.bench --dtypes bf16 fp16 --providers flashattn sdpa sdpa-flash sdpa-cudnn sdpa-efficient --out "$out/bench.csv" --plots "$out"
+part bench-sweep 600 python -m flashattn.measure.bench --dtypes bf16 fp16 --head-dims 64 128 --seq-lens 4096 8192 16384 --causal 0 1 --providers flashattn sdpa-cudnn sdpa-flash flex --out "$out/bench_sweep.csv" --plots ""
 
 tf32x3_checks() {  # the causal and the non-causal half of the grid, each in two processes at once
     local causal part

@@ -99,6 +99,16 @@ def test_exponentials_on_the_fma_units_leave_the_special_function_unit():
     assert fma["spill"] == 0
 
 
+def test_each_consumer_may_stop_at_its_own_last_tile():
+    """``TRIM`` (off until it has run on a GPU): each consumer computes only the K/V tiles that hold
+    pairs of its rows (under the causal mask, up to its own diagonal; rows past the end, the first
+    tile only), and the producer releases the rest of the ring for it. At head dim 64 three
+    consumers share 160 registers each: the bookkeeping must not spill, causal or not."""
+    rows = _report("fwd", head_dims=(64,), dtypes=("bf16",), causal=(False, True), configs=({"TRIM": True},))
+    assert len(rows) == 2 and all("error" not in r for r in rows), rows
+    assert [r["spill"] for r in rows] == [0, 0], rows
+
+
 def test_the_interpreter_never_imports_gluon():
     """On the CPU the hooks in the forward and backward launchers must leave Gluon alone (checked in
     a fresh process: other tests, and the chapters' code, import the Gluon modules to read them)."""

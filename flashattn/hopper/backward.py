@@ -27,7 +27,7 @@ needed there. Key rows past the end are hidden (their dS^T feeds dQ); the TMA st
 their dK and dV.
 
 A softcap, ALiBi, a sliding window and the bottom-right alignment change the scores as in the
-forward (``forward.modified_scores``); a softcap's accumulator starts at zero instead, since the
+forward (``scores.modified_scores``); a softcap's accumulator starts at zero instead, since the
 cap acts before the LSE is subtracted. Dropout rebuilds the forward's mask from the seed
 (:func:`_dropout_keep_t`).
 
@@ -50,8 +50,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..gpu.launcher import run
 from ..kernels.tiles import DROP_TILE, dropout_keep, qk_scale
 from . import forward as hopper_forward
-from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, modified_scores, slope_args,  # noqa: F401
+from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, slope_args,  # noqa: F401
                       supports, tma_load, tma_ok, tma_store)
+from .scores import modified_scores
 
 if hasattr(tma, "async_atomic_add"):  # Triton 3.8 and later
     tma_reduce_add = tma.async_atomic_add
@@ -194,7 +195,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
     it in L2; nothing waits for it until the buffer is reused).
 
     WINDOW hides the pairs outside the sliding window in the query tiles outside ``[q_full_lo,
-    q_full_hi)``; SOFTCAP and ALIBI modify the scores (``forward.modified_scores``) and the softcap
+    q_full_hi)``; SOFTCAP and ALIBI modify the scores (``scores.modified_scores``) and the softcap
     multiplies dS^T by its factor ``1 - tanh**2``. DROPOUT rebuilds the forward's mask
     (``tiles.dropout_keep``): dV takes the kept probabilities and dP^T the kept products, both
     scaled by ``1 / (1 - p)``, while dS^T = P^T * (dP^T - Delta) keeps P^T whole."""

@@ -40,6 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..kernels.tiles import DROP_TILE, dropout_keep, qk_scale
 from ..kernels.traversal import every_block_sees_keys
+from .scores import capped, exp2_fma, modified_scores
 
 # TMA's copies, under the names of the Triton at hand: Triton 3.9 calls them async_load and
 # async_store (and removed async_copy_shared_to_global); 3.6 to 3.8 have only the old names.
@@ -66,8 +67,9 @@ CONFIGS = {
 #: What a configuration may also set: CONSUMERS, the consumer warpgroups (2 or 3) sharing each
 #: K/V tile; EXP2_FMA, every how many tiles a consumer computes exp2 with a polynomial on the FMA
 #: units instead of the special-function unit (0: never); TANH_APPROX, the softcap's tanh
-#: (:data:`TANH_APPROX`).
-DEFAULTS = dict(CONSUMERS=2, EXP2_FMA=0)
+#: (:data:`TANH_APPROX`); TRIM, whether a consumer skips the tiles that hold no pair of its rows
+#: (:func:`_tiles_of`; compiled without spills, not yet run on a GPU, so off).
+DEFAULTS = dict(CONSUMERS=2, EXP2_FMA=0, TRIM=False)
 #: What a call with a softcap, ALiBi, a window or dropout changes: at head dim 64 a third consumer's
 #: 160 registers spill (sm_90, Triton 3.9, bf16: 88 bytes with causal ALiBi, 208-584 with dropout,
 #: 128 with a softcap, ALiBi and a window), so these calls keep two consumers of 240.
@@ -122,97 +124,60 @@ def mma_layout(n):
 
 
 @gluon.jit
-def _load_tile(desc, smem, ready, empty, batch, head, kv_lo, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _tiles_of(C, q_start, n_q, n_kv, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, TRIM: gl.constexpr):
+    """How many of the program's ``n_tiles`` K/V tiles consumer C computes: with TRIM, not those
+    past its last row's diagonal under the causal mask (kv_lo is 0 there), and only the first for
+    rows past the end: they hold no pair it keeps. Not with ping-pong, whose turn passes through
+    every consumer at every tile."""
+    n = n_tiles
+    if TRIM:
+        if IS_CAUSAL:
+            n = gl.minimum(gl.cdiv(gl.minimum(q_start + (C + 1) * BLOCK_M, n_kv), BLOCK_N), n_tiles)
+        if q_start + C * BLOCK_M >= n_q:
+            n = 1
+    return n
+
+
+@gluon.jit
+def _load_tile(desc, smem, ready, empty, batch, head, kv_lo, j, q_start, n_q, n_kv, n_tiles, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               TRIM: gl.constexpr):
     """Copy tile j of K or V (the keys from ``kv_lo + j * BLOCK_N``) into its slot of the ring,
-    once the consumers have released it."""
+    once the consumers have released it; with TRIM, release it at once for each consumer that
+    does not compute it (:func:`_tiles_of`)."""
     stage = j % STAGES
     # An mbarrier starts as if its phase of parity 1 had just completed, so the first round
     # through the ring does not wait; later rounds wait for both consumers' release.
     mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
     tma_load(desc, [batch, head, kv_lo + j * BLOCK_N, 0], ready.index(stage), smem.index(stage))
+    if TRIM:
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.arrive(empty.index(stage),
+                            pred=j >= _tiles_of(c, q_start, n_q, n_kv, n_tiles, BLOCK_M, BLOCK_N, IS_CAUSAL, TRIM))
 
 
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-              v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles,
+              v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, n_q, n_kv,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CONSUMERS: gl.constexpr):
+              CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, TRIM: gl.constexpr):
     """One warp: the queries of every consumer once, then K and V tile by tile into the ring, in
     the order the consumers use them (K_j together with V_{j-1}). The keys and values are those of
     ``kv_head``, the query head's group under grouped-query attention (else the head itself)."""
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
         tma_load(desc_q, [batch, head, q_start + c * BLOCK_M, 0], q_ready.index(c), q_smem.index(c))
-    _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, kv_lo, 0, BLOCK_N, STAGES)
+    _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, kv_lo, 0, q_start, n_q, n_kv, n_tiles,
+               BLOCK_M, BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL, TRIM)
     for j in range(1, n_tiles):
-        _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, kv_lo, j, BLOCK_N, STAGES)
-        _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, kv_lo, j - 1, BLOCK_N, STAGES)
-    _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, kv_lo, n_tiles - 1, BLOCK_N, STAGES)
-
-
-@gluon.jit
-def _exp2_fma(x):
-    """2**x for x <= 0 without the special-function unit: 2**n * 2**f, n = round(x), f in [-0.5, 0.5].
-
-    exp2 normally runs on the special-function unit (MUFU), which does 16 per clock and SM where
-    the FMA units do 128; at head dim 64 a tile has as many exponentials as at 128 for half the
-    matmul work, so MUFU can become the bottleneck (FlashAttention-4 moves part of them to FMAs).
-    ``floor`` and a float-to-int conversion would run on that same 16-per-clock unit, so n comes
-    from adding 1.5 * 2**23, which leaves round(x) in the sum's low mantissa bits, shifted into the
-    exponent field of 2**f by one integer add. 2**f is a degree-4 polynomial (relative error 3e-6,
-    far below P's 16-bit rounding). x = -inf is clamped to -127: n = -127, f = 0, the result 0."""
-    x = gl.maximum(x, -127.0)
-    j = x + 12582912.0  # 1.5 * 2**23: j's mantissa ends in round(x), two's complement
-    f = x - (j - 12582912.0)
-    p = f * 0.00960045028 + 0.0559169091
-    p = p * f + 0.240237176
-    p = p * f + 0.69312197
-    p = p * f + 1.0
-    bits = p.to(gl.int32, bitcast=True) + (j.to(gl.int32, bitcast=True) << 23)
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def tanh(x, APPROX: gl.constexpr):
-    """tanh in float32: with APPROX (:data:`TANH_APPROX`) ``tanh.approx.f32``, else within a few ulps
-    (``tiles.tanh``'s formula, with an approximate division, ``div.full``: 2 ulps)."""
-    if APPROX:
-        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
-                                         is_pure=True, pack=1)
-    ax = gl.abs(x)
-    e = gl.exp2(ax * -2.8853900817779268)  # exp(-2|x|)
-    big = gl.fdiv(1.0 - e, 1.0 + e)
-    x2 = x * x
-    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
-        -0.05396825396825397 + x2 * 0.021869488536155203))))
-    t = gl.where(ax < 0.25, small, big)
-    return gl.where(x < 0, -t, t)
-
-
-@gluon.jit
-def capped(s, qk_scale, softcap, TANH_APPROX: gl.constexpr):
-    """The softcap's ``tanh(scale * s / softcap)``: base-2 scores are it times ``softcap * log2(e)``."""
-    return tanh(s * (qk_scale * 0.6931471805599453 / softcap), TANH_APPROX)
-
-
-@gluon.jit
-def modified_scores(s, rows, cols, qk_scale, softcap, slope, shift, SOFTCAP: gl.constexpr,
-                    ALIBI: gl.constexpr, TANH_APPROX: gl.constexpr):
-    """``(S2, dcap)``: raw scores ``s`` turned into base-2 scores, ``log2(e) * (softcap(scale * s)
-    - slope * |i + shift - j|)``, and the softcap's factor on dS (``1 - tanh**2``, 1 without it),
-    as ``flashattn.kernels.tiles.modified_scores`` computes them (``rows``/``cols`` broadcast to
-    the tile either way round)."""
-    if SOFTCAP:
-        t = capped(s, qk_scale, softcap, TANH_APPROX)
-        s2 = t * (softcap * 1.4426950408889634)
-        dcap = 1.0 - t * t
-    else:
-        s2 = s * qk_scale
-        dcap = 1.0
-    if ALIBI:  # rows and columns converted once, not every pair's integer distance (exact < 2**24)
-        s2 = s2 - (slope * 1.4426950408889634) * gl.abs((rows + shift).to(gl.float32) - cols.to(gl.float32))
-    return s2, dcap
+        _load_tile(desc_k, k_smem, k_ready, k_empty, batch, kv_head, kv_lo, j, q_start, n_q, n_kv, n_tiles,
+                   BLOCK_M, BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL, TRIM)
+        _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, kv_lo, j - 1, q_start, n_q, n_kv, n_tiles,
+                   BLOCK_M, BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL, TRIM)
+    _load_tile(desc_v, v_smem, v_ready, v_empty, batch, kv_head, kv_lo, n_tiles - 1, q_start, n_q, n_kv, n_tiles,
+               BLOCK_M, BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL, TRIM)
 
 
 @gluon.jit
@@ -254,7 +219,7 @@ def _softmax_step(s, m_i, l_i, offs_q, kv_start, kv_full_lo, kv_full_hi, n_kv, q
     x = s * scale2 - gl.expand_dims(m_ref, 1)
     if EXP2_FMA > 0:
         if on_fma:
-            p = _exp2_fma(x)
+            p = exp2_fma(x)
         else:
             p = gl.exp2(x)
     else:
@@ -273,7 +238,7 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
               WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-              TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr):
+              TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr, TRIM: gl.constexpr):
     """One warpgroup: rows ``q_start + C * BLOCK_M`` to ``+ BLOCK_M`` of the output.
 
     The loop is software-pipelined by one tile: in step j it issues ``S_j = Q K_j^T`` and
@@ -283,6 +248,8 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
 
     DROPOUT drops probabilities from ``P V`` after they joined the row sums (``tiles.dropout_keep``
     on the dropout rows ``drop_row0 + i``: the same pairs as the Triton kernels drop).
+
+    With TRIM it stops after its own tiles (:func:`_tiles_of`); the producer releases the rest for it.
     """
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM)
@@ -301,6 +268,7 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    n_mine = _tiles_of(C, q_start, n_q, n_kv, n_tiles, BLOCK_M, BLOCK_N, IS_CAUSAL, TRIM)
     mbarrier.wait(q_ready.index(C), 0)
 
     # Tile 0: S, then its softmax (nothing to overlap with yet).
@@ -323,7 +291,7 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
         p = gl.where(dropout_keep(seed, p_drop, drop_rows, drop_cols, kv_lo, BLOCK_N, DROPOUT), p, 0.0)
     p = gl.convert_layout(p.to(dtype), p_layout)
 
-    for j in range(1, n_tiles):
+    for j in range(1, n_mine):
         stage = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
@@ -351,10 +319,10 @@ def _consumer(desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p = gl.convert_layout(p_next.to(dtype), p_layout)
 
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    last = (n_mine - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_mine - 1) // STAGES) & 1)
     if PINGPONG:
-        mbarrier.wait(turn.index(C), n_tiles & 1)
+        mbarrier.wait(turn.index(C), n_mine & 1)
     v = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
     acc = warpgroup_mma(p, v, acc, is_async=True)
     if PINGPONG:
@@ -386,7 +354,7 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
                    CONSUMERS: gl.constexpr, EXP2_FMA: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
                    SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
-                   TANH_APPROX: gl.constexpr = False, DROPOUT: gl.constexpr = 0):
+                   TANH_APPROX: gl.constexpr = False, DROPOUT: gl.constexpr = 0, TRIM: gl.constexpr = False):
     BLOCK_Q: gl.constexpr = CONSUMERS * BLOCK_M  # query rows per program
     q_block = gl.program_id(0)
     if IS_CAUSAL:  # the last query blocks visit the most keys: start them first
@@ -424,6 +392,7 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
         kv_hi = n_kv
         kv_full_hi = n_kv // BLOCK_N * BLOCK_N
     n_tiles = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
+    TRIMS: gl.constexpr = TRIM and not PINGPONG  # each consumer only its own tiles (_tiles_of)
 
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
@@ -456,15 +425,15 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
                          qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT, TRIMS)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
                          qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT, TRIMS)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                         k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, BLOCK_M, BLOCK_N,
-                         STAGES, CONSUMERS)),
+                         k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, n_q, n_kv, BLOCK_M,
+                         BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL, TRIMS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -472,20 +441,20 @@ def attn_fwd_sm90(desc_q, desc_k, desc_v, desc_o, LSE, n_heads, n_q, n_kv, qk_sc
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
                          qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT, TRIMS)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
                          qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT, TRIMS)),
             (_consumer, (desc_o, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                          turn, LSE, batch, head, q_start, n_q, n_kv, n_tiles, kv_lo, kv_full_lo, kv_full_hi,
                          qk_scale, win_left, win_right, softcap, slope, shift, seed, p_drop, drop_row0,
                          C2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, CONSUMERS,
-                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT)),
+                         EXP2_FMA, WINDOW, SOFTCAP, ALIBI, TANH_APPROX, DROPOUT, TRIMS)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                         k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, BLOCK_M, BLOCK_N,
-                         STAGES, CONSUMERS)),
+                         k_empty, v_empty, batch, head, kv_head, q_start, kv_lo, n_tiles, n_q, n_kv, BLOCK_M,
+                         BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL, TRIMS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -596,5 +565,5 @@ def attention_forward(q, k, v, is_causal, scale, config=None, window=None, softc
                          IS_CAUSAL=bool(is_causal), PINGPONG=bool(cfg["PINGPONG"]),
                          CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"], WINDOW=window is not None,
                          SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, TANH_APPROX=tanh_approx,
-                         DROPOUT=DROP_TILE if dropout_p > 0 else 0, **regs, **options)
+                         DROPOUT=DROP_TILE if dropout_p > 0 else 0, TRIM=bool(cfg["TRIM"]), **regs, **options)
     return o, lse2

@@ -82,6 +82,7 @@ def compile_hopper_forward(head_dim, dtype, causal, config=None, window=False, m
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and not window,
                       PINGPONG=bool(cfg["PINGPONG"]), CONSUMERS=cfg["CONSUMERS"], EXP2_FMA=cfg["EXP2_FMA"],
+                      TRIM=bool(cfg["TRIM"]),
                       TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper.TANH_APPROX)),
                       **dict(_mod_constexprs(mods), WINDOW=bool(window)), **regs)
     return compile_gluon(hopper.attn_fwd_sm90, signature, constexprs, aligned=["LSE"], **options)

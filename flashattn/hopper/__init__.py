@@ -1,5 +1,6 @@
-"""The Gluon kernels for H100/H200 (sm_90): the forward (``forward``) and the dK/dV kernel
-(``backward``), FlashAttention-3's structure written by hand (chapter 12).
+"""The Gluon kernels for H100/H200 (sm_90): the forward (``forward``) and the backward
+(``backward``), FlashAttention-3's structure written by hand (chapter 12), and the elementwise math
+of their score tiles (``scores``).
 
 They compute what the Triton kernels of ``flashattn.kernels`` compute, in the same layout, so the
 two mix freely (``flashattn.ops.dispatch`` picks per call). Gluon has no interpreter, so nothing

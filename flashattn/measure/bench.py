@@ -41,15 +41,19 @@ def attention_flops(batch, heads, n_q, n_kv, head_dim, causal, mode):
     return flops * (2.5 if mode == "bwd" else 1.0)
 
 
-def interleaved_ms(fns, rounds=3):
-    """Median milliseconds of each function in ``fns`` (name -> callable): ``triton.testing.do_bench``
-    medians, the functions timed in turn, round after round, so that a drift of the GPU's clocks
-    touches them all alike; the median of the rounds."""
-    import triton
+def interleaved_ms(fns, rounds=3, timer=None):
+    """Median milliseconds of each function in ``fns`` (name -> callable): ``timer(fn)`` measures
+    one (by default ``triton.testing.do_bench``'s median), the functions timed in turn, round after
+    round, so that a drift of the GPU's clocks touches them all alike; the median of the rounds."""
+    if timer is None:
+        import triton
+
+        def timer(fn):
+            return triton.testing.do_bench(fn, return_mode="median")
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(triton.testing.do_bench(fn, return_mode="median"))
+            times[name].append(timer(fn))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

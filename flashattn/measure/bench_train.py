@@ -9,13 +9,12 @@ See :func:`main` for what each column measures.
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-from .bench import DTYPES
+from .bench import DTYPES, interleaved_ms
 from .bench_generate import llama, require_transformers, synchronize, write_rows
 
 FIELDS = ["gpu", "torch", "triton", "transformers", "date", "dtype", "batch", "tokens", "layers", "hidden", "heads",
@@ -45,21 +44,6 @@ def one_step_ms(step, device):
     step()
     synchronize(device)
     return (time.perf_counter() - start) * 1e3
-
-
-def interleaved_step_ms(steps, device, warmup, rounds):
-    """The median milliseconds of each of ``steps`` (name -> a function setting up its
-    implementation, then returning its step), after ``warmup`` calls of each: round after round, one
-    step of each in turn, so that the GPU's clocks and temperature drift over all of them alike."""
-    for setup in steps.values():
-        step = setup()
-        for _ in range(warmup):
-            step()
-    times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, setup in steps.items():
-            times[name].append(one_step_ms(setup(), device))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def profile_step(step, device, log, rows=12):
@@ -105,23 +89,26 @@ def run(args, log=print):
                 command=" ".join(["python -m flashattn.measure.bench_train", *args.argv]))
     step = training_step(model, ids)
 
-    def setup(implementation, deterministic):
-        def use():
+    def run_with(implementation, deterministic):
+        def run():  # one step with this implementation, deterministic algorithms on or off
             model.set_attn_implementation(names[implementation])
             torch.use_deterministic_algorithms(deterministic, warn_only=True)
-            return step
-        return use
-    steps = {row: setup(implementation, deterministic) for row, implementation, deterministic in IMPLEMENTATIONS}
+            return step()
+        return run
+    runs = {row: run_with(implementation, deterministic) for row, implementation, deterministic in IMPLEMENTATIONS}
     was = torch.are_deterministic_algorithms_enabled()
     measured = {}
     try:
-        for row, use in steps.items():  # the first step's loss and gradients
-            loss = use()().item()
+        for row, run in runs.items():  # the first step's loss and gradients
+            loss = run().item()
             measured[row] = (loss, gradients(model))
             if args.profile:
                 log(f"== {row}")
-                profile_step(use(), device, log)
-        ms = interleaved_step_ms(steps, device, 1 if args.quick else 3, 1 if args.quick else args.rounds)
+                profile_step(run, device, log)
+        for run in runs.values():
+            for _ in range(1 if args.quick else 3):
+                run()
+        ms = interleaved_ms(runs, 1 if args.quick else args.rounds, timer=lambda fn: one_step_ms(fn, device))
     finally:
         torch.use_deterministic_algorithms(was)
     for row, (loss, _) in measured.items():

@@ -100,7 +100,7 @@ def test_exponentials_on_the_fma_units_leave_the_special_function_unit():
 
 
 def test_each_consumer_may_stop_at_its_own_last_tile():
-    """``TRIM`` (off until it has run on a GPU): each consumer computes only the K/V tiles that hold
+    """``TRIM`` (the default): each consumer computes only the K/V tiles that hold
     pairs of its rows (under the causal mask, up to its own diagonal; rows past the end, the first
     tile only), and the producer releases the rest of the ring for it. At head dim 64 three
     consumers share 160 registers each: the bookkeeping must not spill, causal or not."""

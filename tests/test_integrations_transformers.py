@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashattn
 from flashattn.testing.rule import floor, max_error
@@ -278,6 +279,37 @@ def test_bottom_right_masking_of_a_whole_batch(left):
         out = call.dense(*inputs)
         assert out.requires_grad == grad
         torch.testing.assert_close(flat(out.detach()), expected, rtol=0, atol=1e-5)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the operations that read a tensor's values on the host (a synchronisation on a GPU)."""
+    READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.name() in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_reads_nothing_per_layer():
+    """A training step (forward and backward, a cache made as transformers makes it by default)
+    reads as many values on the host as sdpa's: none for rows that are one sequence each; for
+    sequences packed in one row, their lengths once per forward, not once per layer."""
+    model = tiny("llama", num_hidden_layers=3).train()
+    ids = torch.randint(1, TINY["vocab_size"], (2, 12))
+
+    def reads(implementation, **inputs):
+        model.set_attn_implementation(implementation)
+        with HostReads() as counter:
+            model(**inputs, labels=inputs["input_ids"]).loss.backward()
+        return counter.count
+    assert reads(NAME, input_ids=ids) == reads("sdpa", input_ids=ids) == 0
+    positions = torch.cat([torch.arange(n) for n in (5, 7)])[None]
+    packed = dict(input_ids=ids[:1], position_ids=positions)
+    assert reads(NAME, **packed) == 2      # one bool() and one nonzero(), at the first layer
 
 
 def test_packed_rows_from_position_ids_or_cu_seq_lens():

@@ -9,6 +9,8 @@ Triton dQ), each against float64 under the rule, then both timed beside SDPA's c
                                                    # time configurations beside the default
     python tools/backward_check.py --check-variants --bwd-variants '[{"STAGES": 3}]'
                                                    # and check them (bf16) before
+    python tools/backward_check.py --no-checks --head-dims 64 --seq-lens 16384 --causal 0 --batch-heads 1x64 4x32
+                                                   # one cell at other batch x heads
 
 Timings are medians of ``triton.testing.do_bench`` (backward alone: the graph kept, the forward
 run once), the providers of a cell timed in turn, round after round, median of the rounds; TFLOPS
@@ -121,9 +123,9 @@ def timings(cells, out_csv, rounds=3, variants=()):
     print(f"interleaved, {rounds} round(s), median; variants against the kernel's default (w0)", flush=True)
     print(f"{'dtype':5} {'D':>4} {'N':>6} {'causal':6} | {'fwd':>6} {'cudnn':>6} {'x':>5} | "
           f"{'fused':>6} {'determ':>6} {'cudnn':>6} {'fused x':>7} {'det x':>6}   (TFLOPS)", flush=True)
-    for dtype_name, head_dim, n, causal, kv_heads in cells:
+    for dtype_name, head_dim, n, causal, kv_heads, batch, heads in cells:
         dtype = DTYPES[dtype_name]
-        batch, heads = 4, 32
+        kv_heads = kv_heads or heads
         gqa = dict(enable_gqa=True) if kv_heads != heads else {}
         q = torch.randn(batch, heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True)
         k, v = (torch.randn(batch, kv_heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True)
@@ -165,7 +167,7 @@ def timings(cells, out_csv, rounds=3, variants=()):
         for fn in fns.values():
             fn()  # compile outside the timings
         res = {name: tf[modes[name]] / ms for name, ms in interleaved_ms(fns, rounds).items()}
-        heads_note = "" if not gqa else f" H{heads}/{kv_heads} against {peer}"
+        heads_note = f" B{batch} H{heads}" + (f"/{kv_heads} against {peer}" if gqa else "")
         extra = [f"{name} {res[name]:.0f} ({res[name] / res['w0']:.3f}x)"
                  for name in res if name[0] == "w" and name != "w0"]
         print(f"{dtype_name:5} {head_dim:4} {n:6} {int(causal):6} | {res['fwd']:6.0f} {res['cudnn_fwd']:6.0f} "
@@ -194,6 +196,11 @@ def main():
     p.add_argument("--csv")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--causal", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--batch-heads", nargs="+", default=["4x32"], metavar="BxH",
+                   help="batch x heads of the timed cells (several: each cell at each)")
     p.add_argument("--bwd-variants", type=json.loads, default=[],
                    help="JSON list of fused backward configurations (hopper.backward.dq_config's overrides)")
     p.add_argument("--check-variants", action="store_true",
@@ -215,12 +222,13 @@ def main():
             for d, c in saved.items():
                 gluon.DQ_CONFIGS[d] = c
     determinism()
-    cells = [(d, hd, n, c, 32) for d in ("bf16", "fp16") for hd in args.head_dims for n in (4096, 8192, 16384)
-             for c in (False, True)]
+    shapes = [tuple(map(int, s.split("x"))) for s in args.batch_heads]
+    cells = [(d, hd, n, bool(c), 0, b, h) for d in args.dtypes for hd in args.head_dims for n in args.seq_lens
+             for c in args.causal for b, h in shapes]
     if args.quick:
         cells = [c for c in cells if c[0] == "bf16" and c[2] == 8192]
-    if 128 in args.head_dims:
-        cells.append(("bf16", 128, 8192, True, 8))  # grouped heads: 32 query heads read 8 K/V heads
+    if 128 in args.head_dims and shapes == [(4, 32)] and len(args.seq_lens) == 3:
+        cells.append(("bf16", 128, 8192, True, 8, 4, 32))  # grouped heads: 32 query heads read 8 K/V heads
     if not args.no_timings:
         timings(cells, args.csv, args.rounds, args.bwd_variants)
     print(f"{failures} check(s) failed", flush=True)

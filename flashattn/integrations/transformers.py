@@ -42,8 +42,10 @@ What the attention function does with what it gets:
   ``eager`` (the layer's ``is_causal`` and ``sliding_window`` are in it);
 - no mask, query as long as the keys: ``flashattn.attention``, causal, windowed, grouped heads as
   they come;
-- ``position_ids`` that restart (several sequences packed in a row, as transformers' data collator
-  for padding-free training makes them), or FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
+- ``position_ids`` that restart in a batch of one row (several sequences packed in it, as
+  transformers' data collator for padding-free training makes them; read on the host once per
+  forward, not per layer, and, as transformers' FlashAttention path does, only for one row: a batch
+  of several rows is read nothing), or FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
   keywords: ``flashattn.varlen_attention`` over the sequences;
 - a padding mask: the tokens are gathered into a packed batch (no padding), attended with
   ``varlen_attention`` and scattered back; padding rows of the output are 0. With a sliding
@@ -75,6 +77,7 @@ layer's ``sliding_window=w`` keeps ``|i - j| < w``, ``window_size=(w - 1, w - 1)
 transformers' FlashAttention path reads it (ModernBERT passes its half window plus one).
 """
 import numbers
+import weakref
 
 import torch
 
@@ -517,9 +520,11 @@ def padded(call, q, k, v, attention_mask):
 
 def packed_lengths(kwargs, batch, n_q, n_k, tracing=False):
     """``(lengths_q, lengths_k)`` of the sequences packed in the batch's rows, from
-    FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` or from ``position_ids`` restarting; None
-    when each row is one sequence. While tracing ``position_ids`` are not read (transformers puts
-    packed sequences into its 4-D mask then)."""
+    FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` or from ``position_ids`` restarting in a
+    batch of one row; None when each row is one sequence. ``position_ids`` are read once per
+    tensor (:data:`POSITIONS`: the layers of a forward share them), never for several rows (a
+    synchronisation in every layer of every step, where transformers' masks find packed rows
+    themselves) and not while tracing (transformers puts packed sequences into its 4-D mask then)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None:
         cu_k = cu_q if cu_k is None else cu_k
@@ -527,18 +532,42 @@ def packed_lengths(kwargs, batch, n_q, n_k, tracing=False):
         return ([b - a for a, b in zip(bounds_q, bounds_q[1:])],
                 [b - a for a, b in zip(bounds_k, bounds_k[1:])])
     position_ids = kwargs.get("position_ids")
-    if tracing or position_ids is None or n_q != n_k or n_q < 2:
+    if tracing or position_ids is None or batch != 1 or n_q != n_k or n_q < 2 \
+            or tuple(position_ids.shape) != (1, n_q):
         return None
-    positions = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
-    if positions.shape[1] != n_q:
-        return None
-    # A sequence starts where the position does not follow the previous one (as transformers
-    # finds packed sequences), and at each row.
+    lengths = POSITIONS.read(position_ids, sequence_lengths)
+    return None if lengths is None else (lengths, lengths)
+
+
+def sequence_lengths(positions):
+    """The lengths of the sequences packed in the row of ``positions`` ``(1, N)``, or None when
+    it holds one (read on the host). A sequence starts where the position does not follow the
+    previous one, as transformers finds packed sequences."""
     sequence_ids = (positions.diff(dim=1, prepend=positions[:, :1] - 1) != 1).cumsum(1)
     if not bool(sequence_ids[:, -1].any()):
         return None
-    lengths = run_lengths(sequence_ids)
-    return lengths, lengths
+    return run_lengths(sequence_ids)
+
+
+class LastRead:
+    """The last value read on the host from a tensor, found again by the tensor itself (held
+    weakly) while its version is unchanged: every layer of a forward gets the same tensor, which is
+    then read once for all of them."""
+
+    def __init__(self):
+        self._entry = (None, None, None)
+
+    def read(self, tensor, read):
+        """``read(tensor)``, or what it gave for this very tensor last time."""
+        ref, version, value = self._entry
+        if ref is None or ref() is not tensor or version != tensor._version:
+            value = read(tensor)
+            self._entry = (weakref.ref(tensor), tensor._version, value)
+        return value
+
+
+#: The sequences of the last ``position_ids`` read (:func:`packed_lengths`).
+POSITIONS = LastRead()
 
 
 def run_lengths(sequence_ids):

@@ -18,6 +18,7 @@ A provider that cannot run a setting (a backend without fp32, say) is skipped an
 import argparse
 import csv
 import datetime
+import functools
 import math
 import os
 import statistics
@@ -77,19 +78,28 @@ _flex_compiled = None
 
 def _flex(q, k, v, causal):
     global _flex_compiled
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if _flex_compiled is None:
         # The compiled backward may reuse ("donate") saved buffers, which forbids the
         # retain_graph=True that timing the backward alone needs.
+        import torch._dynamo.config
         import torch._functorch.config
         torch._functorch.config.donated_buffer = False
+        # One compile per shape of the sweep; past dynamo's limit (8) it would fall back to the
+        # unfused implementation, which materialises the scores.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
-    mask = None
-    if causal:
-        mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, q.shape[-2], k.shape[-2],
-                                 device=q.device)
+    mask = _causal_block_mask(q.shape[-2], k.shape[-2], str(q.device)) if causal else None
     return _flex_compiled(q, k, v, block_mask=mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(n_q, n_kv, device):
+    """Built once per shape, as a model builds it once for all its layers: the timings are the
+    attention's alone."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(lambda b, h, i, j: j <= i, None, None, n_q, n_kv, device=device)
 
 
 def provider_fn(name):

@@ -11,6 +11,9 @@ Triton dQ), each against float64 under the rule, then both timed beside SDPA's c
                                                    # and check them (bf16) before
     python tools/backward_check.py --no-checks --head-dims 64 --seq-lens 16384 --causal 0 --batch-heads 1x64 4x32
                                                    # one cell at other batch x heads
+    python tools/backward_check.py --check-variants --dtypes bf16 --head-dims 128 --seq-lens 4096 --causal 1 \
+        --batch-heads 4x16 --kv-heads 4 --bwd-variants '[{"BLOCKS_LAST": true}]'
+                                                   # the Llama-shaped training step's attention
 
 Timings are medians of ``triton.testing.do_bench`` (backward alone: the graph kept, the forward
 run once), the providers of a cell timed in turn, round after round, median of the rounds; TFLOPS
@@ -155,7 +158,7 @@ def timings(cells, out_csv, rounds=3, variants=()):
                "determ": lambda: backward(outs[True], (q, k, v), do),
                "cudnn": lambda: torch.autograd.grad(oc, (q, k, v), do, retain_graph=True)}
         modes = dict(fwd="fwd", cudnn_fwd="fwd", fused="bwd", determ="bwd", cudnn="bwd")
-        if variants and not gqa:
+        if variants:
             qd, kd, vd = (t.detach() for t in (q, k, v))
             scale = head_dim ** -0.5
             o, lse2 = gluon_fwd.attention_forward(qd, kd, vd, causal, scale)
@@ -201,6 +204,8 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--batch-heads", nargs="+", default=["4x32"], metavar="BxH",
                    help="batch x heads of the timed cells (several: each cell at each)")
+    p.add_argument("--kv-heads", type=int, default=0, help="K/V heads of the timed cells (grouped heads; "
+                   "default: as many as the query heads)")
     p.add_argument("--bwd-variants", type=json.loads, default=[],
                    help="JSON list of fused backward configurations (hopper.backward.dq_config's overrides)")
     p.add_argument("--check-variants", action="store_true",
@@ -223,11 +228,11 @@ def main():
                 gluon.DQ_CONFIGS[d] = c
     determinism()
     shapes = [tuple(map(int, s.split("x"))) for s in args.batch_heads]
-    cells = [(d, hd, n, bool(c), 0, b, h) for d in args.dtypes for hd in args.head_dims for n in args.seq_lens
+    cells = [(d, hd, n, bool(c), args.kv_heads, b, h) for d in args.dtypes for hd in args.head_dims for n in args.seq_lens
              for c in args.causal for b, h in shapes]
     if args.quick:
         cells = [c for c in cells if c[0] == "bf16" and c[2] == 8192]
-    if 128 in args.head_dims and shapes == [(4, 32)] and len(args.seq_lens) == 3:
+    if 128 in args.head_dims and shapes == [(4, 32)] and len(args.seq_lens) == 3 and not args.kv_heads:
         cells.append(("bf16", 128, 8192, True, 8, 4, 32))  # grouped heads: 32 query heads read 8 K/V heads
     if not args.no_timings:
         timings(cells, args.csv, args.rounds, args.bwd_variants)

@@ -364,11 +364,17 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
                   SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, TANH_APPROX: gl.constexpr = False,
-                  DROPOUT: gl.constexpr = 0):
+                  DROPOUT: gl.constexpr = 0, BLOCKS_LAST: gl.constexpr = False):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
     # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
     # With DQ it also adds each query tile's share of dQ into the float32 tensor of desc_dq.
-    kv_block, kv_head, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    # BLOCKS_LAST orders the grid (K/V heads, batch, key blocks): the GPU starts programs in
+    # order, so every head's first key blocks, the longest under the causal mask, start first and
+    # the short ones fill the last wave.
+    if BLOCKS_LAST:
+        kv_head, batch, kv_block = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    else:
+        kv_block, kv_head, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     kv_start = kv_block * (2 * BLOCK_N)
     # The queries that see these keys: from the diagonal on if causal (BLOCK_M divides 2 BLOCK_N,
     # so kv_start is a tile boundary), those of the window under WINDOW (tiles.q_window_bounds:
@@ -480,6 +486,9 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         raise ValueError(f"BLOCK_M ({bm}) must divide 2 x BLOCK_N ({2 * bn}): the causal query "
                          "loop starts at the program's first key")
     grid = (triton.cdiv(n_kv, 2 * bn), k.shape[1], batch)
+    blocks_last = bool(cfg.get("BLOCKS_LAST", False))
+    if blocks_last:
+        grid = grid[1:] + grid[:1]
     run(attn_bwd_sm90, grid, descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
         descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
         None if dq_accum is None else dq_descriptor(dq_accum, bm),
@@ -489,7 +498,7 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
         WINDOW=window is not None, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
         TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper_forward.TANH_APPROX)),
-        DROPOUT=DROP_TILE if dropout_p > 0 else 0, **regs, **options)
+        DROPOUT=DROP_TILE if dropout_p > 0 else 0, BLOCKS_LAST=blocks_last, **regs, **options)
     return dk, dv
 
 

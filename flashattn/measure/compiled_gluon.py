@@ -105,7 +105,7 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False, mods
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and "window" not in mods, DQ=bool(dq),
                       PREFETCH=cfg["PREFETCH"], desc_dq=None,
                       TANH_APPROX=bool(cfg.get("TANH_APPROX", bwd.hopper_forward.TANH_APPROX)),
-                      **_mod_constexprs(mods), **regs)
+                      BLOCKS_LAST=bool(cfg.get("BLOCKS_LAST", False)), **_mod_constexprs(mods), **regs)
     if dq:
         block = bwd.dq_block(cfg["BLOCK_M"], head_dim)
         layout = bwd.gl.NVMMASharedLayout.get_default_for(block, bwd.gl.float32)

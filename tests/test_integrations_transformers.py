@@ -310,6 +310,9 @@ def test_a_training_step_reads_nothing_per_layer():
     positions = torch.cat([torch.arange(n) for n in (5, 7)])[None]
     packed = dict(input_ids=ids[:1], position_ids=positions)
     assert reads(NAME, **packed) == 2      # one bool() and one nonzero(), at the first layer
+    with torch.inference_mode(), HostReads() as counter:   # an inference tensor keeps no version:
+        model(input_ids=ids[:1], position_ids=positions.clone())    # read in every layer, and right
+    assert counter.count == 3 * 2
 
 
 def test_packed_rows_from_position_ids_or_cu_seq_lens():

@@ -217,7 +217,7 @@ def main():
     if gluon is None or not gluon.has_dq_reduce():
         sys.exit("the fused backward needs Gluon with TMA reduce-adds (Triton >= 3.8) on a Hopper GPU")
     calls = fused_calls()
-    failures = 0 if args.no_checks else checks(calls, ["bf16"] if args.quick else list(DTYPES))
+    failures = 0 if args.no_checks else checks(calls, ["bf16"] if args.quick else args.dtypes)
     if args.check_variants:  # the fused path with each variant as its default, bf16
         for variant in args.bwd_variants:
             saved = {d: dict(c) for d, c in gluon.DQ_CONFIGS.items()}
@@ -228,8 +228,8 @@ def main():
                 gluon.DQ_CONFIGS[d] = c
     determinism()
     shapes = [tuple(map(int, s.split("x"))) for s in args.batch_heads]
-    cells = [(d, hd, n, bool(c), args.kv_heads, b, h) for d in args.dtypes for hd in args.head_dims for n in args.seq_lens
-             for c in args.causal for b, h in shapes]
+    cells = [(d, hd, n, bool(c), args.kv_heads, b, h) for d in args.dtypes for hd in args.head_dims
+             for n in args.seq_lens for c in args.causal for b, h in shapes]
     if args.quick:
         cells = [c for c in cells if c[0] == "bf16" and c[2] == 8192]
     if 128 in args.head_dims and shapes == [(4, 32)] and len(args.seq_lens) == 3 and not args.kv_heads:

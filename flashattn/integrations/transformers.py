@@ -552,13 +552,16 @@ def sequence_lengths(positions):
 class LastRead:
     """The last value read on the host from a tensor, found again by the tensor itself (held
     weakly) while its version is unchanged: every layer of a forward gets the same tensor, which is
-    then read once for all of them."""
+    then read once for all of them. An inference tensor (``torch.inference_mode``) keeps no version,
+    so that a change in place would go unseen: it is read every time."""
 
     def __init__(self):
         self._entry = (None, None, None)
 
     def read(self, tensor, read):
         """``read(tensor)``, or what it gave for this very tensor last time."""
+        if tensor.is_inference():
+            return read(tensor)
         ref, version, value = self._entry
         if ref is None or ref() is not tensor or version != tensor._version:
             value = read(tensor)

@@ -6,7 +6,9 @@
 #
 # Parts: backward (tools/backward_check.py: the fused Gluon backward and the deterministic one
 # against float64, then the 24 cells of the sweep and grouped heads beside cuDNN; needs Triton >= 3.8
-# on Hopper), backward-tiles (the fused kernel's tile variants side by side), train-step (a
+# on Hopper), backward-order (the fused kernel with its grid ordered heads first, BLOCKS_LAST, checked
+# and timed at the training step's attention: grouped heads 16/4, N = 4096, causal),
+# backward-tiles (the fused kernel's tile variants side by side), train-step (a
 # Llama-shaped transformers model's training step: flashattn against sdpa),
 # tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
 # compiled: all dtypes and odd sizes, torch.compile and threads on the GPU), bench-variants,
@@ -29,7 +31,7 @@
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
 shift
-parts=${*:-backward backward-tiles train-step tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
+parts=${*:-backward backward-order backward-tiles train-step tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -54,6 +56,7 @@ part() {  # part NAME SECONDS COMMAND...
 }
 
 part backward 420 python tools/backward_check.py --csv "$out/backward.csv"
+part backward-order 150 python tools/backward_check.py --check-variants --dtypes bf16 --head-dims 128 --seq-lens 4096 --causal 1 --batch-heads 4x16 --kv-heads 4 --bwd-variants '[{"BLOCKS_LAST": true}]'
 part backward-tiles 150 python tools/backward_tiles.py '{"64": [{}, {"PREFETCH": false}], "128": [{}, {"PREFETCH": false}]}'
 part train-step 240 python -m flashattn.measure.bench_train --profile --out "$out/train_step.csv"
 part tests-variants 150 $pytest $variant_tests

@@ -128,9 +128,10 @@ def mma_layout(n):
 def _tiles_of(C, q_start, n_q, n_kv, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               IS_CAUSAL: gl.constexpr, TRIM: gl.constexpr):
     """How many of the program's ``n_tiles`` K/V tiles consumer C computes: with TRIM, not those
-    past its last row's diagonal under the causal mask (kv_lo is 0 there), and only the first for
-    rows past the end: they hold no pair it keeps. Not with ping-pong, whose turn passes through
-    every consumer at every tile."""
+    past its last row's diagonal under the causal mask, and only the first for rows past the end:
+    they hold no pair it keeps. The diagonal's tiles are counted from key 0, exact where kv_lo is 0
+    (causal alone) and never fewer than needed where a window starts the tiles later. Not with
+    ping-pong, whose turn passes through every consumer at every tile."""
     n = n_tiles
     if TRIM:
         if IS_CAUSAL:

@@ -187,6 +187,33 @@ def test_a_key_padding_mask_is_read_as_a_row_of_keys():
         assert mods.kernel_args(37, 45, False)["MASK_KIND"] == (MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT)
 
 
+def test_only_a_bool_key_padding_mask_reaches_the_fused_gluon_backward():
+    """``dispatch.gluon_call`` hands the fused Gluon backward (``key_masks``) a bool mask with one row
+    of keys per batch, or one for all of them, expanded by the caller or not; a float mask, a row
+    per head or per query, and every mask for the Gluon forward keep the Triton kernels."""
+    from flashattn.ops import dispatch
+    from flashattn.ops.modifiers import score_mods
+
+    q, k, v = make_qkv(37, 45, head_dim=64)
+    g = torch.Generator().manual_seed(0)
+    for shape, dtype, taken in (((2, 1, 1, 45), torch.bool, True), ((1, 1, 1, 45), torch.bool, True),
+                                ((45,), torch.bool, True), ((2, 2, 37, 45), "expanded", True),
+                                ((2, 1, 1, 45), torch.float32, False), ((2, 2, 1, 45), torch.bool, False),
+                                ((2, 1, 37, 45), torch.bool, False)):
+        if dtype == "expanded":
+            mask = (torch.rand(2, 1, 1, 45, generator=g) > 0.3).expand(shape)
+        else:
+            mask = (torch.rand(shape, generator=g) > 0.3).to(dtype)
+        mods = score_mods(q, k, mask.to(DEVICE), 0.0, True, "top_left", 0.0, None, 2, 2)
+        assert dispatch.gluon_call(q, k, v, True, (-1, -1), None, mods) is None, shape
+        call = dispatch.gluon_call(q, k, v, True, (-1, -1), None, mods, key_masks=True)
+        assert (call is not None) == taken, (shape, dtype)
+        if taken:
+            assert call["key_mask"].dtype == torch.bool and call["key_mask"].shape[1:3] == (1, 1)
+            want = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))[:, :1, :1]
+            assert torch.equal(call["key_mask"].expand(want.shape[0], 1, 1, 45).cpu(), want.expand(-1, 1, 1, 45))
+
+
 # -- The kernels walking it -----------------------------------------------------------------------
 
 def key_lengths_mask(lengths, n_kv):

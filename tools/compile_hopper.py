@@ -13,7 +13,8 @@ change's cost: the plain kernel's count over a modified one's came within 0.03 o
 measured share of the plain call's speed, not of every modification's: docs/performance.md).
 ``--variants`` adds the forward variants that tools/hopper_check.py times
 (flashattn.measure.gpu_checks.VARIANTS); ``--mods`` compiles every kernel with these score
-modifications (of softcap, alibi, window, dropout; with a window, the masked configuration only).
+modifications (of softcap, alibi, window, dropout; with a window, the masked configuration only;
+key_mask, a key-padding mask, the backward kernels only).
 """
 import argparse
 import json
@@ -36,14 +37,17 @@ def main():
     p.add_argument("--mods", default="", help="comma-separated score modifications, e.g. alibi,softcap")
     args = p.parse_args()
     mods = [m for m in args.mods.split(",") if m]
-    unknown = set(mods) - set(compiled_gluon.MODS)
+    unknown = set(mods) - set(compiled_gluon.BACKWARD_MODS)
     if unknown:
-        p.error(f"--mods: unknown {sorted(unknown)}; expected some of {', '.join(compiled_gluon.MODS)}")
+        p.error(f"--mods: unknown {sorted(unknown)}; expected some of {', '.join(compiled_gluon.BACKWARD_MODS)}")
+    backward_only = "key_mask" in mods  # the forward reads no key mask
+    if backward_only and "fwd" in (args.kernel or []):
+        p.error("--mods key_mask: the backward kernels only (--kernel bwd or bwd_dq)")
     causal = [bool(c) for c in (args.causal or [0, 1])] if "window" not in mods else [True]
     failures = 0
     print(f"{'kernel':6} {'D':>4} {'dtype':5} {'causal':6} {'config':40} {'regs':>4} {'spill':>5} "
           f"{'smem':>6} {'wgmma':>5} {'tma':>5} {'waits':>5} {'sass':>5} setmaxnreg ptxas")
-    for kernel in args.kernel or ["fwd", "bwd", "bwd_dq"]:
+    for kernel in args.kernel or (["bwd", "bwd_dq"] if backward_only else ["fwd", "bwd", "bwd_dq"]):
         for head_dim in args.head_dim or [64, 128]:
             configs = list(args.config or [None])
             if args.variants and kernel == "fwd":

@@ -11,6 +11,8 @@ import importlib
 import os
 import threading
 
+import torch
+
 from ..gpu.runtime import INTERPRET
 
 _importing = threading.Lock()
@@ -31,3 +33,13 @@ def load(name):
             return importlib.import_module(f"{__name__}.{name}")
     except ImportError:
         return None
+
+
+def backward_key_mask(mask):
+    """The kernels' 4-D ``attn_mask`` (``flashattn.ops.modifiers.check_mask``: a dim that broadcasts
+    has size 1) where the fused Gluon backward reads it, as its KEY_MASK: a key-padding mask, bool,
+    the same row of keys for every head and query, shape (B or 1, 1, 1, N_kv). None for any other
+    mask (and for None)."""
+    if mask is None or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return None
+    return mask

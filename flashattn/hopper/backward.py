@@ -179,10 +179,11 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
                   kv_ready, ready, empty, ds_ready, done,
                   LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
                   qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes, stride_sb,
-                  stride_sh, seed, p_drop, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
-                  PREFETCH: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                  TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr):
+                  stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk, C: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr, WINDOW: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr,
+                  KEY_MASK: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
     the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
     along columns), as in ``backward.dkdv_inner``.
@@ -198,7 +199,9 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
     q_full_hi)``; SOFTCAP and ALIBI modify the scores (``scores.modified_scores``) and the softcap
     multiplies dS^T by its factor ``1 - tanh**2``. DROPOUT rebuilds the forward's mask
     (``tiles.dropout_keep``): dV takes the kept probabilities and dP^T the kept products, both
-    scaled by ``1 / (1 - p)``, while dS^T = P^T * (dP^T - Delta) keeps P^T whole."""
+    scaled by ``1 / (1 - p)``, while dS^T = P^T * (dP^T - Delta) keeps P^T whole. KEY_MASK hides
+    the keys a key-padding mask hides (one byte per key, the same for every query): read once,
+    they join the ragged end's keys, and the tiles are masked as at that end."""
     s_layout: gl.constexpr = mma_layout(BLOCK_M)      # S^T, dP^T: BLOCK_N keys x BLOCK_M queries
     acc_layout: gl.constexpr = mma_layout(HEAD_DIM)   # dK, dV: BLOCK_N keys x head dim
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -210,7 +213,13 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
     # At the ragged end, keys past n_kv read as zeros: their probabilities 2**-LSE are not 0 and
     # may overflow dS^T, which dQ multiplies by those zero keys (inf * 0 = NaN): hide them.
     ragged = kv_first + BLOCK_N > n_kv
-    keys_in = gl.expand_dims(offs_kv < n_kv, 1)
+    keys_in = offs_kv < n_kv
+    if KEY_MASK:
+        kept = gl.load(KeyMask + batch.to(gl.int64) * stride_mkb + offs_kv.to(gl.int64) * stride_mkk,
+                       mask=keys_in, other=0)
+        keys_in = keys_in & (kept != 0)
+        ragged = ragged | (gl.min(keys_in.to(gl.int32), 0) == 0)
+    keys_in = gl.expand_dims(keys_in, 1)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -356,15 +365,15 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 
 
 @gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right", "shift", "stride_sb", "stride_sh",
-                              "seed"])
+                              "seed", "stride_mkb", "stride_mkk"])
 def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LSE, Delta,
                   n_heads, n_group, n_q, n_kv, scale, qk_scale, win_left, win_right, shift, softcap,
-                  Slopes, stride_sb, stride_sh, seed, p_drop,
+                  Slopes, stride_sb, stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
                   SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, TANH_APPROX: gl.constexpr = False,
-                  DROPOUT: gl.constexpr = 0, BLOCKS_LAST: gl.constexpr = False):
+                  DROPOUT: gl.constexpr = 0, BLOCKS_LAST: gl.constexpr = False, KEY_MASK: gl.constexpr = False):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
     # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
     # With DQ it also adds each query tile's share of dQ into the float32 tensor of desc_dq.
@@ -397,6 +406,11 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
         q_full_lo = q_lo
         q_full_hi = n_q
     n_tiles = gl.cdiv(gl.maximum(q_hi - q_lo, 0), BLOCK_M)
+    if KEY_MASK:  # a key-padding mask that hides all of this program's keys: no query tile to visit
+        offs = kv_start + gl.arange(0, 2 * BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        kept = gl.load(KeyMask + batch.to(gl.int64) * stride_mkb + offs.to(gl.int64) * stride_mkk,
+                       mask=offs < n_kv, other=0)
+        n_tiles = gl.where(gl.max(kept.to(gl.int32), 0) > 0, n_tiles, 0)
 
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
@@ -433,16 +447,16 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
-                         stride_sb, stride_sh, seed, p_drop,
+                         stride_sb, stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
-                         TANH_APPROX, DROPOUT)),
+                         TANH_APPROX, DROPOUT, KEY_MASK)),
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
                          LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
-                         stride_sb, stride_sh, seed, p_drop,
+                         stride_sb, stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
-                         TANH_APPROX, DROPOUT)),
+                         TANH_APPROX, DROPOUT, KEY_MASK)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
                          ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES)),
@@ -471,10 +485,11 @@ def dq_descriptor(dq_accum, block_m):
 
 
 def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, window=None, softcap=0.0,
-            alibi_slopes=None, shift=0, dropout_p=0.0, seed=0):
+            alibi_slopes=None, shift=0, dropout_p=0.0, seed=0, key_mask=None):
     """One launch of attn_bwd_sm90: ``(dk, dv)``, adding dQ's shares into ``dq_accum`` if given;
     ``window``, ``softcap``, ``alibi_slopes``, ``shift``, ``dropout_p`` and ``seed`` as
-    ``forward.attention_forward`` takes them."""
+    ``forward.attention_forward`` takes them; ``key_mask``, a bool key-padding mask as
+    ``hopper.backward_key_mask`` returns it (True: the key takes part)."""
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
     if not tma_ok(do):  # dO from autograd may be expanded or strided: TMA needs rows 16 bytes apart
@@ -494,12 +509,22 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         None if dq_accum is None else dq_descriptor(dq_accum, bm),
         lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
         *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2), int(seed), float(dropout_p),
-        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+        *key_mask_args(key_mask, lse2), HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
         IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
         WINDOW=window is not None, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
         TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper_forward.TANH_APPROX)),
-        DROPOUT=DROP_TILE if dropout_p > 0 else 0, BLOCKS_LAST=blocks_last, **regs, **options)
+        DROPOUT=DROP_TILE if dropout_p > 0 else 0, BLOCKS_LAST=blocks_last, KEY_MASK=key_mask is not None,
+        **regs, **options)
     return dk, dv
+
+
+def key_mask_args(key_mask, placeholder):
+    """``KeyMask, stride_mkb, stride_mkk`` for a launch: the mask's bytes with its strides over
+    batch (0 where one row serves every batch) and keys, or ``placeholder`` (any tensor) and zeros."""
+    if key_mask is None:
+        return placeholder, 0, 0
+    return (key_mask.view(torch.uint8), key_mask.stride(0) if key_mask.shape[0] > 1 else 0,
+            key_mask.stride(3) if key_mask.shape[3] > 1 else 0)
 
 
 def attention_backward_dkdv(q, k, v, do, lse2, delta, is_causal, scale, config=None, **mods):
@@ -519,9 +544,11 @@ def attention_backward(q, k, v, do, lse2, delta, is_causal, scale, config=None, 
     different key blocks land in an order that varies from run to run, so dQ may differ in its
     last bits between runs (``flashattn.attention(..., deterministic=True)`` keeps the Triton dQ
     kernel). ``config`` overrides entries of ``DQ_CONFIGS[head_dim]``; ``mods`` as
-    :func:`attention_backward_dkdv` takes them."""
+    :func:`attention_backward_dkdv` takes them, and ``key_mask``, a key-padding mask
+    (``hopper.backward_key_mask``): its hidden keys get no probability, and the programs whose keys
+    it hides all visit no query tile."""
     dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    cfg = dq_config(q.shape[-1], config, hopper_forward.is_modified(**mods))
+    cfg = dq_config(q.shape[-1], config, hopper_forward.is_modified(**mods))  # a key mask alone is not
     dk, dv = _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum, **mods)
     dq = torch.empty_like(q)
     torch.mul(dq_accum, scale, out=dq)  # one pass: read float32, scale, write q's dtype

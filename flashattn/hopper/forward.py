@@ -94,8 +94,9 @@ REGISTERS = {2: dict(launch=168, consumer=240, producer=24),
              3: dict(launch=128, consumer=160, producer=24)}
 
 
-def is_modified(window=None, softcap=0.0, alibi_slopes=None, shift=0, dropout_p=0.0, seed=0):
-    """Whether a call's modifications take MODIFIED_CONFIGS (``shift`` and ``seed`` alone do not)."""
+def is_modified(window=None, softcap=0.0, alibi_slopes=None, shift=0, dropout_p=0.0, seed=0, key_mask=None):
+    """Whether a call's modifications take MODIFIED_CONFIGS (``shift``, ``seed`` and the backward's
+    ``key_mask`` alone do not: a key mask adds one load per key, no register per score)."""
     return window is not None or softcap > 0 or alibi_slopes is not None or dropout_p > 0
 
 

@@ -53,16 +53,20 @@ def _descriptor_type(module, dtype, rows, head_dim):
 
 #: The score modifications a Gluon kernel may be compiled with (``mods`` below): their constexprs.
 MODS = {"softcap": "SOFTCAP", "alibi": "ALIBI", "window": "WINDOW", "dropout": "DROPOUT"}
+#: The backward's, which also reads a key-padding mask.
+BACKWARD_MODS = dict(MODS, key_mask="KEY_MASK")
 #: The run-time arguments the modifications add to both kernels' signatures.
 MOD_SIGNATURE = dict(win_left="i32", win_right="i32", shift="i32", softcap="fp32", Slopes="*fp32",
                      stride_sb="i32", stride_sh="i32", seed="i32", p_drop="fp32")
+#: And to the backward's: the key-padding mask.
+KEY_MASK_SIGNATURE = dict(KeyMask="*u8", stride_mkb="i32", stride_mkk="i32")
 
 
-def _mod_constexprs(mods):
-    unknown = set(mods) - set(MODS)
+def _mod_constexprs(mods, known=MODS):
+    unknown = set(mods) - set(known)
     if unknown:
-        raise ValueError(f"mods: unknown {sorted(unknown)}; expected some of {sorted(MODS)}")
-    flags = {flag: name in mods for name, flag in MODS.items()}
+        raise ValueError(f"mods: unknown {sorted(unknown)}; expected some of {sorted(known)}")
+    flags = {flag: name in mods for name, flag in known.items()}
     flags["DROPOUT"] = DROP_TILE if flags["DROPOUT"] else 0  # how a launch passes it
     return flags
 
@@ -95,17 +99,19 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False, mods
     bwd = _gluon("backward")
     if dq and not bwd.has_dq_reduce():
         raise CannotCompile(f"Triton {triton.__version__}'s Gluon has no TMA reduce-add (tma.async_atomic_add)")
-    cfg = bwd.dq_config(head_dim, config, modified=bool(mods)) if dq else bwd.tile_config(head_dim, config)
+    cfg = bwd.dq_config(head_dim, config, modified=bool(set(mods) - {"key_mask"})) if dq \
+        else bwd.tile_config(head_dim, config)
     regs, options = bwd.launch_options(cfg)
     q, kv = (_descriptor_type(bwd, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
     signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv, desc_dq="constexpr",
                      LSE="*fp32", Delta="*fp32", n_heads="i32", n_group="i32", n_q="i32", n_kv="i32",
-                     scale="fp32", qk_scale="fp32", **MOD_SIGNATURE)
+                     scale="fp32", qk_scale="fp32", **MOD_SIGNATURE, **KEY_MASK_SIGNATURE)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and "window" not in mods, DQ=bool(dq),
                       PREFETCH=cfg["PREFETCH"], desc_dq=None,
                       TANH_APPROX=bool(cfg.get("TANH_APPROX", bwd.hopper_forward.TANH_APPROX)),
-                      BLOCKS_LAST=bool(cfg.get("BLOCKS_LAST", False)), **_mod_constexprs(mods), **regs)
+                      BLOCKS_LAST=bool(cfg.get("BLOCKS_LAST", False)), **_mod_constexprs(mods, BACKWARD_MODS),
+                      **regs)
     if dq:
         block = bwd.dq_block(cfg["BLOCK_M"], head_dim)
         layout = bwd.gl.NVMMASharedLayout.get_default_for(block, bwd.gl.float32)

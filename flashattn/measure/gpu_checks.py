@@ -68,7 +68,10 @@ BWD_VARIANTS = {64: [dict(STAGES=3), dict(BLOCK_M=32)], 128: [dict(STAGES=3), di
 #: touch them); ALiBi's slopes are per head or per (batch, head); windows one- and two-sided;
 #: the bottom-right alignment with fewer queries than keys (every query block sees keys: Gluon)
 #: and with more (the first blocks see none: the forward falls back to Triton, the backward not);
-#: dropout alone and with everything else (its reference is handed the mask the call drew).
+#: dropout alone and with everything else (its reference is handed the mask the call drew);
+#: key-padding masks (``key_mask``: the fused backward reads them, the forward is Triton's): right
+#: padding with a sequence of no key, left padding under the causal mask (the first queries see
+#: nothing), random keys kept (one row for every batch, or one per batch), with the rest.
 MOD_SHAPES = [
     ("softcap", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(softcap=3.0)),
     ("softcap-causal", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(softcap=3.0, is_causal=True)),
@@ -98,7 +101,32 @@ MOD_SHAPES = [
     ("dropout-17", 2, 3, 3, 17, 17, "bhnd", 1.0, dict(dropout_p=0.5)),
     ("dropout-all", 2, 3, 3, 333, 1000, "bhnd", 1.0,
      dict(dropout_p=0.2, softcap=3.0, alibi="heads", window_size=(100, 30), causal_alignment="bottom_right")),
+    ("key-lengths", 3, 3, 3, 1000, 1000, "bhnd", 1.0, dict(key_mask="lengths")),
+    ("key-lengths-causal", 3, 3, 3, 1000, 1000, "bhnd", 1.0, dict(key_mask="lengths", is_causal=True)),
+    ("key-left-gqa-causal", 3, 4, 2, 777, 777, "bnhd", 1.0, dict(key_mask="left", is_causal=True, enable_gqa=True)),
+    ("key-random", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(key_mask="random")),
+    ("key-one-row-long", 2, 2, 2, 4103, 4103, "bhnd", 1.0, dict(key_mask="one-row", is_causal=True)),
+    ("key-17", 2, 3, 3, 17, 17, "bhnd", 1.0, dict(key_mask="random")),
+    ("key-all", 2, 3, 3, 333, 1000, "bhnd", 1.0,
+     dict(key_mask="random", dropout_p=0.2, softcap=3.0, alibi="heads", window_size=(100, 30),
+          causal_alignment="bottom_right")),
 ]
+
+
+def key_padding_mask(kind, batch, n_kv, g):
+    """A bool key-padding mask (B or 1, 1, 1, N_kv) for MOD_SHAPES' ``key_mask``: "lengths" keeps
+    the first N, 0.6 N and 0 keys of three sequences, "left" hides the first 0, 0.3 N and N - 1
+    keys, "random" keeps each key with probability 0.7 and "one-row" the same for every batch."""
+    import torch
+
+    cols = torch.arange(n_kv, device="cuda")
+    if kind == "lengths":
+        keep = cols[None, :] < torch.tensor([n_kv, n_kv * 3 // 5, 0], device="cuda")[:batch, None]
+    elif kind == "left":
+        keep = cols[None, :] >= torch.tensor([0, n_kv * 3 // 10, n_kv - 1], device="cuda")[:batch, None]
+    else:
+        keep = torch.rand(1 if kind == "one-row" else batch, n_kv, generator=g, device="cuda") < 0.7
+    return keep.reshape(keep.shape[0], 1, 1, n_kv)
 #: The float32 grid: the lengths of tests/test_attention.py (odd, equal and not), head dims that
 #: are not powers of two, large magnitudes, scales, a transposed layout, and longer sequences.
 FP32_LENGTHS = [(1, 1), (17, 17), (69, 69), (113, 113), (128, 128), (200, 200), (17, 113), (113, 17)]
@@ -235,7 +263,8 @@ def child_gluon(args):
 def child_gluon_mods(args):
     """Each case of MOD_SHAPES for one dtype and head dim through flashattn.attention against
     float64 under the rule, forward and backward, with counters proving which kernels ran: the
-    Gluon forward wherever ``hopper.supports`` takes the call, the Gluon backward always.
+    Gluon forward wherever ``hopper.supports`` takes the call (never with a mask), the Gluon
+    backward always (with a mask, the fused one only).
     ``--tanh-approx`` chooses the softcap's tanh (``hopper.forward.TANH_APPROX``);
     ``--deterministic 1`` asks for the backward without dQ's reduce-adds; ``--only`` runs the
     cases whose name holds one of its parts."""
@@ -273,11 +302,14 @@ def child_gluon_mods(args):
             if "alibi" in kw:  # per head, or per (batch, head)
                 rows = kw.pop("alibi")
                 kw["alibi_slopes"] = torch.rand((h,) if rows == "heads" else (b, h), generator=g, device="cuda")
+            if "key_mask" in kw:
+                kw["attn_mask"] = key_padding_mask(kw.pop("key_mask"), b, n_kv, g)
             causal = kw.pop("is_causal", False)
-            mods = score_mods(q, k, None, kw.get("dropout_p", 0.0), causal, kw.get("causal_alignment", "top_left"),
-                              kw.get("softcap", 0.0), kw.get("alibi_slopes"), b, h)  # as flashattn.attention
+            mods = score_mods(q, k, kw.get("attn_mask"), kw.get("dropout_p", 0.0), causal,
+                              kw.get("causal_alignment", "top_left"), kw.get("softcap", 0.0), kw.get("alibi_slopes"),
+                              b, h)  # as flashattn.attention
             call = dispatch.gluon_call(q, k, v, causal, kw.get("window_size", (-1, -1)), None, mods)
-            gluon_fwd = hopper.supports(q, k, v, window=call["window"]) and not (
+            gluon_fwd = call is not None and hopper.supports(q, k, v, window=call["window"]) and not (
                 call["softcap"] > 0 and not hopper.TANH_APPROX)  # dispatch's exact softcap: Triton
             ref_kw = dict(kw)
             if "dropout_p" in kw:  # the reference takes the pairs the call drops (its seed: drawn again)
@@ -292,7 +324,7 @@ def child_gluon_mods(args):
                 f"the Gluon forward {'did not run' if gluon_fwd else 'ran'}: {call}")
             fused = hopper_backward.has_dq_reduce() and not args.deterministic
             kernel = "attention_backward" if fused else "attention_backward_dkdv"
-            wanted = fused or d in dispatch.GLUON_DKDV_HEAD_DIMS
+            wanted = fused or (d in dispatch.GLUON_DKDV_HEAD_DIMS and "attn_mask" not in kw)
             assert (kernel in calls) == wanted, f"the backward {'did not call' if wanted else 'called'} {kernel}"
             verdict(cid, checks, f"; gluon forward {gluon_fwd}")
         except Exception as e:

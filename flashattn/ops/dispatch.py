@@ -16,8 +16,11 @@ kernels; so does every call with ``FLASHATTN_GLUON=0``.
 So does every call whose v has a head dim of its own (D_v != D, as in DeepSeek's MLA): the Gluon
 kernels hold V and O in tiles of q's head dim.
 
-So does every call with an attn_mask: the Gluon kernels do not implement one, and computing
-without it would be silently wrong.
+So does every call with an attn_mask (the Gluon kernels do not implement one, and computing
+without it would be silently wrong), but for the fused backward's key-padding masks: a bool mask
+with one row of keys per batch, the same for every head and query (``(B, 1, 1, N_kv)``), which
+that kernel reads once per key (``hopper.backward_key_mask``). Their forward stays on the Triton
+kernels, which skip the hidden keys' tiles.
 """
 import functools
 
@@ -36,14 +39,16 @@ from ..kernels.traversal import aligned_bounds, window_masking
 GLUON_DKDV_HEAD_DIMS = (128,)
 
 
-def gluon_call(q, k, v, is_causal, window_size, sequences, mods):
+def gluon_call(q, k, v, is_causal, window_size, sequences, mods, key_masks=False):
     """What the Gluon kernels need of a call they compute, as keyword arguments of
     ``hopper.forward.attention_forward`` and ``hopper.backward.attention_backward`` (``causal``, the
     ``window`` bounds moved to the bottom-right alignment where it applies, ``softcap``,
-    ``alibi_slopes``, ``shift``, and under dropout ``dropout_p`` and ``seed``); None for a call they
-    do not compute: packed sequences, an attn_mask, v with a head dim of its own."""
+    ``alibi_slopes``, ``shift``, under dropout ``dropout_p`` and ``seed``, and with ``key_masks``
+    (the fused backward) a key-padding mask as ``key_mask``); None for a call they do not compute:
+    packed sequences, any other attn_mask, v with a head dim of its own."""
     mods = mods or NO_MODS
-    if sequences is not None or mods.attn_mask is not None or v.shape[-1] != q.shape[-1]:
+    key_mask = hopper.backward_key_mask(mods.attn_mask) if key_masks else None
+    if sequences is not None or v.shape[-1] != q.shape[-1] or (mods.attn_mask is not None and key_mask is None):
         return None
     n_q, n_kv = q.shape[2], k.shape[2]
     aligned = mods.aligned_bottom_right(n_q, n_kv, False)
@@ -54,6 +59,8 @@ def gluon_call(q, k, v, is_causal, window_size, sequences, mods):
                 alibi_slopes=mods.alibi_slopes, shift=shift)
     if mods.dropout_p > 0:  # the Triton kernels' pairs (tiles.dropout_keep): the two mix in a call
         call.update(dropout_p=mods.dropout_p, seed=int(mods.seed))
+    if key_mask is not None:
+        call.update(key_mask=key_mask)
     return call
 
 
@@ -86,14 +93,18 @@ def attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse=None, config
     five tile products per pair of tiles); else dK/dV come from the Gluon kernel at the head dims
     of :data:`GLUON_DKDV_HEAD_DIMS` and dQ from the Triton kernel (seven tile products)."""
     configs = configs or {}
-    call = gluon_call(q, k, v, is_causal, window_size, sequences, mods) if configs.get("bwd_dkdv") is None else None
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    fused = not deterministic and configs.get("bwd_dq") is None  # if this Triton's Gluon has the reduce-add
+    call = gluon_call(q, k, v, is_causal, window_size, sequences, mods, key_masks=fused) \
+        if configs.get("bwd_dkdv") is None else None
     gluon = hopper.load("backward") if call is not None else None
     if gluon is not None and not gluon.supports(q, k, v):
         gluon = None
+    if gluon is not None and "key_mask" in call and not gluon.has_dq_reduce():
+        gluon = None  # the dK/dV kernel alone would need the Triton dQ kernel's mask lists
     if gluon is not None:  # the kernels' own masking and modifications, in place of the Triton ones'
         call = {name: value for name, value in call.items() if name != "is_causal"}
-    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if gluon is not None and not deterministic and configs.get("bwd_dq") is None and gluon.has_dq_reduce():
+    if gluon is not None and fused and gluon.has_dq_reduce():
         return backward.attention_backward(q, k, v, o, lse2, do, is_causal, scale, dlse, configs,
                                            window_size, sequences, mods=mods,
                                            fused=functools.partial(gluon.attention_backward, **call))

@@ -187,12 +187,19 @@ def test_a_key_padding_mask_is_read_as_a_row_of_keys():
         assert mods.kernel_args(37, 45, False)["MASK_KIND"] == (MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT)
 
 
-def test_only_a_bool_key_padding_mask_reaches_the_fused_gluon_backward():
-    """``dispatch.gluon_call`` hands the fused Gluon backward (``key_masks``) a bool mask with one row
-    of keys per batch, or one for all of them, expanded by the caller or not; a float mask, a row
-    per head or per query, and every mask for the Gluon forward keep the Triton kernels."""
+def test_only_a_bool_key_padding_mask_reaches_the_fused_gluon_backward(monkeypatch):
+    """With ``hopper.FUSED_KEY_MASKS``, ``dispatch.gluon_call`` hands the fused Gluon backward
+    (``key_masks``) a bool mask with one row of keys per batch, or one for all of them, expanded by
+    the caller or not; a float mask, a row per head or per query, and every mask for the Gluon
+    forward keep the Triton kernels, as does every mask without it."""
+    from flashattn import hopper
     from flashattn.ops import dispatch
     from flashattn.ops.modifiers import score_mods
+
+    mods = score_mods(*make_qkv(37, 45, head_dim=64)[:2], torch.ones(45, dtype=torch.bool, device=DEVICE), 0.0,
+                      True, "top_left", 0.0, None, 2, 2)
+    assert dispatch.gluon_call(*make_qkv(37, 45, head_dim=64), True, (-1, -1), None, mods, key_masks=True) is None
+    monkeypatch.setattr(hopper, "FUSED_KEY_MASKS", True)
 
     q, k, v = make_qkv(37, 45, head_dim=64)
     g = torch.Generator().manual_seed(0)

@@ -34,6 +34,12 @@ def load(name):
     except ImportError:
         return None
 
+#: Whether the fused backward takes key-padding masks (:func:`backward_key_mask`) in
+#: ``flashattn.ops.dispatch``; off by default: the Triton kernels compute masked calls until the
+#: GPU checks of ``flashattn.measure.gpu_checks`` (``gluon_mods``, the cases named ``key-``), which
+#: turn it on, have passed (docs/performance.md, "Key-padding masks on the fused backward").
+FUSED_KEY_MASKS = False
+
 
 def backward_key_mask(mask):
     """The kernels' 4-D ``attn_mask`` (``flashattn.ops.modifiers.check_mask``: a dim that broadcasts

@@ -271,7 +271,7 @@ def child_gluon_mods(args):
     import functools
 
     import torch
-    from .. import attention
+    from .. import attention, hopper as hopper_package
     from ..hopper import backward as hopper_backward, forward as hopper
     from ..ops import dispatch
     from ..ops.modifiers import score_mods
@@ -279,6 +279,7 @@ def child_gluon_mods(args):
     from ..testing.rule import compare_with_reference
 
     os.environ["FLASHATTN_AUTOTUNE"] = "0"
+    hopper_package.FUSED_KEY_MASKS = True  # the key-mask cases check the fused backward's KEY_MASK
     if args.tanh_approx is not None:  # the softcap's tanh: the special-function unit's, or exact
         hopper.TANH_APPROX = bool(args.tanh_approx)  # read by the forward and both backward kernels
     if args.deterministic:  # the backward without dQ's reduce-adds (Gluon dK/dV + Triton dQ)

@@ -20,8 +20,9 @@ One row per (modification, provider, mode), B = 4, H = 32, N = 8192, D = 128, ca
 * on a GPU, ``alibi``, ``softcap``, ``window`` and ``dropout`` also time
   ``flashattn-deterministic`` (``deterministic=True``: the backward without dQ's reduce-adds, for
   the same call), ``softcap`` ``flashattn-tanh-exact`` (the Gluon kernels' exact tanh in place of
-  the special-function unit's, ``hopper.forward.TANH_APPROX`` off) and ``dropout`` ``flashattn-triton``
-  (the Triton kernels alone, ``FLASHATTN_GLUON=0``);
+  the special-function unit's, ``hopper.forward.TANH_APPROX`` off), ``dropout`` ``flashattn-triton``
+  (the Triton kernels alone, ``FLASHATTN_GLUON=0``) and ``key-padding`` ``flashattn-fused-key-mask``
+  (the fused Gluon backward reading the mask, ``hopper.FUSED_KEY_MASKS``);
 * ``dropout``: ``dropout_p = 0.1`` in training mode, against SDPA's FlashAttention-2 backend
   (``sdpa-flash``; each draws its own mask: the times compare, the values cannot);
   ``dropout-dense`` the same without the causal mask;
@@ -128,7 +129,8 @@ def _sdpa_flash(q, k, v, **kwargs):
 def provider_setting(provider):
     """What a flashattn provider other than the default sets while it runs and is timed (forward
     and backward): ``flashattn-triton`` the Triton kernels alone, ``flashattn-tanh-exact`` the
-    Gluon kernels' exact tanh."""
+    Gluon kernels' exact tanh, ``flashattn-fused-key-mask`` the fused Gluon backward's key-padding
+    masks (``hopper.FUSED_KEY_MASKS``)."""
     if provider == "flashattn-triton":
         before = os.environ.get("FLASHATTN_GLUON")
         os.environ["FLASHATTN_GLUON"] = "0"
@@ -143,6 +145,13 @@ def provider_setting(provider):
             yield
         finally:
             hopper.TANH_APPROX = before
+    elif provider == "flashattn-fused-key-mask":
+        from .. import hopper
+        before, hopper.FUSED_KEY_MASKS = hopper.FUSED_KEY_MASKS, True
+        try:
+            yield
+        finally:
+            hopper.FUSED_KEY_MASKS = before
     else:
         yield
 
@@ -194,7 +203,8 @@ def cases(s, device, dtype):
         "causal": ("causal", qkv, lambda: fa(q, k, v, is_causal=True), {"sdpa": sdpa(q, k, v, is_causal=True)}, True),
         "key-padding": ("dense", qkv, lambda: fa(q, k, v, key_padding),
                         {"sdpa": sdpa(q, k, v, key_padding),
-                         **flex(q, k, v, key_padding_mod(torch.tensor(lengths, device=device)), batch)}, True),
+                         **flex(q, k, v, key_padding_mod(torch.tensor(lengths, device=device)), batch),
+                         **setting("flashattn-fused-key-mask", attn_mask=key_padding)}, True),
         "float-mask": ("causal", qkv, lambda: fa(q, k, v, float_mask), {"sdpa": sdpa(q, k, v, float_mask)}, True),
         "alibi": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, alibi_slopes=slopes),
                   {"sdpa": sdpa(q, k, v, bias), **flex(q, k, v, causal_mod, score_mod=alibi_mod),

@@ -17,10 +17,11 @@ So does every call whose v has a head dim of its own (D_v != D, as in DeepSeek's
 kernels hold V and O in tiles of q's head dim.
 
 So does every call with an attn_mask (the Gluon kernels do not implement one, and computing
-without it would be silently wrong), but for the fused backward's key-padding masks: a bool mask
-with one row of keys per batch, the same for every head and query (``(B, 1, 1, N_kv)``), which
-that kernel reads once per key (``hopper.backward_key_mask``). Their forward stays on the Triton
-kernels, which skip the hidden keys' tiles.
+without it would be silently wrong), but, with ``hopper.FUSED_KEY_MASKS``, for the fused
+backward's key-padding masks: a bool mask with one row of keys per batch, the same for every head
+and query (``(B, 1, 1, N_kv)``), which that kernel reads once per key
+(``hopper.backward_key_mask``). Their forward stays on the Triton kernels, which skip the hidden
+keys' tiles.
 """
 import functools
 
@@ -44,10 +45,11 @@ def gluon_call(q, k, v, is_causal, window_size, sequences, mods, key_masks=False
     ``hopper.forward.attention_forward`` and ``hopper.backward.attention_backward`` (``causal``, the
     ``window`` bounds moved to the bottom-right alignment where it applies, ``softcap``,
     ``alibi_slopes``, ``shift``, under dropout ``dropout_p`` and ``seed``, and with ``key_masks``
-    (the fused backward) a key-padding mask as ``key_mask``); None for a call they do not compute:
+    (the fused backward) and ``hopper.FUSED_KEY_MASKS`` a key-padding mask as ``key_mask``); None
+    for a call they do not compute:
     packed sequences, any other attn_mask, v with a head dim of its own."""
     mods = mods or NO_MODS
-    key_mask = hopper.backward_key_mask(mods.attn_mask) if key_masks else None
+    key_mask = hopper.backward_key_mask(mods.attn_mask) if key_masks and hopper.FUSED_KEY_MASKS else None
     if sequences is not None or v.shape[-1] != q.shape[-1] or (mods.attn_mask is not None and key_mask is None):
         return None
     n_q, n_kv = q.shape[2], k.shape[2]

@@ -34,6 +34,7 @@ def load(name):
     except ImportError:
         return None
 
+
 #: Whether the fused backward takes key-padding masks (:func:`backward_key_mask`) in
 #: ``flashattn.ops.dispatch``; off by default: the Triton kernels compute masked calls until the
 #: GPU checks of ``flashattn.measure.gpu_checks`` (``gluon_mods``, the cases named ``key-``), which

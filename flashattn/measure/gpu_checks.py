@@ -127,6 +127,8 @@ def key_padding_mask(kind, batch, n_kv, g):
     else:
         keep = torch.rand(1 if kind == "one-row" else batch, n_kv, generator=g, device="cuda") < 0.7
     return keep.reshape(keep.shape[0], 1, 1, n_kv)
+
+
 #: The float32 grid: the lengths of tests/test_attention.py (odd, equal and not), head dims that
 #: are not powers of two, large magnitudes, scales, a transposed layout, and longer sequences.
 FP32_LENGTHS = [(1, 1), (17, 17), (69, 69), (113, 113), (128, 128), (200, 200), (17, 113), (113, 17)]

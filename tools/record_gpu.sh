@@ -8,6 +8,9 @@
 # against float64, then the 24 cells of the sweep and grouped heads beside cuDNN; needs Triton >= 3.8
 # on Hopper), backward-order (the fused kernel with its grid ordered heads first, BLOCKS_LAST, checked
 # and timed at the training step's attention: grouped heads 16/4, N = 4096, causal),
+# key-masks (the fused kernel reading key-padding masks, hopper.FUSED_KEY_MASKS: its gpu_checks
+# cases in both dtypes and head dims against float64, then the key-padding row of score_mods, where
+# it runs as flashattn-fused-key-mask beside the default, FlexAttention and SDPA),
 # backward-tiles (the fused kernel's tile variants side by side), train-step (a
 # Llama-shaped transformers model's training step: flashattn against sdpa),
 # tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,
@@ -31,7 +34,7 @@
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
 shift
-parts=${*:-backward backward-order backward-tiles train-step tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
+parts=${*:-backward backward-order key-masks backward-tiles train-step tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -57,6 +60,21 @@ part() {  # part NAME SECONDS COMMAND...
 
 part backward 420 python tools/backward_check.py --csv "$out/backward.csv"
 part backward-order 150 python tools/backward_check.py --check-variants --dtypes bf16 --head-dims 128 --seq-lens 4096 --causal 1 --batch-heads 4x16 --kv-heads 4 --bwd-variants '[{"BLOCKS_LAST": true}]'
+key_masks() {  # the four (dtype, head dim) groups of checks side by side, each watched (a hang or a
+    # crash ends its case, not the part), then the timing
+    python -c "
+import concurrent.futures, time
+from flashattn.measure import gpu_checks as g
+deadline = time.time() + 240
+jobs = [g.command('gluon_mods', dtype=t, head_dim=d, only='key-') for t in g.DTYPES for d in g.HEAD_DIMS]
+with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+    for lines, status in pool.map(lambda cmd: g.run_job(cmd, 120, deadline), jobs):
+        print(*lines, sep='\\n')
+"
+    python -m flashattn.measure.score_mods --cases key-padding --out "$1/score_mods_key_padding.csv"
+}
+export -f key_masks
+part key-masks 420 bash -c 'key_masks "$0"' "$out"
 part backward-tiles 150 python tools/backward_tiles.py '{"64": [{}, {"PREFETCH": false}], "128": [{}, {"PREFETCH": false}]}'
 part train-step 240 python -m flashattn.measure.bench_train --profile --out "$out/train_step.csv"
 part tests-variants 150 $pytest $variant_tests

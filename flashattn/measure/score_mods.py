@@ -138,22 +138,22 @@ def provider_setting(provider):
             yield
         finally:
             os.environ.pop("FLASHATTN_GLUON") if before is None else os.environ.update(FLASHATTN_GLUON=before)
-    elif provider == "flashattn-tanh-exact":
-        from ..hopper import forward as hopper
-        before, hopper.TANH_APPROX = hopper.TANH_APPROX, False
-        try:
-            yield
-        finally:
-            hopper.TANH_APPROX = before
+        return
+    if provider == "flashattn-tanh-exact":
+        from ..hopper import forward as module
+        name, value = "TANH_APPROX", False
     elif provider == "flashattn-fused-key-mask":
-        from .. import hopper
-        before, hopper.FUSED_KEY_MASKS = hopper.FUSED_KEY_MASKS, True
-        try:
-            yield
-        finally:
-            hopper.FUSED_KEY_MASKS = before
+        from .. import hopper as module
+        name, value = "FUSED_KEY_MASKS", True
     else:
         yield
+        return
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
 
 
 def cases(s, device, dtype):

@@ -121,6 +121,22 @@ def test_without_autotuning_the_default_runs_untimed(monkeypatch):
     assert all({k: v for k, v in kw.items() if k in expected} == expected for kw in launched)
 
 
+@pytest.mark.parametrize("name", sorted(configs.INTERPRETER_CONFIGS))
+def test_each_kernels_tuner_is_keyed_on_arguments_it_takes(name, monkeypatch):
+    """Triton's autotuner (>= 3.8) refuses a key naming what the kernel does not take; the Delta
+    kernel takes neither IS_CAUSAL nor DOT_PRECISION. Built here for each real kernel, as
+    FLASHATTN_AUTOTUNE=1 builds it at its first call."""
+    import triton
+    from flashattn.kernels import backward, forward
+    kernel = {"fwd": forward.attn_fwd, "bwd_preprocess": backward.attn_bwd_preprocess,
+              "bwd_dkdv": backward.attn_bwd_dkdv, "bwd_dq": backward.attn_bwd_dq}[name]
+    monkeypatch.setattr(launcher, "_tuners", {})
+    tuner = launcher._tuner(name, kernel, 128, [triton.Config(configs.INTERPRETER_CONFIGS[name])])
+    assert set(tuner.keys) <= set(kernel.arg_names), tuner.keys
+    assert {"HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION", "HEAD_DIM_V"} & set(kernel.arg_names) <= set(tuner.keys)
+    assert "HEAD_DIM" in tuner.keys
+
+
 @pytest.mark.parametrize("heads_q", [1, 2], ids=["one-head", "grouped"])
 @pytest.mark.parametrize("head_dim, gluon", [(64, False), (128, True)])
 def test_gluon_dkdv_only_where_it_was_measured_faster(monkeypatch, head_dim, gluon, heads_q):

@@ -41,6 +41,8 @@ def _prune(name):
 
 
 _tuners = {}
+#: The constexprs a tuned choice depends on (besides dtypes), where the kernel takes them.
+TUNING_KEY = ("HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "DOT_PRECISION")
 
 
 def seq_bucket(seq_len: int) -> int:
@@ -59,8 +61,9 @@ def _tuner(name, kernel, bucket, configs):
     if key not in _tuners:
         _tuners[key] = triton.autotune(
             configs=configs,
-            # dtypes are added by Triton itself; the Delta kernel has one head dim (v's, as HEAD_DIM)
-            key=["HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"] + ([] if name == "bwd_preprocess" else ["HEAD_DIM_V"]),
+            # dtypes are added by Triton itself; a kernel is keyed only on the names it takes (Triton
+            # >= 3.8 refuses others): the Delta kernel has one head dim (v's, as HEAD_DIM) and no mask
+            key=[n for n in TUNING_KEY if n in kernel.arg_names],
             prune_configs_by=None if name == "bwd_preprocess" else {"early_config_prune": _prune(name)},
             do_bench=_quick_bench,
         )(kernel)

@@ -196,6 +196,7 @@ def test_only_a_bool_key_padding_mask_reaches_the_fused_gluon_backward(monkeypat
     from flashattn.ops import dispatch
     from flashattn.ops.modifiers import score_mods
 
+    monkeypatch.setattr(hopper, "FUSED_KEY_MASKS", False)
     mods = score_mods(*make_qkv(37, 45, head_dim=64)[:2], torch.ones(45, dtype=torch.bool, device=DEVICE), 0.0,
                       True, "top_left", 0.0, None, 2, 2)
     assert dispatch.gluon_call(*make_qkv(37, 45, head_dim=64), True, (-1, -1), None, mods, key_masks=True) is None

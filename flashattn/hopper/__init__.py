@@ -36,10 +36,11 @@ def load(name):
 
 
 #: Whether the fused backward takes key-padding masks (:func:`backward_key_mask`) in
-#: ``flashattn.ops.dispatch``; off by default: the Triton kernels compute masked calls until the
-#: GPU checks of ``flashattn.measure.gpu_checks`` (``gluon_mods``, the cases named ``key-``), which
-#: turn it on, have passed (docs/performance.md, "Key-padding masks on the fused backward").
-FUSED_KEY_MASKS = False
+#: ``flashattn.ops.dispatch``. On: checked against float64 on an H100 (``flashattn.measure.gpu_checks
+#: gluon_mods``, the cases named ``key-``) and faster than FlexAttention's block mask there
+#: (docs/performance.md, "Key-padding masks on the fused backward"); False sends masked calls'
+#: backward to the Triton kernels and their tile lists.
+FUSED_KEY_MASKS = True
 
 
 def backward_key_mask(mask):

@@ -56,6 +56,16 @@ def new_cache(model, kind, max_len):
     return transformers.DynamicCache(config=model.config)
 
 
+def cache_argument(model, cache):
+    """The cache as ``model``'s forward takes it: ``cache`` in the transformers the integration is
+    tested with, ``past_key_values`` in older ones (5.17 among them, which take ``cache`` as an
+    unknown keyword and fill a cache of their own)."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
 def decoding_step(model, ids, mask, kind, slots):
     """The prompt's prefill, then a function running one decoding step (one token a row, as
     generate feeds it: the mask one column longer, left padding's positions) and cropping the
@@ -63,15 +73,15 @@ def decoding_step(model, ids, mask, kind, slots):
     cache = new_cache(model, kind, slots)
     with torch.inference_mode():   # each token at its place in its own sequence, as generate places it
         prefill = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                        cache=cache, use_cache=True)
+                        use_cache=True, **cache_argument(model, cache))
     next_ids = prefill.logits[:, -1].argmax(-1, keepdim=True)
     step_mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
     positions = (step_mask.cumsum(-1) - 1)[:, -1:]
 
     def step():
         with torch.inference_mode():  # the cache's tensors were made in inference mode: crop them there
-            logits = model(input_ids=next_ids, attention_mask=step_mask, position_ids=positions, cache=cache,
-                           use_cache=True).logits
+            logits = model(input_ids=next_ids, attention_mask=step_mask, position_ids=positions, use_cache=True,
+                           **cache_argument(model, cache)).logits
             cache.crop(-1)
         return logits
 

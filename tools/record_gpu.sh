@@ -10,7 +10,7 @@
 # and timed at the training step's attention: grouped heads 16/4, N = 4096, causal),
 # key-masks (the fused kernel reading key-padding masks, hopper.FUSED_KEY_MASKS: its gpu_checks
 # cases in both dtypes and head dims against float64, then the key-padding row of score_mods, where
-# it runs as flashattn-fused-key-mask beside the default, FlexAttention and SDPA),
+# the default runs beside flashattn-triton-key-mask (the switch off), FlexAttention and SDPA),
 # backward-tiles (the fused kernel's tile variants side by side), train-step (a
 # Llama-shaped transformers model's training step: flashattn against sdpa),
 # tests-variants (every test of grouped heads, windows, varlen and the reliability fixes,

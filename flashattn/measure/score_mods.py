@@ -21,8 +21,9 @@ One row per (modification, provider, mode), B = 4, H = 32, N = 8192, D = 128, ca
   ``flashattn-deterministic`` (``deterministic=True``: the backward without dQ's reduce-adds, for
   the same call), ``softcap`` ``flashattn-tanh-exact`` (the Gluon kernels' exact tanh in place of
   the special-function unit's, ``hopper.forward.TANH_APPROX`` off), ``dropout`` ``flashattn-triton``
-  (the Triton kernels alone, ``FLASHATTN_GLUON=0``) and ``key-padding`` ``flashattn-fused-key-mask``
-  (the fused Gluon backward reading the mask, ``hopper.FUSED_KEY_MASKS``);
+  (the Triton kernels alone, ``FLASHATTN_GLUON=0``) and ``key-padding`` ``flashattn-triton-key-mask``
+  (the backward on the Triton kernels with tile lists, ``hopper.FUSED_KEY_MASKS`` off; by default
+  the fused Gluon backward reads the mask);
 * ``dropout``: ``dropout_p = 0.1`` in training mode, against SDPA's FlashAttention-2 backend
   (``sdpa-flash``; each draws its own mask: the times compare, the values cannot);
   ``dropout-dense`` the same without the causal mask;
@@ -129,8 +130,8 @@ def _sdpa_flash(q, k, v, **kwargs):
 def provider_setting(provider):
     """What a flashattn provider other than the default sets while it runs and is timed (forward
     and backward): ``flashattn-triton`` the Triton kernels alone, ``flashattn-tanh-exact`` the
-    Gluon kernels' exact tanh, ``flashattn-fused-key-mask`` the fused Gluon backward's key-padding
-    masks (``hopper.FUSED_KEY_MASKS``)."""
+    Gluon kernels' exact tanh, ``flashattn-triton-key-mask`` a key-padding mask's backward on the
+    Triton kernels (``hopper.FUSED_KEY_MASKS`` off)."""
     if provider == "flashattn-triton":
         before = os.environ.get("FLASHATTN_GLUON")
         os.environ["FLASHATTN_GLUON"] = "0"
@@ -142,9 +143,9 @@ def provider_setting(provider):
     if provider == "flashattn-tanh-exact":
         from ..hopper import forward as module
         name, value = "TANH_APPROX", False
-    elif provider == "flashattn-fused-key-mask":
+    elif provider == "flashattn-triton-key-mask":
         from .. import hopper as module
-        name, value = "FUSED_KEY_MASKS", True
+        name, value = "FUSED_KEY_MASKS", False
     else:
         yield
         return
@@ -204,7 +205,7 @@ def cases(s, device, dtype):
         "key-padding": ("dense", qkv, lambda: fa(q, k, v, key_padding),
                         {"sdpa": sdpa(q, k, v, key_padding),
                          **flex(q, k, v, key_padding_mod(torch.tensor(lengths, device=device)), batch),
-                         **setting("flashattn-fused-key-mask", attn_mask=key_padding)}, True),
+                         **setting("flashattn-triton-key-mask", attn_mask=key_padding)}, True),
         "float-mask": ("causal", qkv, lambda: fa(q, k, v, float_mask), {"sdpa": sdpa(q, k, v, float_mask)}, True),
         "alibi": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, alibi_slopes=slopes),
                   {"sdpa": sdpa(q, k, v, bias), **flex(q, k, v, causal_mod, score_mod=alibi_mod),

@@ -17,7 +17,7 @@ So does every call whose v has a head dim of its own (D_v != D, as in DeepSeek's
 kernels hold V and O in tiles of q's head dim.
 
 So does every call with an attn_mask (the Gluon kernels do not implement one, and computing
-without it would be silently wrong), but, with ``hopper.FUSED_KEY_MASKS``, for the fused
+without it would be silently wrong), but, with ``hopper.FUSED_KEY_MASKS`` (on by default), for the fused
 backward's key-padding masks: a bool mask with one row of keys per batch, the same for every head
 and query (``(B, 1, 1, N_kv)``), which that kernel reads once per key
 (``hopper.backward_key_mask``). Their forward stays on the Triton kernels, which skip the hidden

@@ -16,17 +16,17 @@ def test_the_quick_run_writes_every_modification(tmp_path):
     out = tmp_path / "score_mods.csv"
     score_mods.main(["--quick", "--out", str(out)])
     rows = list(csv.DictReader(out.open()))
-    assert {r["modification"] for r in rows} == {"dense", "causal", "key-padding", "float-mask", "alibi", "softcap",
-                                                "window", "causal-32k", "window-32k", "dropout", "dropout-dense",
-                                                "bottom-right"}
+    assert {r["modification"] for r in rows} == {"dense", "causal", "key-padding", "float-mask", "documents", "alibi",
+                                                "softcap", "window", "causal-32k", "window-32k", "dropout",
+                                                "dropout-dense", "bottom-right"}
     assert all(r["mode"] in ("fwd", "bwd", "fwd+bwd") and float(r["ms"]) > 0 for r in rows)
     ours = [r for r in rows if r["provider"] == "flashattn"]
-    assert len(ours) == 12 * 3 and all(r["max_diff"] == "" and r["flashattn_speedup"] == "" for r in ours)
+    assert len(ours) == 13 * 3 and all(r["max_diff"] == "" and r["flashattn_speedup"] == "" for r in ours)
     peers = [r for r in rows if r["provider"] != "flashattn"]
     # FlexAttention runs on GPUs only: every modification but softcap and the 32k pair has an SDPA row here, each
     # compared with flashattn's output but dropout's (each draws its own mask)
-    assert {r["modification"] for r in peers} == {"dense", "causal", "key-padding", "float-mask", "alibi", "window",
-                                                 "dropout", "dropout-dense", "bottom-right"}
+    assert {r["modification"] for r in peers} == {"dense", "causal", "key-padding", "float-mask", "documents", "alibi",
+                                                 "window", "dropout", "dropout-dense", "bottom-right"}
     dropout = ("dropout", "dropout-dense")
     assert all(float(r["max_diff"]) <= 0.05 for r in peers if r["modification"] not in dropout)
     assert all(r["max_diff"] == "" for r in peers if r["modification"] in dropout)
@@ -59,6 +59,19 @@ def test_key_padding_keeps_n_three_quarters_half_a_quarter():
     dense = score_mods.key_padding_mod(torch.tensor([48, 36, 24, 12]))(b, h, i, j)
     assert torch.equal(dense, mask.expand(4, 2, 5, 48))
     assert torch.equal(score_mods.causal_mod(b, h, i, j), j <= i)
+
+
+def test_documents_are_causal_within_each_and_the_same_for_flex():
+    ids = score_mods.document_ids(5, 64, torch.device("cpu"))
+    assert ids.shape == (5, 64)
+    assert [torch.bincount(row).tolist() for row in ids[:2]] == [[32, 16, 8, 8], [16, 8, 8, 32]]
+    assert torch.equal(ids[4], ids[0])
+    mask = score_mods.document_mask(ids)
+    assert mask.shape == (5, 1, 64, 64) and mask.dtype == torch.bool
+    assert mask[0, 0, 31, :32].all() and not mask[0, 0, 32, :32].any() and mask[0, 0, 32, 32]
+    assert not mask.triu(1).any()
+    b, h, i, j = torch.meshgrid(torch.arange(5), torch.arange(2), torch.arange(64), torch.arange(64), indexing="ij")
+    assert torch.equal(score_mods.document_mod(ids)(b, h, i, j), mask.expand(5, 2, 64, 64))
 
 
 def test_alibi_bias_in_the_dtype():

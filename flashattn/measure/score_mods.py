@@ -11,6 +11,9 @@ One row per (modification, provider, mode), B = 4, H = 32, N = 8192, D = 128, ca
   the four sequences, not causal (baseline ``dense``: 5/8 of its pairs are kept); SDPA gets the
   same mask, FlexAttention (``flex``, compiled) a block mask made from the lengths;
 * ``float-mask``: an additive ``(B, 1, N, N)`` float mask, -inf above the diagonal;
+* ``documents``: a boolean ``(B, 1, N, N)`` mask of documents packed in each row (lengths N/2, N/4,
+  N/8, N/8, rotated from one sequence to the next), causal within each (0.34 of the causal pairs);
+  SDPA gets the same mask, FlexAttention a block mask of the same ``mask_mod``;
 * ``alibi``: ALiBi slopes per head; SDPA gets the bias as a float mask it has to read, FlexAttention
   a ``score_mod`` with the causal block mask;
 * ``softcap``: Gemma 2's cap of 50 on the scores; FlexAttention's ``score_mod`` (no SDPA row);
@@ -86,6 +89,32 @@ def key_padding_mod(lengths):
     """FlexAttention's ``mask_mod`` of :func:`key_padding_mask`: ``lengths`` a tensor on the device."""
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx < lengths[b]
+    return mask_mod
+
+
+def document_ids(batch, n, device):
+    """Which document each token belongs to, ``(B, N)``: four documents of N/2, N/4, N/8 and N/8
+    tokens, the list rotated by one for each next sequence."""
+    sizes = [n // 2, n // 4, n // 8, n - n // 2 - n // 4 - n // 8]
+    rows = []
+    for b in range(batch):
+        order = sizes[b % 4:] + sizes[:b % 4]
+        rows.append(torch.repeat_interleave(torch.arange(4), torch.tensor(order)))
+    return torch.stack(rows).to(device)
+
+
+def document_mask(ids):
+    """The boolean ``(B, 1, N, N)`` mask of :func:`document_ids`: a query sees the keys of its own
+    document up to itself."""
+    n = ids.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+
+
+def document_mod(ids):
+    """FlexAttention's ``mask_mod`` of :func:`document_mask`."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
     return mask_mod
 
 
@@ -168,6 +197,8 @@ def cases(s, device, dtype):
     key_padding = key_padding_mask(lengths, n, device)
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     float_mask = torch.randn(batch, 1, n, n, generator=g).to(device, dtype).masked_fill(~causal, float("-inf"))
+    documents = document_ids(batch, n, device)
+    in_document = document_mask(documents)
     slopes = alibi_slopes(heads, device)
     bias = alibi_bias(slopes, n, n, device, dtype).masked_fill_(~causal, float("-inf")).expand(batch, -1, -1, -1)
     q_chunk = leaves(q[:, :, -s["chunk"]:].detach())[0]
@@ -207,6 +238,8 @@ def cases(s, device, dtype):
                          **flex(q, k, v, key_padding_mod(torch.tensor(lengths, device=device)), batch),
                          **setting("flashattn-triton-key-mask", attn_mask=key_padding)}, True),
         "float-mask": ("causal", qkv, lambda: fa(q, k, v, float_mask), {"sdpa": sdpa(q, k, v, float_mask)}, True),
+        "documents": ("causal", qkv, lambda: fa(q, k, v, in_document),
+                      {"sdpa": sdpa(q, k, v, in_document), **flex(q, k, v, document_mod(documents), batch)}, True),
         "alibi": ("causal", qkv, lambda: fa(q, k, v, is_causal=True, alibi_slopes=slopes),
                   {"sdpa": sdpa(q, k, v, bias), **flex(q, k, v, causal_mod, score_mod=alibi_mod),
                    **deterministic(is_causal=True, alibi_slopes=slopes)}, True),

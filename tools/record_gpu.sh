@@ -6,8 +6,9 @@
 #
 # Parts: backward (tools/backward_check.py: the fused Gluon backward and the deterministic one
 # against float64, then the 24 cells of the sweep and grouped heads beside cuDNN; needs Triton >= 3.8
-# on Hopper), backward-order (the fused kernel with its grid ordered heads first, BLOCKS_LAST, checked
-# and timed at the training step's attention: grouped heads 16/4, N = 4096, causal),
+# on Hopper), backward-order (the fused kernel's grid in FlashAttention-3's order, LPT: longest key
+# blocks first within L2-sized groups of heads; checked and timed at the training step's attention,
+# grouped heads 16/4, N = 4096, causal, then timed in the 24 cells of the sweep),
 # key-masks (the fused kernel reading key-padding masks, hopper.FUSED_KEY_MASKS: its gpu_checks
 # cases in both dtypes and head dims against float64, then the key-padding row of score_mods, where
 # the default runs beside flashattn-triton-key-mask (the switch off), FlexAttention and SDPA),
@@ -59,7 +60,7 @@ part() {  # part NAME SECONDS COMMAND...
 }
 
 part backward 420 python tools/backward_check.py --csv "$out/backward.csv"
-part backward-order 150 python tools/backward_check.py --check-variants --dtypes bf16 --head-dims 128 --seq-lens 4096 --causal 1 --batch-heads 4x16 --kv-heads 4 --bwd-variants '[{"BLOCKS_LAST": true}]'
+part backward-order 420 bash -c "python tools/backward_check.py --check-variants --dtypes bf16 --head-dims 128 --seq-lens 4096 --causal 1 --batch-heads 4x16 --kv-heads 4 --bwd-variants '[{\"LPT\": true}]' && python tools/backward_check.py --no-checks --bwd-variants '[{\"LPT\": true}]'"
 key_masks() {  # the four (dtype, head dim) groups of checks side by side, each watched (a hang or a
     # crash ends its case, not the part), then the timing
     python -c "

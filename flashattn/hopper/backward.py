@@ -50,6 +50,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..gpu.launcher import run
 from ..kernels.tiles import DROP_TILE, dropout_keep, qk_scale
 from . import forward as hopper_forward
+from . import lpt_head_group
 from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, slope_args,  # noqa: F401
                       supports, tma_load, tma_ok, tma_store)
 from .scores import modified_scores
@@ -365,23 +366,33 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
 
 
 @gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right", "shift", "stride_sb", "stride_sh",
-                              "seed", "stride_mkb", "stride_mkk"])
+                              "seed", "stride_mkb", "stride_mkk", "head_group"])
 def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LSE, Delta,
                   n_heads, n_group, n_q, n_kv, scale, qk_scale, win_left, win_right, shift, softcap,
-                  Slopes, stride_sb, stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk,
+                  Slopes, stride_sb, stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk, head_group,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
                   SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, TANH_APPROX: gl.constexpr = False,
-                  DROPOUT: gl.constexpr = 0, BLOCKS_LAST: gl.constexpr = False, KEY_MASK: gl.constexpr = False):
+                  DROPOUT: gl.constexpr = 0, LPT: gl.constexpr = False, KEY_MASK: gl.constexpr = False):
     # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
     # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
     # With DQ it also adds each query tile's share of dQ into the float32 tensor of desc_dq.
-    # BLOCKS_LAST orders the grid (K/V heads, batch, key blocks): the GPU starts programs in
-    # order, so every head's first key blocks, the longest under the causal mask, start first and
-    # the short ones fill the last wave.
-    if BLOCKS_LAST:
-        kv_head, batch, kv_block = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    # LPT (longest first) takes a grid of one dim in FlashAttention-3's backward order: the
+    # (batch, K/V head) slices in groups of head_group, key block slowest within a group. The GPU
+    # starts programs in order, so every slice's first key blocks, the longest under the causal
+    # mask, start before the short ones, while the programs running at once read the Q and dO of
+    # a group's heads only (head_group is sized on the host for L2: hopper.lpt_head_group).
+    if LPT:
+        n_blocks = gl.cdiv(n_kv, 2 * BLOCK_N)
+        n_slices = gl.num_programs(0) // n_blocks
+        group = gl.program_id(0) // (head_group * n_blocks)
+        in_group = gl.minimum(n_slices - group * head_group, head_group)  # the last group may be short
+        rank = gl.program_id(0) - group * head_group * n_blocks
+        kv_block = rank // in_group
+        slice_id = group * head_group + rank % in_group
+        n_kv_heads = n_heads // n_group
+        kv_head, batch = slice_id % n_kv_heads, slice_id // n_kv_heads
     else:
         kv_block, kv_head, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     kv_start = kv_block * (2 * BLOCK_N)
@@ -501,19 +512,21 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         raise ValueError(f"BLOCK_M ({bm}) must divide 2 x BLOCK_N ({2 * bn}): the causal query "
                          "loop starts at the program's first key")
     grid = (triton.cdiv(n_kv, 2 * bn), k.shape[1], batch)
-    blocks_last = bool(cfg.get("BLOCKS_LAST", False))
-    if blocks_last:
-        grid = grid[1:] + grid[:1]
+    lpt, head_group = bool(cfg.get("LPT", False)), 1
+    if lpt:  # one dim, in groups of (batch, K/V head) slices whose Q, dO and dQ fit in L2
+        head_group = cfg.get("HEAD_GROUP") or lpt_head_group(n_q, head_dim, heads // k.shape[1], q.element_size(),
+                                                             k.shape[1] * batch)
+        grid = (grid[0] * grid[1] * grid[2],)
     run(attn_bwd_sm90, grid, descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
         descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
         None if dq_accum is None else dq_descriptor(dq_accum, bm),
         lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
         *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2), int(seed), float(dropout_p),
-        *key_mask_args(key_mask, lse2), HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+        *key_mask_args(key_mask, lse2), head_group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
         IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
         WINDOW=window is not None, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
         TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper_forward.TANH_APPROX)),
-        DROPOUT=DROP_TILE if dropout_p > 0 else 0, BLOCKS_LAST=blocks_last, KEY_MASK=key_mask is not None,
+        DROPOUT=DROP_TILE if dropout_p > 0 else 0, LPT=lpt, KEY_MASK=key_mask is not None,
         **regs, **options)
     return dk, dv
 

@@ -11,7 +11,6 @@ inputs, large magnitudes; and in groups of their own (``gpu_checks.MOD_SHAPES``)
 ALiBi, sliding windows, the bottom-right alignment, dropout and all of them with grouped heads. The
 watchdog itself is tested without a GPU.
 """
-import concurrent.futures
 import time
 
 import pytest
@@ -36,20 +35,13 @@ def verdicts():
         pytest.skip("the Gluon kernels are for compute capability 9.x (H100/H200)")
     deadline = time.time() + 1800  # 8 groups of up to 23 cases, 4 at a time, compiling as they go
 
-    def group(g):
+    def command(g):
         if len(g) == 2:  # the score modifications of one (dtype, head dim)
-            cmd = gpu_checks.command("gluon_mods", dtype=g[0], head_dim=g[1])
-        else:
-            dtype, d, causal = g
-            cmd = gpu_checks.command("gluon", dtype=dtype, head_dim=d, causal=int(causal))
-        return gpu_checks.run_job(cmd, 120, deadline)
+            return gpu_checks.command("gluon_mods", dtype=g[0], head_dim=g[1])
+        dtype, d, causal = g
+        return gpu_checks.command("gluon", dtype=dtype, head_dim=d, causal=int(causal))
 
-    lines, status = [], {}
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        for group_lines, group_status in pool.map(group, GROUPS + MOD_GROUPS):
-            lines += group_lines
-            status.update(group_status)
-    return lines, status
+    return gpu_checks.run_jobs([command(g) for g in GROUPS + MOD_GROUPS], 120, deadline, workers=4)
 
 
 @pytest.mark.gpu

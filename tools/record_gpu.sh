@@ -64,13 +64,10 @@ part backward-order 420 bash -c "python tools/backward_check.py --check-variants
 key_masks() {  # the four (dtype, head dim) groups of checks side by side, each watched (a hang or a
     # crash ends its case, not the part), then the timing
     python -c "
-import concurrent.futures, time
+import time
 from flashattn.measure import gpu_checks as g
-deadline = time.time() + 240
 jobs = [g.command('gluon_mods', dtype=t, head_dim=d, only='key-') for t in g.DTYPES for d in g.HEAD_DIMS]
-with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-    for lines, status in pool.map(lambda cmd: g.run_job(cmd, 120, deadline), jobs):
-        print(*lines, sep='\\n')
+print(*g.run_jobs(jobs, 120, time.time() + 240, workers=len(jobs))[0], sep='\\n')
 "
     python -m flashattn.measure.score_mods --cases key-padding --out "$1/score_mods_key_padding.csv"
 }

@@ -541,6 +541,19 @@ def run_job(cmd, idle_timeout, deadline, max_restarts=3, cwd=None):
     return lines, status
 
 
+def run_jobs(cmds, idle_timeout, deadline, workers=4):
+    """:func:`run_job` for each command, ``workers`` children at a time (threads wait on them).
+    Returns (lines in the commands' order, {case id: verdict} of them all)."""
+    import concurrent.futures
+
+    lines, status = [], {}
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for job_lines, job_status in pool.map(lambda cmd: run_job(cmd, idle_timeout, deadline), cmds):
+            lines += job_lines
+            status.update(job_status)
+    return lines, status
+
+
 def command(job, **options):
     """The command line of a child running ``job`` with ``options`` (--name value)."""
     argv = [sys.executable, "-m", "flashattn.measure.gpu_checks", job]

@@ -512,15 +512,16 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         raise ValueError(f"BLOCK_M ({bm}) must divide 2 x BLOCK_N ({2 * bn}): the causal query "
                          "loop starts at the program's first key")
     grid = (triton.cdiv(n_kv, 2 * bn), k.shape[1], batch)
+    n_group = heads // k.shape[1]
     lpt, head_group = bool(cfg.get("LPT", False)), 1
     if lpt:  # one dim, in groups of (batch, K/V head) slices whose Q, dO and dQ fit in L2
-        head_group = cfg.get("HEAD_GROUP") or lpt_head_group(n_q, head_dim, heads // k.shape[1], q.element_size(),
+        head_group = cfg.get("HEAD_GROUP") or lpt_head_group(n_q, head_dim, n_group, q.element_size(),
                                                              k.shape[1] * batch)
         grid = (grid[0] * grid[1] * grid[2],)
     run(attn_bwd_sm90, grid, descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
         descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
         None if dq_accum is None else dq_descriptor(dq_accum, bm),
-        lse2.contiguous(), delta.contiguous(), heads, heads // k.shape[1], n_q, n_kv, scale, qk_scale(scale),
+        lse2.contiguous(), delta.contiguous(), heads, n_group, n_q, n_kv, scale, qk_scale(scale),
         *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2), int(seed), float(dropout_p),
         *key_mask_args(key_mask, lse2), head_group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
         IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],

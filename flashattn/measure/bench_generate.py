@@ -71,9 +71,10 @@ def decoding_step(model, ids, mask, kind, slots):
     generate feeds it: the mask one column longer, left padding's positions) and cropping the
     cache back, so that each call is the same step. Returns ``(step, logits of the step)``."""
     cache = new_cache(model, kind, slots)
+    cached = cache_argument(model, cache)  # read once: the step below is timed
     with torch.inference_mode():   # each token at its place in its own sequence, as generate places it
         prefill = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                        use_cache=True, **cache_argument(model, cache))
+                        use_cache=True, **cached)
     next_ids = prefill.logits[:, -1].argmax(-1, keepdim=True)
     step_mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
     positions = (step_mask.cumsum(-1) - 1)[:, -1:]
@@ -81,7 +82,7 @@ def decoding_step(model, ids, mask, kind, slots):
     def step():
         with torch.inference_mode():  # the cache's tensors were made in inference mode: crop them there
             logits = model(input_ids=next_ids, attention_mask=step_mask, position_ids=positions, use_cache=True,
-                           **cache_argument(model, cache)).logits
+                           **cached).logits
             cache.crop(-1)
         return logits
 

@@ -139,8 +139,13 @@ def _flex(q, k, v, mask_mod, batch=None, score_mod=None):
     block_mask = create_block_mask(mask_mod, batch, None, q.shape[-2], k.shape[-2], device=q.device)
     # The backward is timed alone with retain_graph=True, which a compiled backward that donates
     # its saved buffers refuses (it did for the window's block mask on an H100, torch 2.11).
+    import torch._dynamo.config
     import torch._functorch.config
     torch._functorch.config.donated_buffer = False
+    # Every case compiles the same function (its block mask and score_mod are new guards each
+    # time): past dynamo's default limit of 8 compilations it ran flex_attention uncompiled, which
+    # materialises the scores and ran out of memory at 32k (an H100, torch 2.11).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(flex_attention)
     return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 

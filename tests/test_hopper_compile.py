@@ -112,57 +112,41 @@ def test_each_consumer_may_stop_at_its_own_last_tile():
     assert [r["spill"] for r in rows] == [0, 0], rows
 
 
-def test_the_longest_first_order_compiles_to_the_same_kernel():
-    """``LPT`` (the fused backward's grid in FlashAttention-3's order, longest key blocks first
-    within L2-sized groups of heads) only renumbers the programs: the same registers, within the
-    stack the modified kernels may keep, causal or not, at both head dims. Triton 3.9: 144-224 more
-    SASS instructions; the stack moves from 120, 152, 16, 16 bytes (head dim 64 full and causal,
-    then 128) to 128, 264, 0, 56."""
-    rows = _report("bwd_dq", dtypes=("bf16",), configs=(None, {"LPT": True}))
-    assert len(rows) == 8 and all("error" not in r for r in rows), rows
-    for plain, lpt in zip(rows[::2], rows[1::2]):
-        assert lpt["config"] == {"LPT": True} and plain["config"] == {}
-        assert lpt["regs"] == plain["regs"] and lpt["spill"] <= STACK_ALLOWED["bwd_dq-mods"], (plain, lpt)
-        assert lpt["tma_reduces"] == plain["tma_reduces"] and lpt["wgmma"] == plain["wgmma"], (plain, lpt)
-
-
-def test_the_longest_first_groups_of_heads_fit_in_l2():
-    """``hopper.lpt_head_group``: the (batch, K/V head) slices walked together hold their Q, dO and
-    float32 dQ in 40 MB: 8 MB a head at N = 8192, D = 128, bf16 (4 of them); a grouped K/V head
-    of 4 query heads at N = 4096 takes 16 MB (2); one slice too large for L2 still walks alone, and
-    no group is larger than the slices there are."""
-    from flashattn.hopper import lpt_head_group
-    assert lpt_head_group(8192, 128, 1, 2, 128) == 4
-    assert lpt_head_group(4096, 128, 4, 2, 16) == 2
-    assert lpt_head_group(4096, 64, 1, 2, 128) == 16
-    assert lpt_head_group(65536, 128, 8, 2, 64) == 1
-    assert lpt_head_group(1024, 64, 1, 2, 3) == 2
-
-
-def test_the_longest_first_launch_takes_one_dim_and_its_group(monkeypatch):
-    """With ``LPT`` the fused backward launches one program per (key block, K/V head, batch) on a
-    grid of one dim and passes the head group of ``hopper.lpt_head_group`` (or ``HEAD_GROUP``)
-    where the kernel reads it; without it the grid keeps its three dims. Nothing is launched: the
-    launcher's ``run`` records its arguments."""
+def test_a_split_group_gives_each_program_a_slot_of_dk_and_dv(monkeypatch):
+    """``HEAD_SPLIT``: the fused backward launches that many programs per (key block, K/V head,
+    batch), each walking n_group / split query heads (the kernel reads ``head_split``) into a slot
+    of its own, and adds the slots in float32. A split that does not divide the group shrinks to
+    one that does (their greatest common divisor). Nothing is launched: the launcher's ``run``
+    records its arguments and writes each slot's number into it."""
     import inspect
 
     import torch
     from flashattn.hopper import backward as hopper_backward
     calls = []
-    monkeypatch.setattr(hopper_backward, "run", lambda kernel, grid, *args, **kwargs: calls.append((grid, args, kwargs)))
+
+    def run(kernel, grid, *args, **kwargs):
+        calls.append((grid, args, kwargs))
+        for desc in args[4:6]:  # desc_dk, desc_dv: slot s of every K/V head holds s + 1
+            desc.base.copy_(torch.arange(desc.base.shape[1]).remainder(grid[1] // kv_heads).add(1)
+                            .view(1, -1, 1, 1).expand_as(desc.base))
+    monkeypatch.setattr(hopper_backward, "run", run)
     batch, heads, kv_heads, n, d = 2, 8, 2, 1000, 128
     q, do = (torch.randn(batch, heads, n, d, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(batch, kv_heads, n, d, dtype=torch.bfloat16) for _ in range(2))
     lse, delta = torch.randn(batch, heads, n), torch.randn(batch, heads, n)
     names = list(inspect.signature(hopper_backward.attn_bwd_sm90.fn).parameters)
-    for overrides, group in (({}, 1), ({"LPT": True}, 4), ({"LPT": True, "HEAD_GROUP": 3}, 3)):
-        cfg = hopper_backward.dq_config(d, overrides)
+    for asked, split in ((None, 1), (2, 2), (4, 4), (3, 1), (8, 4)):
+        cfg = hopper_backward.dq_config(d, None if asked is None else {"HEAD_SPLIT": asked})
         blocks = -(-n // (2 * cfg["BLOCK_N"]))
-        hopper_backward._launch(q, k, v, do, lse, delta, True, 0.1, cfg, dq_accum=torch.zeros(batch, heads, n, d))
-        launched, args, kwargs = calls[-1]
-        assert len(args) == names.index("HEAD_DIM") and args[names.index("head_group")] == group, overrides
-        assert kwargs["LPT"] == bool(overrides)
-        assert launched == ((blocks * kv_heads * batch,) if overrides else (blocks, kv_heads, batch))
+        dk, dv = hopper_backward._launch(q, k, v, do, lse, delta, True, 0.1, cfg,
+                                         dq_accum=torch.zeros(batch, heads, n, d))
+        launched, args, _ = calls[-1]
+        assert launched == (blocks, kv_heads * split, batch), asked
+        assert len(args) == names.index("HEAD_DIM") and args[names.index("head_split")] == split, asked
+        assert args[4].base.shape == (batch, kv_heads * split, n, d), asked
+        for grad in (dk, dv):  # the slots' sum, 1 + 2 + ... + split, in k's shape and dtype
+            assert grad.shape == k.shape and grad.dtype == k.dtype, asked
+            assert torch.equal(grad, torch.full_like(k, split * (split + 1) // 2)), asked
 
 
 def test_the_interpreter_never_imports_gluon():

@@ -6,9 +6,9 @@
 #
 # Parts: backward (tools/backward_check.py: the fused Gluon backward and the deterministic one
 # against float64, then the 24 cells of the sweep and grouped heads beside cuDNN; needs Triton >= 3.8
-# on Hopper), backward-order (the fused kernel's grid in FlashAttention-3's order, LPT: longest key
-# blocks first within L2-sized groups of heads; checked and timed at the training step's attention,
-# grouped heads 16/4, N = 4096, causal, then timed in the 24 cells of the sweep),
+# on Hopper), backward-split (the fused kernel's HEAD_SPLIT, grouped heads walked by 2 or 4
+# programs: checked against float64, timed beside the default at grouped heads 16/4, 32/4 and
+# 32/8, then the training step without and with a split of 4),
 # key-masks (the fused kernel reading key-padding masks, hopper.FUSED_KEY_MASKS: its gpu_checks
 # cases in both dtypes and head dims against float64, then the key-padding row of score_mods, where
 # the default runs beside flashattn-triton-key-mask (the switch off), FlexAttention and SDPA),
@@ -35,7 +35,7 @@
 set -u
 out=${1:?usage: bash tools/record_gpu.sh OUT_DIR [PART ...]}
 shift
-parts=${*:-backward backward-order key-masks backward-tiles train-step tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
+parts=${*:-backward backward-split key-masks backward-tiles train-step tests-variants bench-variants tests-mods bench-mods decode-host decode-paged bench-generate tests-gpu first-call first-call-timeline chapters}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -60,7 +60,8 @@ part() {  # part NAME SECONDS COMMAND...
 }
 
 part backward 420 python tools/backward_check.py --csv "$out/backward.csv"
-part backward-order 420 bash -c "python tools/backward_check.py --check-variants --dtypes bf16 --head-dims 128 --seq-lens 4096 --causal 1 --batch-heads 4x16 --kv-heads 4 --bwd-variants '[{\"LPT\": true}]' && python tools/backward_check.py --no-checks --bwd-variants '[{\"LPT\": true}]'"
+split='[{"HEAD_SPLIT": 2}, {"HEAD_SPLIT": 4}]'
+part backward-split 480 bash -c "python tools/backward_check.py --no-checks --check-variants --no-timings --bwd-variants '$split' && python tools/backward_check.py --no-checks --dtypes bf16 --head-dims 64 128 --seq-lens 4096 --causal 1 0 --batch-heads 4x16 4x32 --kv-heads 4 --bwd-variants '$split' && python tools/backward_check.py --no-checks --dtypes bf16 --head-dims 128 --seq-lens 8192 --causal 1 --batch-heads 4x32 --kv-heads 8 --bwd-variants '$split' && for n in 1 4; do python -m flashattn.measure.bench_train --fused-config HEAD_SPLIT=\$n --out '$out/train_step_split'\$n.csv; done"
 key_masks() {  # the four (dtype, head dim) groups of checks side by side, each watched (a hang or a
     # crash ends its case, not the part), then the timing
     python -c "

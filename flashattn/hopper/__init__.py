@@ -51,14 +51,3 @@ def backward_key_mask(mask):
     if mask is None or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[2] != 1:
         return None
     return mask
-
-
-def lpt_head_group(n_q, head_dim, n_group, itemsize, n_slices, l2_bytes=40 << 20):
-    """How many (batch, K/V head) slices the LPT order walks together: the largest power of two
-    whose Q, dO (``itemsize`` bytes) and float32 dQ, ``n_group`` query heads a slice, fit in
-    ``l2_bytes`` (FlashAttention-3 budgets 40 MB of an H100's 50), at least 1, at most all of them."""
-    per_slice = n_group * n_q * head_dim * (2 * itemsize + 4)
-    group = 1
-    while 2 * group * per_slice <= l2_bytes and 2 * group <= n_slices:
-        group *= 2
-    return group

@@ -38,7 +38,14 @@ order). With ``DQ`` (Triton 3.8 and later: TMA reduce-adds), each query tile's s
 engine, in an order that varies from run to run (:func:`attention_backward`). Gluon has no
 interpreter: these kernels run only where they are compiled for CUDA (``flashattn.ops.dispatch``
 calls them there).
+
+Under grouped-query attention a program walks every query head of its K/V head and sums their dK
+and dV itself. ``HEAD_SPLIT`` (a configuration key) splits that walk over several programs, each
+storing its sums in a slot of its own, added after the launch in float32 (as FlashAttention-2 adds
+per-head dK and dV): more, shorter programs, fewer query heads' Q, dO and dQ in L2 at once.
 """
+import math
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -50,7 +57,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..gpu.launcher import run
 from ..kernels.tiles import DROP_TILE, dropout_keep, qk_scale
 from . import forward as hopper_forward
-from . import lpt_head_group
 from .forward import (HEAD_DIMS, block_layout, descriptor, mma_layout, slope_args,  # noqa: F401
                       supports, tma_load, tma_ok, tma_store)
 from .scores import modified_scores
@@ -113,19 +119,19 @@ def launch_options(cfg):
 
 @gluon.jit
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                  ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles,
+                  ready, empty, batch, kv_head, head0, n_walk, kv_start, q_lo, n_tiles,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warp: each consumer's K and V once, then Q and dO tile by tile into the ring, for each
-    of the ``n_group`` query heads that read this K/V head in turn."""
+    of the ``n_walk`` query heads from ``head0`` (they read K/V head ``kv_head``) in turn."""
     for c in gl.static_range(2):
         mbarrier.expect(kv_ready.index(c), desc_k.block_type.nbytes + desc_v.block_type.nbytes)
         tma_load(desc_k, [batch, kv_head, kv_start + c * BLOCK_N, 0],
                                         kv_ready.index(c), k_smem.index(c))
         tma_load(desc_v, [batch, kv_head, kv_start + c * BLOCK_N, 0],
                                         kv_ready.index(c), v_smem.index(c))
-    for t in range(n_group * n_tiles):  # tile j of query head g, heads one after the other
+    for t in range(n_walk * n_tiles):  # tile j of query head head0 + g, heads one after the other
         g = t // n_tiles
-        head = kv_head * n_group + g
+        head = head0 + g
         stage = t % STAGES
         # The first round through the ring does not wait (see hopper._load_tile).
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
@@ -138,19 +144,19 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, kv_head, n_group, n_heads, q_lo, n_q,
+def _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, head0, n_heads, q_lo, n_q,
                 n_tiles, n_total, BLOCK_M: gl.constexpr, layout: gl.constexpr, ALIBI: gl.constexpr):
-    """The LSE and Delta of tile ``t`` (tile j of query head g, in the producer's order), and with
+    """The LSE and Delta of tile ``t`` (tile j of query head head0 + g, in the producer's order), and with
     ALIBI that head's slope (else 0); rows past the sequence's end, and every row of a tile past the
     last, read as LSE = +inf, Delta = 0. Every load is masked to the tiles that exist: a key block
     that no query sees has none (``n_tiles`` = 0, and ``g`` is then no head's), but its prefetch of
     tile 0 still runs."""
     g = t // n_tiles
-    rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q  # that head's LSE, Delta
+    rows = (batch.to(gl.int64) * n_heads + head0 + g) * n_q  # that head's LSE, Delta
     offs = q_lo + (t - g * n_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
     inside = (offs < n_q) & (t < n_total)
     if ALIBI:
-        head = kv_head * n_group + g
+        head = head0 + g
         slope = gl.load(Slopes + batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh,
                         mask=t < n_total, other=0.0)
     else:
@@ -178,7 +184,7 @@ def _dropout_keep_t(seed, p_drop, rows, kv_first, BLOCK_M: gl.constexpr, BLOCK_N
 @gluon.jit
 def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                   kv_ready, ready, empty, ds_ready, done,
-                  LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
+                  LSE, Delta, batch, slot, head0, n_walk, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles, scale,
                   qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes, stride_sb,
                   stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk, C: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -186,7 +192,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr,
                   KEY_MASK: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
-    the ``n_group`` query heads that read them. Everything is transposed (keys along rows, queries
+    the ``n_walk`` query heads from ``head0`` and stored at head ``slot`` of desc_dk and desc_dv. Everything is transposed (keys along rows, queries
     along columns), as in ``backward.dkdv_inner``.
 
     With DQ, also this query tile's share of dQ = dS K from the program's 2 x BLOCK_N keys: both
@@ -241,10 +247,10 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
             k_cols1 = k_cols1.slice(C * DQ_COLS, DQ_COLS, dim=1)
         dq_out = dq_smem.index(C).reshape([DQ_ROWS, DQ_COLS])
 
-    n_total = n_group * n_tiles
+    n_total = n_walk * n_tiles
     if PREFETCH:
-        lse_row, delta_row, slope_next = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, 0, batch, kv_head,
-                                                     n_group, n_heads, q_lo, n_q, n_tiles, n_total, BLOCK_M,
+        lse_row, delta_row, slope_next = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, 0, batch, head0,
+                                                     n_heads, q_lo, n_q, n_tiles, n_total, BLOCK_M,
                                                      stat_layout, ALIBI)
     for t in range(n_total):  # the producer's order: tile j of query head g
         g = t // n_tiles
@@ -259,11 +265,11 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
             stats.index(1).store(delta_row)
             slope = slope_next
             lse_row, delta_row, slope_next = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t + 1, batch,
-                                                         kv_head, n_group, n_heads, q_lo, n_q, n_tiles, n_total,
+                                                         head0, n_heads, q_lo, n_q, n_tiles, n_total,
                                                          BLOCK_M, stat_layout, ALIBI)
         else:
-            lse_now, delta_now, slope = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, kv_head,
-                                                    n_group, n_heads, q_lo, n_q, n_tiles, n_total, BLOCK_M,
+            lse_now, delta_now, slope = _tile_stats(LSE, Delta, Slopes, stride_sb, stride_sh, t, batch, head0,
+                                                    n_heads, q_lo, n_q, n_tiles, n_total, BLOCK_M,
                                                     stat_layout, ALIBI)
             stats.index(0).store(lse_now)
             stats.index(1).store(delta_now)
@@ -307,7 +313,7 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
             sT = gl.where(keys_in, sT, float("-inf"))
         pT = gl.exp2(sT * scale2)                                          # P^T from the LSE
         if DROPOUT:  # dropout's rows: those of query head g, as in the forward
-            drop_rows = (batch.to(gl.int64) * n_heads + kv_head * n_group + g) * n_q + offs_q
+            drop_rows = (batch.to(gl.int64) * n_heads + head0 + g) * n_q + offs_q
             keepT = _dropout_keep_t(seed, p_drop, drop_rows, kv_first, BLOCK_M, BLOCK_N, s_layout, DROPOUT)
             pT_op = gl.convert_layout(gl.where(keepT, pT * (1.0 / (1.0 - p_drop)), 0.0).to(dtype), a_layout)
         else:
@@ -343,9 +349,9 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
             dq_out.store(dq)
             fence_async_shared()
             if SPLIT_ROWS:
-                dq_at = [batch, kv_head * n_group + g, q_start + C * DQ_ROWS, 0]
+                dq_at = [batch, head0 + g, q_start + C * DQ_ROWS, 0]
             else:
-                dq_at = [batch, kv_head * n_group + g, q_start, C * DQ_COLS]
+                dq_at = [batch, head0 + g, q_start, C * DQ_COLS]
             tma_reduce_add(desc_dq, dq_at, dq_smem.index(C))
         else:
             dsT_op = gl.convert_layout(dsT.to(dtype), a_layout)
@@ -360,41 +366,30 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
     k.store((dk * scale).to(dtype))
     v.store(dv.to(dtype))
     fence_async_shared()
-    tma_store(desc_dk, [batch, kv_head, kv_first, 0], k_smem.index(C))
-    tma_store(desc_dv, [batch, kv_head, kv_first, 0], v_smem.index(C))
+    tma_store(desc_dk, [batch, slot, kv_first, 0], k_smem.index(C))
+    tma_store(desc_dv, [batch, slot, kv_first, 0], v_smem.index(C))
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["n_q", "n_kv", "win_left", "win_right", "shift", "stride_sb", "stride_sh",
-                              "seed", "stride_mkb", "stride_mkk", "head_group"])
+                              "seed", "stride_mkb", "stride_mkk", "head_split"])
 def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LSE, Delta,
                   n_heads, n_group, n_q, n_kv, scale, qk_scale, win_left, win_right, shift, softcap,
-                  Slopes, stride_sb, stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk, head_group,
+                  Slopes, stride_sb, stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk, head_split,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, PREFETCH: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WINDOW: gl.constexpr = False,
                   SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, TANH_APPROX: gl.constexpr = False,
-                  DROPOUT: gl.constexpr = 0, LPT: gl.constexpr = False, KEY_MASK: gl.constexpr = False):
-    # Grid: (key blocks, K/V heads, batch). Under grouped-query attention the K/V head is read by
-    # n_group query heads: this program sums their shares itself, in a fixed order (no atomics).
-    # With DQ it also adds each query tile's share of dQ into the float32 tensor of desc_dq.
-    # LPT (longest first) takes a grid of one dim in FlashAttention-3's backward order: the
-    # (batch, K/V head) slices in groups of head_group, key block slowest within a group. The GPU
-    # starts programs in order, so every slice's first key blocks, the longest under the causal
-    # mask, start before the short ones, while the programs running at once read the Q and dO of
-    # a group's heads only (head_group is sized on the host for L2: hopper.lpt_head_group).
-    if LPT:
-        n_blocks = gl.cdiv(n_kv, 2 * BLOCK_N)
-        n_slices = gl.num_programs(0) // n_blocks
-        group = gl.program_id(0) // (head_group * n_blocks)
-        in_group = gl.minimum(n_slices - group * head_group, head_group)  # the last group may be short
-        rank = gl.program_id(0) - group * head_group * n_blocks
-        kv_block = rank // in_group
-        slice_id = group * head_group + rank % in_group
-        n_kv_heads = n_heads // n_group
-        kv_head, batch = slice_id % n_kv_heads, slice_id // n_kv_heads
-    else:
-        kv_block, kv_head, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+                  DROPOUT: gl.constexpr = 0, KEY_MASK: gl.constexpr = False):
+    # Grid: (key blocks, K/V heads x head_split, batch). Under grouped-query attention the K/V head
+    # is read by n_group query heads: each of its head_split programs sums the shares of
+    # n_group / head_split of them, in a fixed order (no atomics), into its own slot of dK and dV
+    # (with head_split > 1 the launcher adds the slots). With DQ it also adds each query tile's
+    # share of dQ into the float32 tensor of desc_dq.
+    kv_block, slot, batch = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    kv_head = slot // head_split
+    n_walk = n_group // head_split
+    head0 = kv_head * n_group + (slot - kv_head * head_split) * n_walk
     kv_start = kv_block * (2 * BLOCK_N)
     # The queries that see these keys: from the diagonal on if causal (BLOCK_M divides 2 BLOCK_N,
     # so kv_start is a tile boundary), those of the window under WINDOW (tiles.q_window_bounds:
@@ -456,20 +451,20 @@ def attn_bwd_sm90(desc_q, desc_do, desc_k, desc_v, desc_dk, desc_dv, desc_dq, LS
     gl.warp_specialize([
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
-                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
+                         LSE, Delta, batch, slot, head0, n_walk, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
                          stride_sb, stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk,
                          C0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
                          TANH_APPROX, DROPOUT, KEY_MASK)),
         (_bwd_consumer, (desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                          kv_ready, ready, empty, ds_ready, done,
-                         LSE, Delta, batch, kv_head, n_group, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
+                         LSE, Delta, batch, slot, head0, n_walk, n_heads, kv_start, q_lo, n_q, n_kv, n_tiles,
                          scale, qk_scale, q_full_lo, q_full_hi, win_left, win_right, shift, softcap, Slopes,
                          stride_sb, stride_sh, seed, p_drop, KeyMask, stride_mkb, stride_mkk,
                          C1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, DQ, PREFETCH, WINDOW, SOFTCAP, ALIBI,
                          TANH_APPROX, DROPOUT, KEY_MASK)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                         ready, empty, batch, kv_head, n_group, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
+                         ready, empty, batch, kv_head, head0, n_walk, kv_start, q_lo, n_tiles, BLOCK_M, BLOCK_N,
                          STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -505,30 +500,31 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
     n_kv = k.shape[2]
     if not tma_ok(do):  # dO from autograd may be expanded or strided: TMA needs rows 16 bytes apart
         do = do.contiguous()
-    dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense, else contiguous
+    n_group = heads // k.shape[1]
+    split = math.gcd(int(cfg.get("HEAD_SPLIT", 1)), n_group)  # query heads walked by each program: n_group / split
+    if split > 1:  # each program's sums in a slot of its own, added below
+        dk, dv = (k.new_empty(batch, k.shape[1] * split, n_kv, head_dim) for _ in range(2))
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)  # k's layout where k is dense, else contiguous
     regs, options = launch_options(cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     if (2 * bn) % bm:
         raise ValueError(f"BLOCK_M ({bm}) must divide 2 x BLOCK_N ({2 * bn}): the causal query "
                          "loop starts at the program's first key")
-    grid = (triton.cdiv(n_kv, 2 * bn), k.shape[1], batch)
-    n_group = heads // k.shape[1]
-    lpt, head_group = bool(cfg.get("LPT", False)), 1
-    if lpt:  # one dim, in groups of (batch, K/V head) slices whose Q, dO and dQ fit in L2
-        head_group = cfg.get("HEAD_GROUP") or lpt_head_group(n_q, head_dim, n_group, q.element_size(),
-                                                             k.shape[1] * batch)
-        grid = (grid[0] * grid[1] * grid[2],)
+    grid = (triton.cdiv(n_kv, 2 * bn), k.shape[1] * split, batch)
     run(attn_bwd_sm90, grid, descriptor(q, bm), descriptor(do, bm), descriptor(k, bn),
         descriptor(v, bn), descriptor(dk, bn), descriptor(dv, bn),
         None if dq_accum is None else dq_descriptor(dq_accum, bm),
         lse2.contiguous(), delta.contiguous(), heads, n_group, n_q, n_kv, scale, qk_scale(scale),
         *(window or (0, 0)), shift, float(softcap), *slope_args(alibi_slopes, lse2), int(seed), float(dropout_p),
-        *key_mask_args(key_mask, lse2), head_group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
+        *key_mask_args(key_mask, lse2), split, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=cfg["STAGES"],
         IS_CAUSAL=bool(is_causal), DQ=dq_accum is not None, PREFETCH=cfg["PREFETCH"],
         WINDOW=window is not None, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
         TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper_forward.TANH_APPROX)),
-        DROPOUT=DROP_TILE if dropout_p > 0 else 0, LPT=lpt, KEY_MASK=key_mask is not None,
+        DROPOUT=DROP_TILE if dropout_p > 0 else 0, KEY_MASK=key_mask is not None,
         **regs, **options)
+    if split > 1:  # in float32, one rounding (as FlashAttention-2 adds its per-head dK and dV)
+        dk, dv = (t.unflatten(1, (k.shape[1], split)).sum(2, dtype=torch.float32).to(k.dtype) for t in (dk, dv))
     return dk, dv
 
 

@@ -8,6 +8,7 @@ See :func:`main` for what each column measures.
 """
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -140,6 +141,14 @@ def summary(rows):
     return lines
 
 
+def config_entry(text):
+    """``KEY=VALUE`` as ``(KEY, VALUE)``, the value read as JSON (``HEAD_SPLIT=4``, ``PREFETCH=false``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, json.loads(value)
+
+
 def main(argv=None):
     """``python -m flashattn.measure.bench_train``: a training step (forward, the language model's
     loss, backward; no optimizer) of a Llama of random weights on random tokens, with each attention
@@ -175,6 +184,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny sizes, float32 (the interpreter too)")
     p.add_argument("--profile", action="store_true", help="each step's kernels under torch.profiler first")
     p.add_argument("--out", help="the CSV (default figures/data/train_step.csv)")
+    p.add_argument("--fused-config", nargs="+", type=config_entry, default=[], metavar="KEY=VALUE",
+                   help="entries set in every configuration of the fused Gluon backward "
+                        "(hopper.backward.DQ_CONFIGS), e.g. HEAD_SPLIT=4")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     require_transformers("flashattn.measure.bench_train")
@@ -183,6 +195,13 @@ def main(argv=None):
         args.heads, args.kv_heads, args.intermediate, args.vocab, args.dtype = 4, 2, 128, 128, "fp32"
     elif not torch.cuda.is_available():
         sys.exit("flashattn.measure.bench_train times on a CUDA GPU; on a CPU add --quick")
+    if args.fused_config:
+        from .. import hopper
+        fused = hopper.load("backward")
+        if fused is None:
+            sys.exit("--fused-config: this GPU or Triton has no Gluon backward")
+        for cfg in fused.DQ_CONFIGS.values():
+            cfg.update(dict(args.fused_config))
     out = args.out or os.path.join("figures", "data", "train_step.csv")
     rows = run(args)
     print("\n".join(summary(rows)))

@@ -105,12 +105,12 @@ def compile_hopper_backward(head_dim, dtype, causal, config=None, dq=False, mods
     q, kv = (_descriptor_type(bwd, dtype, rows, head_dim) for rows in (cfg["BLOCK_M"], cfg["BLOCK_N"]))
     signature = dict(desc_q=q, desc_do=q, desc_k=kv, desc_v=kv, desc_dk=kv, desc_dv=kv, desc_dq="constexpr",
                      LSE="*fp32", Delta="*fp32", n_heads="i32", n_group="i32", n_q="i32", n_kv="i32",
-                     scale="fp32", qk_scale="fp32", **MOD_SIGNATURE, **KEY_MASK_SIGNATURE, head_group="i32")
+                     scale="fp32", qk_scale="fp32", **MOD_SIGNATURE, **KEY_MASK_SIGNATURE, head_split="i32")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal) and "window" not in mods, DQ=bool(dq),
                       PREFETCH=cfg["PREFETCH"], desc_dq=None,
                       TANH_APPROX=bool(cfg.get("TANH_APPROX", bwd.hopper_forward.TANH_APPROX)),
-                      LPT=bool(cfg.get("LPT", False)), **_mod_constexprs(mods, BACKWARD_MODS),
+                      **_mod_constexprs(mods, BACKWARD_MODS),
                       **regs)
     if dq:
         block = bwd.dq_block(cfg["BLOCK_M"], head_dim)

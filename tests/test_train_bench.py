@@ -23,3 +23,13 @@ def test_the_quick_run_writes_every_implementation(tmp_path, capsys):
     assert all(float(r["step_ms"]) > 0 for r in rows) and rows[2]["of_sdpa"] == "1.000"
     # float32 on the interpreter: the same loss and gradients as sdpa's, to float32's rounding
     assert all(float(r["loss_diff"]) < 1e-5 and float(r["grad_diff"]) < 1e-4 for r in rows), rows
+
+
+def test_fused_config_entries_are_read_as_json():
+    """``--fused-config HEAD_SPLIT=4 PREFETCH=false``: each entry a key and a JSON value; an entry
+    without '=' is refused by argparse, naming it."""
+    import argparse
+    assert bench_train.config_entry("HEAD_SPLIT=4") == ("HEAD_SPLIT", 4)
+    assert bench_train.config_entry("PREFETCH=false") == ("PREFETCH", False)
+    with pytest.raises(argparse.ArgumentTypeError, match="HEAD_SPLIT"):
+        bench_train.config_entry("HEAD_SPLIT")

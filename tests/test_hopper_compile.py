@@ -116,8 +116,8 @@ def test_a_split_group_gives_each_program_a_slot_of_dk_and_dv(monkeypatch):
     """``HEAD_SPLIT``: the fused backward launches that many programs per (key block, K/V head,
     batch), each walking n_group / split query heads (the kernel reads ``head_split``) into a slot
     of its own, and adds the slots in float32. A split that does not divide the group shrinks to
-    one that does (their greatest common divisor). Nothing is launched: the launcher's ``run``
-    records its arguments and writes each slot's number into it."""
+    one that does (their greatest common divisor); without one, ``head_split`` chooses. Nothing is
+    launched: the launcher's ``run`` records its arguments and writes each slot's number into it."""
     import inspect
 
     import torch
@@ -130,23 +130,27 @@ def test_a_split_group_gives_each_program_a_slot_of_dk_and_dv(monkeypatch):
             desc.base.copy_(torch.arange(desc.base.shape[1]).remainder(grid[1] // kv_heads).add(1)
                             .view(1, -1, 1, 1).expand_as(desc.base))
     monkeypatch.setattr(hopper_backward, "run", run)
-    batch, heads, kv_heads, n, d = 2, 8, 2, 1000, 128
-    q, do = (torch.randn(batch, heads, n, d, dtype=torch.bfloat16) for _ in range(2))
+    batch, kv_heads, n, d = 2, 2, 1000, 128
     k, v = (torch.randn(batch, kv_heads, n, d, dtype=torch.bfloat16) for _ in range(2))
-    lse, delta = torch.randn(batch, heads, n), torch.randn(batch, heads, n)
     names = list(inspect.signature(hopper_backward.attn_bwd_sm90.fn).parameters)
-    for asked, split in ((None, 1), (2, 2), (4, 4), (3, 1), (8, 4)):
+    # (query heads, HEAD_SPLIT asked, dQ fused, split): unasked, groups of 8 or more walk two heads a
+    # program where dQ is fused (hopper.backward.head_split), and the deterministic path never splits
+    for heads, asked, fused, split in ((8, None, True, 1), (8, 2, True, 2), (8, 4, True, 4), (8, 3, True, 1),
+                                      (8, 8, True, 4), (16, None, True, 4), (16, None, False, 1), (32, None, True, 8)):
+        q, do = (torch.randn(batch, heads, n, d, dtype=torch.bfloat16) for _ in range(2))
+        lse, delta = torch.randn(batch, heads, n), torch.randn(batch, heads, n)
         cfg = hopper_backward.dq_config(d, None if asked is None else {"HEAD_SPLIT": asked})
         blocks = -(-n // (2 * cfg["BLOCK_N"]))
         dk, dv = hopper_backward._launch(q, k, v, do, lse, delta, True, 0.1, cfg,
-                                         dq_accum=torch.zeros(batch, heads, n, d))
+                                         dq_accum=torch.zeros(batch, heads, n, d) if fused else None)
         launched, args, _ = calls[-1]
-        assert launched == (blocks, kv_heads * split, batch), asked
-        assert len(args) == names.index("HEAD_DIM") and args[names.index("head_split")] == split, asked
-        assert args[4].base.shape == (batch, kv_heads * split, n, d), asked
+        case = (heads, asked, fused)
+        assert launched == (blocks, kv_heads * split, batch), case
+        assert len(args) == names.index("HEAD_DIM") and args[names.index("head_split")] == split, case
+        assert args[4].base.shape == (batch, kv_heads * split, n, d), case
         for grad in (dk, dv):  # the slots' sum, 1 + 2 + ... + split, in k's shape and dtype
-            assert grad.shape == k.shape and grad.dtype == k.dtype, asked
-            assert torch.equal(grad, torch.full_like(k, split * (split + 1) // 2)), asked
+            assert grad.shape == k.shape and grad.dtype == k.dtype, case
+            assert torch.equal(grad, torch.full_like(k, split * (split + 1) // 2)), case
 
 
 def test_the_interpreter_never_imports_gluon():

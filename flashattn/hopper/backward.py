@@ -111,6 +111,14 @@ def dq_config(head_dim, overrides=None, modified=False):
     return cfg
 
 
+def head_split(n_group):
+    """The fused backward's ``HEAD_SPLIT`` where its configuration names none: a program walks two
+    query heads where a K/V head has 8 or more (on an H100, 32 query heads on 4 K/V heads: 1.12-1.15x
+    the walk of all 8, head dims 64 and 128, N = 4096, causal), else the whole group (groups of 4:
+    0.97-1.02x with a split, within the noise; docs/performance.md)."""
+    return n_group // 2 if n_group >= 8 else 1
+
+
 def launch_options(cfg):
     """The register budgets a configuration is compiled with: ``(constexprs, options)``."""
     return (dict(CONSUMER_REGS=REGISTERS["consumer"], PRODUCER_REGS=REGISTERS["producer"]),
@@ -192,8 +200,9 @@ def _bwd_consumer(desc_dk, desc_dv, desc_dq, q_smem, do_smem, k_smem, v_smem, ds
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, TANH_APPROX: gl.constexpr, DROPOUT: gl.constexpr,
                   KEY_MASK: gl.constexpr):
     """One warpgroup: dK and dV of keys ``kv_start + C * BLOCK_N`` to ``+ BLOCK_N``, summed over
-    the ``n_walk`` query heads from ``head0`` and stored at head ``slot`` of desc_dk and desc_dv. Everything is transposed (keys along rows, queries
-    along columns), as in ``backward.dkdv_inner``.
+    the ``n_walk`` query heads from ``head0`` and stored at head ``slot`` of desc_dk and desc_dv.
+    Everything is transposed (keys along rows, queries along columns), as in
+    ``backward.dkdv_inner``.
 
     With DQ, also this query tile's share of dQ = dS K from the program's 2 x BLOCK_N keys: both
     consumers put their dS^T in shared memory (``ds_smem``, two buffers, one per parity of the
@@ -501,7 +510,8 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
     if not tma_ok(do):  # dO from autograd may be expanded or strided: TMA needs rows 16 bytes apart
         do = do.contiguous()
     n_group = heads // k.shape[1]
-    split = math.gcd(int(cfg.get("HEAD_SPLIT", 1)), n_group)  # query heads walked by each program: n_group / split
+    split = cfg.get("HEAD_SPLIT", head_split(n_group) if dq_accum is not None else 1)
+    split = math.gcd(int(split), n_group)  # each program walks n_group / split query heads
     if split > 1:  # each program's sums in a slot of its own, added below
         dk, dv = (k.new_empty(batch, k.shape[1] * split, n_kv, head_dim) for _ in range(2))
     else:

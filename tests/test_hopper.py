@@ -33,7 +33,7 @@ def _hopper_gpu():
 def verdicts():
     if not _hopper_gpu():
         pytest.skip("the Gluon kernels are for compute capability 9.x (H100/H200)")
-    deadline = time.time() + 1800  # 8 groups of up to 23 cases, 4 at a time, compiling as they go
+    deadline = time.time() + 1800  # 12 groups of 12 to 31 cases, 4 at a time, compiling as they go
 
     def command(g):
         if len(g) == 2:  # the score modifications of one (dtype, head dim)

@@ -39,12 +39,14 @@ from flashattn.testing.reference import naive_attention  # noqa: E402
 from flashattn.testing.rule import compare_with_reference  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: (batch, heads, K/V heads, N_q, N_kv, magnitude of q and k): odd lengths, one row, grouped heads,
+#: (batch, heads, K/V heads, N_q, N_kv, magnitude of q and k): odd lengths, one row, grouped heads
+#: (groups of 8 and 16 too, whose walk the fused kernel splits: ``hopper.backward.head_split``),
 #: N_q != N_kv, and large scores with few keys (keys past the end must add nothing to dQ: their
 #: probabilities, 2**-LSE, overflow fp16 when the scores are large and negative).
 SHAPES = [(2, 3, 3, 1, 1, 1), (2, 3, 3, 17, 17, 1), (1, 2, 2, 113, 113, 1), (2, 4, 4, 300, 300, 1),
           (1, 8, 2, 257, 257, 1), (1, 2, 2, 1000, 1000, 1), (1, 2, 2, 100, 300, 1), (1, 2, 2, 300, 100, 1),
-          (1, 4, 1, 4097, 4097, 1), (2, 2, 2, 300, 1, 3), (1, 2, 2, 777, 70, 3)]
+          (1, 4, 1, 4097, 4097, 1), (2, 2, 2, 300, 1, 3), (1, 2, 2, 777, 70, 3),
+          (1, 16, 2, 300, 300, 1), (1, 16, 1, 333, 333, 1)]
 
 
 def attention(deterministic):

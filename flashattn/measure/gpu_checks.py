@@ -68,7 +68,8 @@ BWD_VARIANTS = {64: [dict(STAGES=3), dict(BLOCK_M=32)], 128: [dict(STAGES=3), di
 #: touch them); ALiBi's slopes are per head or per (batch, head); windows one- and two-sided;
 #: the bottom-right alignment with fewer queries than keys (every query block sees keys: Gluon)
 #: and with more (the first blocks see none: the forward falls back to Triton, the backward not);
-#: dropout alone and with everything else (its reference is handed the mask the call drew);
+#: dropout alone and with everything else (its reference is handed the mask the call drew; with 8
+#: query heads a K/V head, the fused backward's walk split, ``hopper.backward.head_split``);
 #: key-padding masks (``key_mask``: the fused backward reads them, the forward is Triton's): right
 #: padding with a sequence of no key, left padding under the causal mask (the first queries see
 #: nothing), random keys kept (one row for every batch, or one per batch), with the rest.
@@ -98,6 +99,8 @@ MOD_SHAPES = [
     ("dropout", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(dropout_p=0.17)),
     ("dropout-causal", 2, 3, 3, 1000, 1000, "bhnd", 1.0, dict(dropout_p=0.1, is_causal=True)),
     ("dropout-gqa-long", 1, 4, 2, 4103, 4103, "bnhd", 1.0, dict(dropout_p=0.3, is_causal=True, enable_gqa=True)),
+    ("dropout-all-gqa8", 1, 16, 2, 300, 300, "bnhd", 1.0,
+     dict(dropout_p=0.2, softcap=3.0, alibi="heads", window_size=(100, 30), enable_gqa=True)),
     ("dropout-17", 2, 3, 3, 17, 17, "bhnd", 1.0, dict(dropout_p=0.5)),
     ("dropout-all", 2, 3, 3, 333, 1000, "bhnd", 1.0,
      dict(dropout_p=0.2, softcap=3.0, alibi="heads", window_size=(100, 30), causal_alignment="bottom_right")),

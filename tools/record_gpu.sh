@@ -6,9 +6,9 @@
 #
 # Parts: backward (tools/backward_check.py: the fused Gluon backward and the deterministic one
 # against float64, then the 24 cells of the sweep and grouped heads beside cuDNN; needs Triton >= 3.8
-# on Hopper), backward-split (the fused kernel's HEAD_SPLIT, grouped heads walked by 2 or 4
-# programs: checked against float64, timed beside the default at grouped heads 16/4, 32/4 and
-# 32/8, then the training step without and with a split of 4),
+# on Hopper), backward-split (the fused kernel's HEAD_SPLIT, a group's query heads walked by 1, 2
+# or 4 programs: checked against float64, timed beside the default, hopper.backward.head_split, at
+# grouped heads 16/4, 32/4 and 32/8, then the training step without and with a split of 4),
 # key-masks (the fused kernel reading key-padding masks, hopper.FUSED_KEY_MASKS: its gpu_checks
 # cases in both dtypes and head dims against float64, then the key-padding row of score_mods, where
 # the default runs beside flashattn-triton-key-mask (the switch off), FlexAttention and SDPA),
@@ -60,7 +60,7 @@ part() {  # part NAME SECONDS COMMAND...
 }
 
 part backward 420 python tools/backward_check.py --csv "$out/backward.csv"
-split='[{"HEAD_SPLIT": 2}, {"HEAD_SPLIT": 4}]'
+split='[{"HEAD_SPLIT": 1}, {"HEAD_SPLIT": 2}, {"HEAD_SPLIT": 4}]'  # 1: the whole walk
 part backward-split 480 bash -c "python tools/backward_check.py --no-checks --check-variants --no-timings --bwd-variants '$split' && python tools/backward_check.py --no-checks --dtypes bf16 --head-dims 64 128 --seq-lens 4096 --causal 1 0 --batch-heads 4x16 4x32 --kv-heads 4 --bwd-variants '$split' && python tools/backward_check.py --no-checks --dtypes bf16 --head-dims 128 --seq-lens 8192 --causal 1 --batch-heads 4x32 --kv-heads 8 --bwd-variants '$split' && for n in 1 4; do python -m flashattn.measure.bench_train --fused-config HEAD_SPLIT=\$n --out '$out/train_step_split'\$n.csv; done"
 key_masks() {  # the four (dtype, head dim) groups of checks side by side, each watched (a hang or a
     # crash ends its case, not the part), then the timing

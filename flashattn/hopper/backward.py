@@ -533,8 +533,8 @@ def _launch(q, k, v, do, lse2, delta, is_causal, scale, cfg, dq_accum=None, wind
         TANH_APPROX=bool(cfg.get("TANH_APPROX", hopper_forward.TANH_APPROX)),
         DROPOUT=DROP_TILE if dropout_p > 0 else 0, KEY_MASK=key_mask is not None,
         **regs, **options)
-    if split > 1:  # in float32, one rounding (as FlashAttention-2 adds its per-head dK and dV)
-        dk, dv = (t.unflatten(1, (k.shape[1], split)).sum(2, dtype=torch.float32).to(k.dtype) for t in (dk, dv))
+    if split > 1:  # PyTorch sums 16-bit floats in float32 and rounds once (as FlashAttention-2 adds
+        dk, dv = (t.unflatten(1, (k.shape[1], split)).sum(2) for t in (dk, dv))  # its per-head dK, dV)
     return dk, dv
 
 

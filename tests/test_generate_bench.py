@@ -37,9 +37,12 @@ def test_each_call_is_the_same_step(kind):
 
 
 @pytest.mark.skipif(flashattn.DEVICE.type == "cuda", reason="the GPU run is the benchmark itself")
-def test_the_quick_run_writes_every_implementation(tmp_path):
+def test_the_quick_run_writes_every_implementation(tmp_path, capsys):
     out = tmp_path / "generate.csv"
-    bench_generate.main(["--quick", "--out", str(out)])
+    bench_generate.main(["--quick", "--profile", "--profile-rows", "4", "--out", str(out)])
+    printed = capsys.readouterr().out
+    # --profile: each implementation's step under torch.profiler, then its host under cProfile
+    assert printed.count("(profiled), kernels") == 3 and printed.count("steps under cProfile") == 3
     rows = list(csv.DictReader(out.open()))
     assert [r["implementation"] for r in rows] == ["flashattn", "sdpa", "eager"]
     ours = rows[0]

@@ -108,6 +108,50 @@ def in_place_calls(step):
     return sum(calls)
 
 
+def one_step_ms(step, device):
+    """The milliseconds of one ``step()``, waited for (a training step is long enough for the
+    host's clock)."""
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def profile_step(step, device, log, rows=12):
+    """Log the CUDA kernels of one ``step()`` by their total time (torch.profiler), and the step's
+    wall time against the time the GPU spent in kernels: a gap there is the host's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall = one_step_ms(step, device)
+    averages = prof.key_averages()
+    key = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    kernels_ms = sum(getattr(a, key) for a in averages) / 1e3
+    log(f"wall {wall:.2f} ms (profiled), kernels {kernels_ms:.2f} ms")
+    log(averages.table(sort_by=key, row_limit=rows))
+
+
+def host_profile(step, log, rows=15, calls=20):
+    """Log where ``calls`` calls of ``step`` spend their time on the host, by Python function
+    (cProfile, each function's own time: it slows every call alike, so read the shares)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    log(f"host, {calls} steps under cProfile:" + text.getvalue().split("\n\n", 1)[-1].rstrip())
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -155,6 +199,10 @@ def run(args, log=print):
         model.set_attn_implementation(names[implementation])
         step, _ = decoding_step(model, ids, mask, args.cache, args.prompt + args.new + 1)
         placed = in_place_calls(step) if implementation == "flashattn" else ""
+        if args.profile:
+            log(f"{implementation}: one step under torch.profiler")
+            profile_step(step, device, log, rows=args.profile_rows)
+            host_profile(step, log, rows=args.profile_rows)
         step_ms = time_ms(step, args.quick)
         gen_ms, tokens[implementation] = generate_ms(model, ids, mask, args.cache, args.new, 1 if args.quick else 3)
         measured[implementation] = (step_ms, gen_ms, placed)
@@ -222,6 +270,12 @@ def main(argv=None):
       decode with cache_leftpad; ``same_tokens``: whether greedy generation gave sdpa's tokens
       (bf16 roundings may part them after a while).
 
+    ``--profile``: before each implementation's timings, one step under torch's profiler (its
+    operators by their time on the device, and the step's wall time against the kernels' total: a
+    step short on the device and long on the wall waits for the host), then 20 steps under
+    cProfile, the Python functions by their own time: where the host's time goes (the mask
+    function, the attention call, the cache, Triton's launches).
+
     ``--quick``: a tiny float32 model, 3 prompts of 12 positions, 2 new tokens (runs on the
     interpreter; its times mean nothing).
     """
@@ -239,6 +293,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--cache", default="dynamic", choices=["dynamic", "static"])
     p.add_argument("--quick", action="store_true", help="tiny sizes, float32 (the interpreter too)")
+    p.add_argument("--profile", action="store_true", help="each implementation's step under torch.profiler first")
+    p.add_argument("--profile-rows", type=int, default=15, help="operators in each profile's table")
     p.add_argument("--out", help="the CSV (default figures/data/generate_left_padded.csv)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -11,12 +11,11 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import torch
 
 from .bench import DTYPES, interleaved_ms
-from .bench_generate import llama, require_transformers, synchronize, write_rows
+from .bench_generate import llama, one_step_ms, profile_step, require_transformers, write_rows
 
 FIELDS = ["gpu", "torch", "triton", "transformers", "date", "dtype", "batch", "tokens", "layers", "hidden", "heads",
           "kv_heads", "implementation", "step_ms", "tokens_per_s", "of_sdpa", "loss", "loss_diff", "grad_diff",
@@ -35,33 +34,6 @@ def training_step(model, ids):
         loss.backward()
         return loss
     return step
-
-
-def one_step_ms(step, device):
-    """The milliseconds of one ``step()``, waited for (a training step is long enough for the
-    host's clock)."""
-    synchronize(device)
-    start = time.perf_counter()
-    step()
-    synchronize(device)
-    return (time.perf_counter() - start) * 1e3
-
-
-def profile_step(step, device, log, rows=12):
-    """Log the CUDA kernels of one ``step()`` by their total time (torch.profiler), and the step's
-    wall time against the time the GPU spent in kernels: a gap there is the host's."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    synchronize(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        wall = one_step_ms(step, device)
-    averages = prof.key_averages()
-    key = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
-    kernels_ms = sum(getattr(a, key) for a in averages) / 1e3
-    log(f"wall {wall:.2f} ms (profiled), kernels {kernels_ms:.2f} ms")
-    log(averages.table(sort_by=key, row_limit=rows))
 
 
 def gradients(model):

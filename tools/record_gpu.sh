@@ -20,7 +20,7 @@
 # KV-cache step), bench-mods (those modifications timed next to PyTorch's and FlexAttention's),
 # decode-host, decode-paged (a paged KV cache's decoding step next to the contiguous one and SDPA),
 # bench-generate (a transformers Llama generating on a left-padded batch: flashattn, sdpa and eager,
-# dynamic and static caches),
+# dynamic and static caches, each step first profiled on the device and the host),
 # tests-gpu (every other GPU test: tile configurations, long sequences, decode, the
 # Gluon kernels), first-call, first-call-timeline (where a first call's seconds go), chapters;
 # tests-kernels (the core kernels' and decode's GPU tests alone), bench-readme (the sweep behind the
@@ -84,7 +84,7 @@ part bench-mods 600 python -m flashattn.measure.score_mods --out "$out/score_mod
 part dropout-draws 420 python experiments/dropout_draws.py --time --out-dir "$out"
 part decode-host 50 python -m flashattn.measure.bench_decode --host-ab --out "$out/decode_host_ab.csv"
 part decode-paged 180 python -m flashattn.measure.bench_decode --paged --lengths 4096 16384 --out "$out/decode_paged.csv"
-part bench-generate 300 bash -c "python -m flashattn.measure.bench_generate --out '$out/generate_left_padded.csv' && python -m flashattn.measure.bench_generate --cache static --out '$out/generate_left_padded_static.csv'"
+part bench-generate 300 bash -c "python -m flashattn.measure.bench_generate --profile --out '$out/generate_left_padded.csv' && python -m flashattn.measure.bench_generate --cache static --out '$out/generate_left_padded_static.csv'"
 # the other modules with GPU tests (collecting every module would need the notebook tools too)
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v -F "$(printf '%s\n' $variant_tests)")
 part tests-gpu 300 ${pytest/$workers/} -m gpu $gpu_tests

@@ -407,3 +407,13 @@ def test_whole_sequences_keep_the_plain_causal_call(monkeypatch):
     call.dense(q[:, :, 2:], k, v)
     assert "causal_alignment" not in seen[0] and seen[0]["is_causal"] is True
     assert seen[1]["causal_alignment"] == "bottom_right"
+
+
+def test_an_older_transformers_is_warned_of():
+    """Older releases hand caches and masks to the attention otherwise: importing the integration
+    there warns, naming both versions; the releases it is tested with pass silently."""
+    message = fa_transformers.untested("5.17.0")
+    assert "5.24 or later" in message and "5.17.0" in message and 'pip install "transformers>=5.24"' in message
+    assert fa_transformers.untested("4.57.1") is not None
+    for version in ("5.24.0", "5.25.0.dev0", "6.0.0", transformers.__version__):
+        assert fa_transformers.untested(version) is None, version

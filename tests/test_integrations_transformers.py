@@ -412,8 +412,12 @@ def test_whole_sequences_keep_the_plain_causal_call(monkeypatch):
 def test_an_older_transformers_is_warned_of():
     """Older releases hand caches and masks to the attention otherwise: importing the integration
     there warns, naming both versions; the releases it is tested with pass silently."""
-    message = fa_transformers.untested("5.17.0")
+    from flashattn.integrations import untested
+
+    message = untested("transformers", "5.17.0", fa_transformers.OLDEST_TESTED)
     assert "5.24 or later" in message and "5.17.0" in message and 'pip install "transformers>=5.24"' in message
-    assert fa_transformers.untested("4.57.1") is not None
+    assert untested("transformers", "4.57.1", (5, 24)) is not None
     for version in ("5.24.0", "5.25.0.dev0", "6.0.0", transformers.__version__):
-        assert fa_transformers.untested(version) is None, version
+        assert untested("transformers", version, fa_transformers.OLDEST_TESTED) is None, version
+    with pytest.warns(UserWarning, match="tested with transformers 5.24 or later, and this is 5.17.0"):
+        fa_transformers.warn_if_untested("transformers", "5.17.0", (5, 24))

@@ -77,14 +77,13 @@ layer's ``sliding_window=w`` keeps ``|i - j| < w``, ``window_size=(w - 1, w - 1)
 transformers' FlashAttention path reads it (ModernBERT passes its half window plus one).
 """
 import numbers
-import warnings
 import weakref
 
 import torch
 
 import flashattn
 
-from . import left_padding
+from . import left_padding, warn_if_untested
 
 try:
     import transformers
@@ -94,24 +93,10 @@ except ImportError as error:  # the integration is optional: say how to get what
     raise ImportError("flashattn.integrations.transformers needs Hugging Face transformers: "
                       'pip install "flashattn[transformers]"') from error
 
-#: The oldest transformers whose mask and attention interfaces the integration is tested against
-#: (how a cache, its offsets and the mask function reach it changed before).
+#: The oldest transformers the integration's tests ran with: how a cache, its offsets and the mask
+#: function reach the attention changed before it.
 OLDEST_TESTED = (5, 24)
-
-
-def untested(version):
-    """What to warn of when transformers ``version`` (a string) is older than OLDEST_TESTED, else None."""
-    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
-    if len(release) < 2 or release >= OLDEST_TESTED:
-        return None
-    oldest = ".".join(map(str, OLDEST_TESTED))
-    return (f"flashattn.integrations.transformers is tested with transformers {oldest} or later, and this is "
-            f"{version}: its caches and masks reach the attention otherwise, and results may differ from sdpa's; "
-            f'pip install "transformers>={oldest}"')
-
-
-if untested(transformers.__version__):
-    warnings.warn(untested(transformers.__version__), stacklevel=2)
+warn_if_untested("transformers", transformers.__version__, OLDEST_TESTED)
 
 #: The name registered by default. transformers reads any name containing "flash" as one of its
 #: FlashAttention backends (and a name with a "/" as a kernel on the Hub), so it must avoid both.

@@ -20,7 +20,7 @@
 # KV-cache step), bench-mods (those modifications timed next to PyTorch's and FlexAttention's),
 # decode-host, decode-paged (a paged KV cache's decoding step next to the contiguous one and SDPA),
 # bench-generate (a transformers Llama generating on a left-padded batch: flashattn, sdpa and eager,
-# dynamic and static caches, each step first profiled on the device and the host),
+# dynamic and static caches, the dynamic cache's steps first profiled on the device and the host),
 # tests-gpu (every other GPU test: tile configurations, long sequences, decode, the
 # Gluon kernels), first-call, first-call-timeline (where a first call's seconds go), chapters;
 # tests-kernels (the core kernels' and decode's GPU tests alone), bench-readme (the sweep behind the

@@ -109,8 +109,8 @@ def in_place_calls(step):
 
 
 def one_step_ms(step, device):
-    """The milliseconds of one ``step()``, waited for (a training step is long enough for the
-    host's clock)."""
+    """The milliseconds of one ``step()``, waited for (a model's step, milliseconds long, is long
+    enough for the host's clock)."""
     synchronize(device)
     start = time.perf_counter()
     step()

@@ -170,6 +170,48 @@ def test_overlays_are_transformers_own_masks(overlay):
     torch.testing.assert_close(out[rows], expected.transpose(1, 2)[rows], rtol=0, atol=2e-6)
 
 
+# -- Attention sinks (GPT-OSS) -----------------------------------------------------------------------
+
+def gpt_oss():
+    """A tiny GPT-OSS: grouped heads, a window of 5 on every other layer, two experts, and sinks of
+    logits -2 to 3, large enough to take a visible share of every row's softmax."""
+    config = transformers.GptOssConfig(**TINY, head_dim=16, sliding_window=5, num_local_experts=2,
+                                       num_experts_per_tok=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.uniform_(-2.0, 3.0)
+    return model
+
+
+def test_attention_sinks_of_gpt_oss():
+    """Each head's sink logit joins the softmax of every row: the output is rescaled from the
+    kernels' ``(out, lse)``. Logits padded and not, greedy generation from a left-padded batch (its
+    decoding steps in place) as eager's (transformers has no SDPA path for sinks), and the
+    gradients of every parameter, the sinks included, as eager's."""
+    model = gpt_oss()
+    ids, mask = padded_batch("left")
+    assert_same_tokens(model, "eager", input_ids=ids)
+    assert_same_tokens(model, "eager", mask, input_ids=ids)
+    assert_same_generation(model, "eager", ids, mask, new=3)
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def grads(m, implementation):
+        m.train().set_attn_implementation(implementation)
+        m.zero_grad()
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        sinks = torch.cat([layer.self_attn.sinks.grad for layer in m.model.layers])
+        return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]), sinks
+
+    (ours, ours_sinks), (theirs, theirs_sinks) = grads(model, NAME), grads(model, "eager")
+    # GPT-OSS's experts multiply in float32 at most (no float64 model to hold both to the rule):
+    # the two float32 computations agree to a few roundings of the largest gradient
+    for what, a, b in (("gradients", ours, theirs), ("the sinks' gradients", ours_sinks, theirs_sinks)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"{what}: {(a - b).abs().max():.2e} off"
+    assert theirs_sinks.abs().min() > 0, "every sink takes part"
+
+
 # -- Encoders and encoder-decoders -------------------------------------------------------------------
 
 @pytest.mark.parametrize("side", ["none", "right"])
@@ -263,3 +305,5 @@ def test_what_it_cannot_compute_is_refused_by_name():
         fa_transformers.attention_forward(module, query, key, value, None, position_bias=torch.zeros(1, 2, 4, 6))
     with pytest.raises(ValueError, match="padding mask has 5 columns but the layer holds 6 keys"):
         fa_transformers.attention_forward(module, query, key, value, torch.ones(1, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"s_aux \(the attention sinks\) has shape \(3,\); expected .* \(2,\)"):
+        fa_transformers.attention_forward(module, query, key, value, None, s_aux=torch.zeros(3))

@@ -63,7 +63,7 @@ FAMILIES = {
     "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
                         head_dim=8, num_key_value_heads=4, n_routed_experts=2, num_experts_per_tok=1,
                         moe_intermediate_size=32, first_k_dense_replace=2, n_group=1, topk_group=1),
-    "gpt_oss": dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=5),  # attention sinks: refused
+    "gpt_oss": dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=5),  # attention sinks
 }
 #: Logits may differ from the reference's by float32 roundings (a few 1e-7 at these sizes).
 TOLERANCE = 2e-5

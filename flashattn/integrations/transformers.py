@@ -75,15 +75,19 @@ transformers' sliding windows count the query itself: ``sliding_window=w`` lets 
 keys ``i - w < j <= i``, which is FlashAttention's ``window_size=(w - 1, 0)``. A bidirectional
 layer's ``sliding_window=w`` keeps ``|i - j| < w``, ``window_size=(w - 1, w - 1)``, as
 transformers' FlashAttention path reads it (ModernBERT passes its half window plus one).
+
+Attention sinks (``s_aux``, GPT-OSS's learned logit per head, one more score in every row's softmax
+that no value follows) rescale whatever path ran from its ``(out, lse)``: :meth:`Call.finish`.
+The sequences packed in rows are found by ``flashattn.integrations.packing``.
 """
 import numbers
-import weakref
 
 import torch
 
 import flashattn
 
 from . import left_padding, warn_if_untested
+from .packing import cumulative, packed_lengths, run_lengths
 
 try:
     import transformers
@@ -343,9 +347,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' attention function: ``(B, H_q, N_q, D)`` queries against ``(B, H_kv, N_k, D)``
     keys and values; returns ``(out, None)`` with ``out`` of shape ``(B, N_q, H_q, D)`` (no
     attention weights: they are never formed)."""
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("flashattn's transformers integration does not support attention sinks "
-                                  "(s_aux); use attn_implementation='eager'")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("flashattn's transformers integration does not support position_bias (a "
                                   "learned additive bias, as T5's); use attn_implementation='eager' or 'sdpa'")
@@ -357,8 +358,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if heads_q % heads_kv:
         raise ValueError(f"the query has {heads_q} heads and the keys {heads_kv}: the query heads must be "
                          "a multiple of the key heads")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"s_aux (the attention sinks) has shape {tuple(sinks.shape)}; expected one logit per "
+                         f"query head, ({heads_q},)")
     options = dict(scale=scaling, dropout=float(dropout or 0.0), softcap=softcap, gqa=heads_q != heads_kv,
-                   tracing=tracing(query))
+                   tracing=tracing(query), sinks=sinks)
     span = None if attention_mask is None or torch.compiler.is_compiling() else SPANS.of(attention_mask)
     if span is not None:
         out = in_place(module, query, key, value, attention_mask, span, options, is_causal, sliding_window)
@@ -417,8 +422,9 @@ def in_place(module, query, key, value, mask, span, options, is_causal, sliding_
     if not causal or window_of(sliding_window, True) != call.window or n_k <= n_q or mask.shape[-1] != n_k \
             or mask.shape[0] != batch or not call.may_decode(query, key, value, n_q, reads=False):
         return None
-    return flashattn.decode(query, key, value, cache_seqlens, scale=call.scale, softcap=call.softcap or 0.0,
-                            window_size=call.window, cache_leftpad=cache_leftpad, max_seqlen=n_k)
+    return call.finish(flashattn.decode(query, key, value, cache_seqlens, scale=call.scale, softcap=call.softcap or 0.0,
+                                        window_size=call.window, cache_leftpad=cache_leftpad, max_seqlen=n_k,
+                                        return_lse=call.sinks is not None))
 
 
 def window_of(sliding_window, causal):
@@ -437,9 +443,24 @@ def window_of(sliding_window, causal):
 class Call:
     """One layer's call: the options every sequence shares, and the ways to run it."""
 
-    def __init__(self, scale, causal, window, dropout, softcap, gqa, tracing=False):
+    def __init__(self, scale, causal, window, dropout, softcap, gqa, tracing=False, sinks=None):
         self.scale, self.causal, self.window = scale, causal, window
-        self.dropout, self.softcap, self.gqa, self.tracing = dropout, softcap, gqa, tracing
+        self.dropout, self.softcap, self.gqa, self.tracing, self.sinks = dropout, softcap, gqa, tracing, sinks
+
+    def finish(self, result, packed=False):
+        """A flashattn call's result as the layer returns it: the output, with attention sinks
+        (``s_aux``, GPT-OSS's) rescaled from ``(out, lse)``. Each head's sink logit joins every
+        row's softmax and is dropped after it, so the row's sum of exponentials grows from
+        ``e^lse`` to ``e^lse + e^sink`` and its output scales by ``sigmoid(lse - sink)`` (0 where
+        no key is seen): exact, and the gradients reach the sinks, and the kernels through lse.
+        ``out`` ``(..., H, N, D)`` with lse ``(..., H, N)``, or ``packed``: ``(T, H, D)`` with lse
+        ``(H, T)`` (varlen_attention's layouts)."""
+        if self.sinks is None:
+            return result
+        out, lse = result
+        sinks = self.sinks.float()
+        weight = torch.sigmoid(lse.transpose(0, 1) - sinks) if packed else torch.sigmoid(lse - sinks[:, None])
+        return (out * weight[..., None]).to(out.dtype)
 
     def may_decode(self, query, key, value, n_q, reads=True):
         """Whether ``flashattn.decode`` can compute this call: causal, forward only, no dropout
@@ -464,6 +485,8 @@ class Call:
             options["dropout_p"] = self.dropout
         if self.softcap is not None:
             options["softcap"] = float(self.softcap)
+        if self.sinks is not None:
+            options["return_lse"] = True   # for finish
         return options
 
     def dense(self, query, key, value):
@@ -472,15 +495,17 @@ class Call:
         if n_k > n_q and self.may_decode(query, key, value, n_q):
             # The lengths on the host, where decode checks them without waiting for the GPU.
             lengths = torch.full((query.shape[0],), n_k, dtype=torch.int32)
-            return flashattn.decode(query, key, value, lengths, scale=self.scale, softcap=self.softcap or 0.0,
-                                    window_size=self.window)
-        return flashattn.attention(query, key, value, **self.options(cached=n_k > n_q))
+            return self.finish(flashattn.decode(query, key, value, lengths, scale=self.scale,
+                                                softcap=self.softcap or 0.0, window_size=self.window,
+                                                return_lse=self.sinks is not None))
+        return self.finish(flashattn.attention(query, key, value, **self.options(cached=n_k > n_q)))
 
     def masked(self, query, key, value, attn_mask):
         """``(B, H, N, D)`` in and out, with ``attn_mask`` (bool or additive, broadcast to
         ``(B, H, N_q, N_k)``) beside the call's causal mask and window."""
         n_q, n_k = query.shape[2], key.shape[2]
-        return flashattn.attention(query, key, value, attn_mask.to(query.device), **self.options(cached=n_k > n_q))
+        return self.finish(flashattn.attention(query, key, value, attn_mask.to(query.device),
+                                               **self.options(cached=n_k > n_q)))
 
     def packed(self, q, k, v, lengths_q, lengths_k):
         """Packed sequences, ``(tokens, H, D)``, of the given lengths (lists of ints)."""
@@ -491,9 +516,9 @@ class Call:
         if any(nk > nq for nq, nk in zip(lengths_q, lengths_k)) and \
                 all(nq == lengths_q[0] for nq in lengths_q) and self.may_decode(q, k, v, lengths_q[0]):
             return self.decode_packed(q, k, v, lengths_q[0], lengths_k)
-        return flashattn.varlen_attention(
+        return self.finish(flashattn.varlen_attention(
             q, k, v, cumulative(lengths_q, q.device), cumulative(lengths_k, q.device),
-            max(lengths_q), max(lengths_k), **self.options(cached=lengths_k != lengths_q))
+            max(lengths_q), max(lengths_k), **self.options(cached=lengths_k != lengths_q)), packed=True)
 
     def decode_packed(self, q, k, v, n_q, lengths_k):
         """``flashattn.decode`` for packed sequences of ``n_q`` queries each: their keys are laid
@@ -503,8 +528,9 @@ class Call:
         index = (first[:, None] + torch.arange(longest, device=k.device)).clamp(max=k.shape[0] - 1)
         k_cache, v_cache = (t[index].transpose(1, 2) for t in (k, v))   # (B, H_kv, longest, D)
         query = q.view(batch, n_q, q.shape[1], q.shape[2]).transpose(1, 2)
-        out = flashattn.decode(query, k_cache, v_cache, torch.tensor(lengths_k, dtype=torch.int32),
-                               scale=self.scale, softcap=self.softcap or 0.0, window_size=self.window)
+        out = self.finish(flashattn.decode(query, k_cache, v_cache, torch.tensor(lengths_k, dtype=torch.int32),
+                                           scale=self.scale, softcap=self.softcap or 0.0, window_size=self.window,
+                                           return_lse=self.sinks is not None))
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], v.shape[2])
 
 
@@ -522,72 +548,3 @@ def padded(call, q, k, v, attention_mask):
                       rows.sum(1).tolist(), mask.sum(1).tolist())
     full = out.new_zeros(batch * n_q, heads_q, v.shape[3]).index_copy(0, q_index, out)
     return full.view(batch, n_q, heads_q, v.shape[3])
-
-
-def packed_lengths(kwargs, batch, n_q, n_k, tracing=False):
-    """``(lengths_q, lengths_k)`` of the sequences packed in the batch's rows, from
-    FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` or from ``position_ids`` restarting in a
-    batch of one row; None when each row is one sequence. ``position_ids`` are read once per
-    tensor (:data:`POSITIONS`: the layers of a forward share them), never for several rows (a
-    synchronisation in every layer of every step, where transformers' masks find packed rows
-    themselves) and not while tracing (transformers puts packed sequences into its 4-D mask then)."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None:
-        cu_k = cu_q if cu_k is None else cu_k
-        bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
-        return ([b - a for a, b in zip(bounds_q, bounds_q[1:])],
-                [b - a for a, b in zip(bounds_k, bounds_k[1:])])
-    position_ids = kwargs.get("position_ids")
-    if tracing or position_ids is None or batch != 1 or n_q != n_k or n_q < 2 \
-            or tuple(position_ids.shape) != (1, n_q):
-        return None
-    lengths = POSITIONS.read(position_ids, sequence_lengths)
-    return None if lengths is None else (lengths, lengths)
-
-
-def sequence_lengths(positions):
-    """The lengths of the sequences packed in the row of ``positions`` ``(1, N)``, or None when
-    it holds one (read on the host). A sequence starts where the position does not follow the
-    previous one, as transformers finds packed sequences."""
-    sequence_ids = (positions.diff(dim=1, prepend=positions[:, :1] - 1) != 1).cumsum(1)
-    if not bool(sequence_ids[:, -1].any()):
-        return None
-    return run_lengths(sequence_ids)
-
-
-class LastRead:
-    """The last value read on the host from a tensor, found again by the tensor itself (held
-    weakly) while its version is unchanged: every layer of a forward gets the same tensor, which is
-    then read once for all of them. An inference tensor (``torch.inference_mode``) keeps no version,
-    so that a change in place would go unseen: it is read every time."""
-
-    def __init__(self):
-        self._entry = (None, None, None)
-
-    def read(self, tensor, read):
-        """``read(tensor)``, or what it gave for this very tensor last time."""
-        if tensor.is_inference():
-            return read(tensor)
-        ref, version, value = self._entry
-        if ref is None or ref() is not tensor or version != tensor._version:
-            value = read(tensor)
-            self._entry = (weakref.ref(tensor), tensor._version, value)
-        return value
-
-
-#: The sequences of the last ``position_ids`` read (:func:`packed_lengths`).
-POSITIONS = LastRead()
-
-
-def run_lengths(sequence_ids):
-    """The lengths of the runs of equal ids in each row of ``sequence_ids`` ``(B, N)``, row after
-    row (read on the host)."""
-    starts = torch.ones_like(sequence_ids, dtype=torch.bool)
-    starts[:, 1:] = sequence_ids[:, 1:] != sequence_ids[:, :-1]
-    bounds = starts.reshape(-1).nonzero().flatten().tolist() + [sequence_ids.numel()]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-def cumulative(lengths, device):
-    """``cu_seqlens`` (int32) of sequences of the given lengths."""
-    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
